@@ -1,0 +1,17 @@
+"""atb: Ascend Transformer Boost-style fused Transformer kernels on the CPU.
+
+Kernels are written AscendC-style (host tiling per SoC, Kernel<Op><T> with
+Init/Process/CopyIn/Compute/CopyOut over a per-core Unified Buffer) in C++ and
+run on this machine's cores. See README.md for the tour.
+"""
+from atb import _C  # noqa: F401  (loads the native core first)
+from atb import kernels
+from atb.runtime import build_info, get_num_threads, set_isa, set_num_threads
+from atb.soc import default_soc, get_soc, set_soc, soc_names
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "kernels", "build_info", "get_num_threads", "set_num_threads", "set_isa",
+    "get_soc", "set_soc", "soc_names", "default_soc",
+]

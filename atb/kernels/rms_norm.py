@@ -1,0 +1,57 @@
+"""RMSNorm and its fused residual-add form (ATB PRENORM)."""
+from __future__ import annotations
+
+import torch
+
+from atb import _C
+from atb.kernels._common import float_code, resolve_soc, same_dtype
+
+
+def _check(op: str, x: torch.Tensor, weight: torch.Tensor) -> int:
+    code = float_code(op, "x", x)
+    float_code(op, "weight", weight)
+    same_dtype(op, "weight", weight, "x", x)
+    if x.dim() == 0:
+        raise ValueError(f"{op}: x must have at least 1 dimension, got a scalar")
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"{op}: weight has shape {tuple(weight.shape)}, expected ({x.shape[-1]},) to match x's last dim")
+    return code
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, soc_type: str | None = None) -> torch.Tensor:
+    """``weight * (x / sqrt(mean(x^2, -1) + eps))`` with HF ``LlamaRMSNorm`` numerics.
+
+    x: ``[..., hidden]`` float32/float16/bfloat16; weight: ``[hidden]``, same dtype.
+    Variance in fp32, normalized value cast back to x's dtype, then scaled.
+    """
+    code = _check("rms_norm", x, weight)
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    cols = x.shape[-1]
+    if x.numel():
+        _C.rms_norm(y.data_ptr(), x.data_ptr(), weight.contiguous().data_ptr(), x.numel() // cols, cols, code,
+                    float(eps), resolve_soc(soc_type))
+    return y
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+                 soc_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """ATB PRENORM: ``h = x + residual``; returns ``(rms_norm(h), h)``.
+
+    ``h`` is rounded to the input dtype before it is normalized, exactly as the
+    HF decoder layer computes ``hidden_states = residual + hidden_states``.
+    """
+    code = _check("add_rms_norm", x, weight)
+    float_code("add_rms_norm", "residual", residual)
+    same_dtype("add_rms_norm", "residual", residual, "x", x)
+    if residual.shape != x.shape:
+        raise ValueError(f"add_rms_norm: residual has shape {tuple(residual.shape)}, x has {tuple(x.shape)}; they must match")
+    x = x.contiguous()
+    residual = residual.contiguous()
+    y = torch.empty_like(x)
+    h = torch.empty_like(x)
+    cols = x.shape[-1]
+    if x.numel():
+        _C.add_rms_norm(y.data_ptr(), h.data_ptr(), x.data_ptr(), residual.data_ptr(), weight.contiguous().data_ptr(),
+                        x.numel() // cols, cols, code, float(eps), resolve_soc(soc_type))
+    return y, h

@@ -1,0 +1,53 @@
+"""Thread pool and build information of the native core."""
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from atb import _C, soc
+
+
+def get_num_threads() -> int:
+    """Threads the kernels' logical cores run on (the caller's thread included)."""
+    return int(_C.get_num_threads())
+
+
+def set_num_threads(n: int) -> None:
+    """Sets the kernel thread pool size (default: ``torch.get_num_threads()`` at import)."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"set_num_threads: n must be a positive int, got {n!r}")
+    _C.set_num_threads(n)
+    soc._forget_host()
+
+
+def set_isa(isa: str) -> None:
+    """Forces a SIMD path: 'auto' (CPUID), 'avx2' or 'portable'."""
+    _C.set_isa(isa)
+
+
+def build_info() -> dict:
+    """Which SIMD path is active, what the CPU offers, and the pool size."""
+    return {
+        "isa": _C.isa(),
+        "cpu_features": _C.cpu_features(),
+        "machine": platform.machine(),
+        "processor": _cpu_model(),
+        "num_threads": get_num_threads(),
+        "torch": torch.__version__,
+        "default_soc": soc.default_soc(),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+_C.set_num_threads(max(1, torch.get_num_threads()))

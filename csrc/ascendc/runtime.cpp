@@ -1,0 +1,204 @@
+#include "runtime.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "error.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define ATB_CPU_RELAX() _mm_pause()
+#elif defined(__aarch64__)
+#define ATB_CPU_RELAX() asm volatile("yield")
+#else
+#define ATB_CPU_RELAX() ((void)0)
+#endif
+
+namespace AscendC {
+namespace detail {
+namespace {
+
+// Largest UB any SoC in the table (or host) may ask for; one arena per thread.
+constexpr int64_t kArenaBytes = 1 << 20;
+
+thread_local int64_t tBlockIdx = 0;
+thread_local int64_t tBlockNum = 1;
+thread_local UbArena tArena;
+// True on pool workers and inside a launch: a nested launch then runs inline.
+thread_local bool tInLaunch = false;
+
+void EnsureArena(int64_t ubSize) {
+  ATB_CHECK(ubSize > 0 && ubSize <= kArenaBytes, "KernelLaunch: UB size ", ubSize,
+            " bytes is outside (0, ", kArenaBytes, "]");
+  if (!tArena.base) {
+    tArena.base = static_cast<uint8_t*>(std::aligned_alloc(64, kArenaBytes));
+    ATB_CHECK(tArena.base != nullptr, "KernelLaunch: cannot allocate the UB arena");
+    tArena.capacity = kArenaBytes;
+  }
+  tArena.limit = ubSize;
+  tArena.used = 0;
+}
+
+// A decode step launches a few hundred kernels back to back, microseconds apart:
+// workers spin this long for the next launch before sleeping, so they are hot
+// for the next kernel but never steal a core from torch for longer than this.
+constexpr auto kSpinWindow = std::chrono::microseconds(200);
+
+class ThreadPool {
+ public:
+  explicit ThreadPool(int64_t n) : numThreads_(n < 1 ? 1 : n) {
+    for (int64_t i = 1; i < numThreads_; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  }
+  ~ThreadPool() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+      generation_.fetch_add(1);
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+  int64_t Size() const { return numThreads_; }
+
+  void Launch(int64_t blockDim, int64_t ubSize, BlockFn fn, void* ctx) {
+    fn_ = fn;
+    ctx_ = ctx;
+    ubSize_ = ubSize;
+    blockDim_ = blockDim;
+    nextBlock_.store(0, std::memory_order_relaxed);
+    error_ = nullptr;
+    int64_t helpers = std::min<int64_t>(numThreads_ - 1, blockDim - 1);
+    active_.store(helpers, std::memory_order_relaxed);
+    wanted_.store(helpers, std::memory_order_release);
+    generation_.fetch_add(1, std::memory_order_seq_cst);  // Dekker pair with sleepers_
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      std::lock_guard<std::mutex> lk(mu_);
+      cv_.notify_all();
+    }
+    RunBlocks();
+    while (active_.load(std::memory_order_acquire) > 0) ATB_CPU_RELAX();
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  void RunBlocks() {
+    try {
+      EnsureArena(ubSize_);
+      for (;;) {
+        int64_t b = nextBlock_.fetch_add(1, std::memory_order_relaxed);
+        if (b >= blockDim_) break;
+        tBlockIdx = b;
+        tBlockNum = blockDim_;
+        tArena.used = 0;
+        fn_(ctx_);
+      }
+    } catch (...) {
+      std::lock_guard<std::mutex> lk(errMu_);
+      if (!error_) error_ = std::current_exception();
+      nextBlock_.store(blockDim_);  // stop handing out blocks
+    }
+    tBlockIdx = 0;
+    tBlockNum = 1;
+  }
+
+  void WorkerLoop() {
+    tInLaunch = true;
+    // Generation 0 is the pool's birth: a launch may bump it before this thread
+    // first runs, and that launch must not be missed.
+    uint64_t seen = 0;
+    for (;;) {
+      auto start = std::chrono::steady_clock::now();
+      uint64_t g;
+      int spins = 0;
+      while ((g = generation_.load(std::memory_order_acquire)) == seen) {
+        ATB_CPU_RELAX();
+        if (++spins % 256 == 0 && std::chrono::steady_clock::now() - start > kSpinWindow) {
+          std::unique_lock<std::mutex> lk(mu_);
+          sleepers_.fetch_add(1);
+          cv_.wait(lk, [&] { return generation_.load() != seen; });
+          sleepers_.fetch_sub(1);
+        }
+      }
+      seen = g;
+      if (stop_) return;
+      // Only as many workers as there are spare blocks join a launch.
+      int64_t w = wanted_.fetch_sub(1, std::memory_order_acq_rel);
+      if (w <= 0) continue;
+      RunBlocks();
+      active_.fetch_sub(1, std::memory_order_release);
+    }
+  }
+
+  const int64_t numThreads_;
+  std::vector<std::thread> workers_;
+  std::mutex mu_, errMu_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int64_t> sleepers_{0}, nextBlock_{0}, active_{0}, wanted_{0};
+  bool stop_ = false;
+  BlockFn fn_ = nullptr;
+  void* ctx_ = nullptr;
+  int64_t ubSize_ = 0, blockDim_ = 0;
+  std::exception_ptr error_;
+};
+
+std::mutex gPoolMu;
+ThreadPool* gPool = nullptr;
+int64_t gNumThreads = 1;
+
+}  // namespace
+
+UbArena& CurrentUb() { return tArena; }
+
+void LaunchBlocks(int64_t blockDim, int64_t ubSize, BlockFn fn, void* ctx) {
+  ATB_CHECK(blockDim >= 1, "KernelLaunch: blockDim must be >= 1, got ", blockDim);
+  if (blockDim == 1 || gNumThreads == 1 || tInLaunch) {
+    // Inline: no hand-off. Also the path for a launch issued from inside a block.
+    EnsureArena(ubSize);
+    int64_t savedIdx = tBlockIdx, savedNum = tBlockNum;
+    for (int64_t b = 0; b < blockDim; ++b) {
+      tBlockIdx = b;
+      tBlockNum = blockDim;
+      tArena.used = 0;
+      fn(ctx);
+    }
+    tBlockIdx = savedIdx;
+    tBlockNum = savedNum;
+    return;
+  }
+  std::lock_guard<std::mutex> lk(gPoolMu);  // one launch at a time (uncontended in practice)
+  if (!gPool || gPool->Size() != gNumThreads) {
+    delete gPool;
+    gPool = new ThreadPool(gNumThreads);
+  }
+  tInLaunch = true;
+  try {
+    gPool->Launch(blockDim, ubSize, fn, ctx);
+  } catch (...) {
+    tInLaunch = false;
+    throw;
+  }
+  tInLaunch = false;
+}
+
+}  // namespace detail
+
+int64_t GetBlockIdx() { return detail::tBlockIdx; }
+int64_t GetBlockNum() { return detail::tBlockNum; }
+int64_t GetNumThreads() { return detail::gNumThreads; }
+void SetNumThreads(int64_t n) {
+  ATB_CHECK(n >= 1 && n <= 1024, "set_num_threads: n must be in [1, 1024], got ", n);
+  std::lock_guard<std::mutex> lk(detail::gPoolMu);
+  detail::gNumThreads = n;
+  delete detail::gPool;  // recreated lazily with the new size
+  detail::gPool = nullptr;
+}
+
+}  // namespace AscendC

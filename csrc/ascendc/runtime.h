@@ -1,0 +1,45 @@
+// Kernel launch on the CPU: blockDim logical AI cores scheduled over a
+// persistent thread pool. Each executing thread owns one Unified Buffer arena
+// (64-byte aligned, allocated once); a block sees GetBlockIdx()/GetBlockNum()
+// exactly as on the NPU. The caller's thread works too, so a launch with
+// blockDim 1 (or one thread) runs inline with no hand-off at all.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+
+namespace AscendC {
+
+int64_t GetBlockIdx();
+int64_t GetBlockNum();
+
+// Thread pool size (the caller's thread included). Default: what the Python
+// side passes at import (torch.get_num_threads()).
+int64_t GetNumThreads();
+void SetNumThreads(int64_t n);
+
+namespace detail {
+struct UbArena {
+  uint8_t* base = nullptr;
+  int64_t capacity = 0;   // bytes allocated for this thread
+  int64_t limit = 0;      // the launching SoC's UB size
+  int64_t used = 0;       // bytes carved by the current block's TPipe(s)
+};
+UbArena& CurrentUb();
+
+using BlockFn = void (*)(void* ctx);
+// Runs fn(ctx) once per block index in [0, blockDim), ubSize bytes of UB per core.
+void LaunchBlocks(int64_t blockDim, int64_t ubSize, BlockFn fn, void* ctx);
+}  // namespace detail
+
+// KernelLaunch(blockDim, ubSize, kernel, args...): calls kernel(args...) on every
+// block. Exceptions thrown by a block are rethrown to the caller after all
+// blocks finished (hardware would abort the launch; we report it).
+template <typename Kernel, typename... Args>
+void KernelLaunch(int64_t blockDim, int64_t ubSize, Kernel&& kernel, Args&&... args) {
+  auto call = [&]() { kernel(args...); };
+  using Call = decltype(call);
+  detail::LaunchBlocks(blockDim, ubSize, [](void* c) { (*static_cast<Call*>(c))(); }, &call);
+}
+
+}  // namespace AscendC

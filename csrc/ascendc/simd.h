@@ -1,0 +1,63 @@
+// The vector and cube "instructions" of the CPU AI core: one table of function
+// pointers per ISA (AVX2+FMA+F16C, portable C++), chosen once at start-up from
+// the CPU's features, so one build runs correctly on any x86-64 or aarch64 CPU.
+// All arithmetic is fp32; the 16-bit types only ever appear as storage.
+// ATB_ISA=portable in the environment forces the portable table (tests use it).
+#pragma once
+#include <cstdint>
+
+namespace AscendC {
+
+struct SimdOps {
+  const char* isa;
+  // Elementwise, fp32: dst may alias a source.
+  void (*add)(float* dst, const float* a, const float* b, int64_t n);
+  void (*sub)(float* dst, const float* a, const float* b, int64_t n);
+  void (*mul)(float* dst, const float* a, const float* b, int64_t n);
+  void (*max)(float* dst, const float* a, const float* b, int64_t n);
+  void (*muls)(float* dst, const float* a, float s, int64_t n);
+  void (*adds)(float* dst, const float* a, float s, int64_t n);
+  void (*axpy)(float* dst, const float* a, float s, int64_t n);  // dst += s * a
+  void (*exp)(float* dst, const float* a, int64_t n);
+  void (*silu)(float* dst, const float* a, int64_t n);            // a * sigmoid(a)
+  void (*silu_mul)(float* dst, const float* g, const float* u, int64_t n);  // silu(g) * u
+  void (*duplicate)(float* dst, float v, int64_t n);
+  // Reductions, fp32.
+  float (*reduce_sum)(const float* a, int64_t n);
+  float (*reduce_max)(const float* a, int64_t n);
+  float (*sum_squares)(const float* a, int64_t n);
+  float (*dot)(const float* a, const float* b, int64_t n);
+  // Conversions between storage types and fp32 (round-to-nearest-even).
+  void (*f16_to_f32)(float* dst, const uint16_t* src, int64_t n);
+  void (*bf16_to_f32)(float* dst, const uint16_t* src, int64_t n);
+  void (*f32_to_f16)(uint16_t* dst, const float* src, int64_t n);
+  void (*f32_to_bf16)(uint16_t* dst, const float* src, int64_t n);
+  // Cube analogue (Mmad), fp32 accumulation, B in its storage type:
+  //   nt: C[m][n] (+)= sum_k A[m][k] * B[n][k]   (B rows are K-contiguous: weights, K cache)
+  //   nn: C[m][n] (+)= sum_k A[m][k] * B[k][n]   (B rows are N-contiguous: V cache)
+  // accumulate=false overwrites C. Leading dimensions are in elements.
+  void (*mmad_nt_f32)(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb,
+                      int64_t M, int64_t N, int64_t K, bool accumulate);
+  void (*mmad_nt_f16)(float* C, int64_t ldc, const float* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                      int64_t M, int64_t N, int64_t K, bool accumulate);
+  void (*mmad_nt_bf16)(float* C, int64_t ldc, const float* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                       int64_t M, int64_t N, int64_t K, bool accumulate);
+  void (*mmad_nn_f32)(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb,
+                      int64_t M, int64_t N, int64_t K, bool accumulate);
+  void (*mmad_nn_f16)(float* C, int64_t ldc, const float* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                      int64_t M, int64_t N, int64_t K, bool accumulate);
+  void (*mmad_nn_bf16)(float* C, int64_t ldc, const float* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                       int64_t M, int64_t N, int64_t K, bool accumulate);
+};
+
+// The active table (selected on first use; never null).
+const SimdOps& Simd();
+// Tables compiled into this build; null when the build has no such path.
+const SimdOps* PortableSimdOps();
+const SimdOps* Avx2SimdOps();
+// Forces a table by name ("avx2", "portable"); throws if unavailable on this CPU.
+void SelectSimd(const char* isa);
+// CPU feature flags seen at start-up, e.g. "avx2 fma f16c avx512f".
+const char* CpuFeatures();
+
+}  // namespace AscendC

@@ -1,0 +1,305 @@
+// AVX2 + FMA + F16C table. Compiled with those target features for this file
+// only (pragma below, after every system header, and everything here lives in
+// an anonymous namespace), so the rest of the build stays baseline x86-64 and
+// the table is only selected when CPUID reports the features.
+#include <cmath>
+#include <cstdint>
+
+#include "dtype.h"
+#include "simd.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+namespace AscendC {
+namespace {
+
+inline float HSum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+inline float HMax(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_max_ps(lo, hi);
+  lo = _mm_max_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_max_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+// exp with Cephes' range reduction and degree-5 polynomial: ~2 ulp on
+// [-87.3, 88.7]; below that the result flushes to 0 (so exp(-inf) == 0).
+inline __m256 Exp8(__m256 x) {
+  const __m256 hiLim = _mm256_set1_ps(88.3762626647949f), loLim = _mm256_set1_ps(-87.3365447505531f);
+  __m256 under = _mm256_cmp_ps(x, loLim, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, loLim), hiLim);
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(under, y);
+}
+inline __m256 Silu8(__m256 x) {
+  __m256 e = Exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+  return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+inline float Silu1(float x) { return x / (1.0f + std::exp(-x)); }
+
+// Binary elementwise op: vector body + scalar tail.
+template <typename V, typename S>
+inline void Map2(float* d, const float* a, const float* b, int64_t n, V vop, S sop) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(d + i, vop(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+  for (; i < n; ++i) d[i] = sop(a[i], b[i]);
+}
+template <typename V, typename S>
+inline void Map1(float* d, const float* a, int64_t n, V vop, S sop) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(d + i, vop(_mm256_loadu_ps(a + i)));
+  for (; i < n; ++i) d[i] = sop(a[i]);
+}
+
+void Add(float* d, const float* a, const float* b, int64_t n) {
+  Map2(d, a, b, n, [](__m256 x, __m256 y) { return _mm256_add_ps(x, y); }, [](float x, float y) { return x + y; });
+}
+void Sub(float* d, const float* a, const float* b, int64_t n) {
+  Map2(d, a, b, n, [](__m256 x, __m256 y) { return _mm256_sub_ps(x, y); }, [](float x, float y) { return x - y; });
+}
+void Mul(float* d, const float* a, const float* b, int64_t n) {
+  Map2(d, a, b, n, [](__m256 x, __m256 y) { return _mm256_mul_ps(x, y); }, [](float x, float y) { return x * y; });
+}
+void Max(float* d, const float* a, const float* b, int64_t n) {
+  Map2(d, a, b, n, [](__m256 x, __m256 y) { return _mm256_max_ps(y, x); }, [](float x, float y) { return x > y ? x : y; });
+}
+void Muls(float* d, const float* a, float s, int64_t n) {
+  __m256 v = _mm256_set1_ps(s);
+  Map1(d, a, n, [&](__m256 x) { return _mm256_mul_ps(x, v); }, [&](float x) { return x * s; });
+}
+void Adds(float* d, const float* a, float s, int64_t n) {
+  __m256 v = _mm256_set1_ps(s);
+  Map1(d, a, n, [&](__m256 x) { return _mm256_add_ps(x, v); }, [&](float x) { return x + s; });
+}
+void Axpy(float* d, const float* a, float s, int64_t n) {
+  __m256 v = _mm256_set1_ps(s);
+  Map2(d, a, d, n, [&](__m256 x, __m256 y) { return _mm256_fmadd_ps(x, v, y); }, [&](float x, float y) { return y + s * x; });
+}
+void Exp(float* d, const float* a, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(d + i, Exp8(_mm256_loadu_ps(a + i)));
+  if (i < n) {  // tail through the same polynomial, so every element rounds alike
+    alignas(32) float buf[8] = {0};
+    for (int64_t j = i; j < n; ++j) buf[j - i] = a[j];
+    _mm256_store_ps(buf, Exp8(_mm256_load_ps(buf)));
+    for (int64_t j = i; j < n; ++j) d[j] = buf[j - i];
+  }
+}
+void Silu(float* d, const float* a, int64_t n) { Map1(d, a, n, Silu8, Silu1); }
+void SiluMul(float* d, const float* g, const float* u, int64_t n) {
+  Map2(d, g, u, n, [](__m256 x, __m256 y) { return _mm256_mul_ps(Silu8(x), y); },
+       [](float x, float y) { return Silu1(x) * y; });
+}
+void Duplicate(float* d, float v, int64_t n) {
+  __m256 x = _mm256_set1_ps(v);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(d + i, x);
+  for (; i < n; ++i) d[i] = v;
+}
+
+// Reductions keep 8 lanes, combined as the portable table does.
+float ReduceSum(const float* a, int64_t n) {
+  __m256 s = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(a + i));
+  float r = HSum(s);
+  for (; i < n; ++i) r += a[i];
+  return r;
+}
+float SumSquares(const float* a, int64_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m256 x = _mm256_loadu_ps(a + i), y = _mm256_loadu_ps(a + i + 8);
+    s0 = _mm256_fmadd_ps(x, x, s0);
+    s1 = _mm256_fmadd_ps(y, y, s1);
+  }
+  for (; i + 8 <= n; i += 8) {
+    __m256 x = _mm256_loadu_ps(a + i);
+    s0 = _mm256_fmadd_ps(x, x, s0);
+  }
+  float r = HSum(_mm256_add_ps(s0, s1));
+  for (; i < n; ++i) r += a[i] * a[i];
+  return r;
+}
+float Dot(const float* a, const float* b, int64_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+  }
+  for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+  float r = HSum(_mm256_add_ps(s0, s1));
+  for (; i < n; ++i) r += a[i] * b[i];
+  return r;
+}
+float ReduceMax(const float* a, int64_t n) {
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(a + i));
+  float r = HMax(m);
+  for (; i < n; ++i) r = a[i] > r ? a[i] : r;
+  return r;
+}
+
+// Storage loads: 8 elements -> fp32 lanes.
+inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 Load8H(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 Load8B(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline float Load1(const float* p) { return *p; }
+inline float Load1H(const uint16_t* p) { return ToFloat(half{*p}); }
+inline float Load1B(const uint16_t* p) { return BitsToFloat(uint32_t(*p) << 16); }
+
+inline __m128i Bf16Round8(__m256 x) {
+  __m256i u = _mm256_castps_si256(x);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  __m256i absu = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+  __m256i isnan = _mm256_cmpgt_epi32(absu, _mm256_set1_epi32(0x7f800000));
+  __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  r = _mm256_blendv_epi8(r, qnan, isnan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+void F16ToF32(float* d, const uint16_t* s, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(d + i, Load8H(s + i));
+  for (; i < n; ++i) d[i] = Load1H(s + i);
+}
+void Bf16ToF32(float* d, const uint16_t* s, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(d + i, Load8B(s + i));
+  for (; i < n; ++i) d[i] = Load1B(s + i);
+}
+void F32ToF16(uint16_t* d, const float* s, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) d[i] = FromFloat<half>(s[i]).bits;
+}
+void F32ToBf16(uint16_t* d, const float* s, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), Bf16Round8(_mm256_loadu_ps(s + i)));
+  for (; i < n; ++i) d[i] = FromFloat<bfloat16_t>(s[i]).bits;
+}
+
+// R rows of A against CN rows of B: R*CN accumulators, B loaded once per k-step
+// for all R rows (the register-blocked cube tile).
+template <typename TB, __m256 (*L8)(const TB*), float (*L1)(const TB*), int R, int CN>
+inline void BlockNT(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t K, bool acc) {
+  __m256 s[R][CN];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CN; ++c) s[r][c] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 b[CN];
+    for (int c = 0; c < CN; ++c) b[c] = L8(B + c * ldb + k);
+    for (int r = 0; r < R; ++r) {
+      __m256 a = _mm256_loadu_ps(A + r * lda + k);
+      for (int c = 0; c < CN; ++c) s[r][c] = _mm256_fmadd_ps(a, b[c], s[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CN; ++c) {
+      float v = HSum(s[r][c]);
+      for (int64_t kk = k; kk < K; ++kk) v += A[r * lda + kk] * L1(B + c * ldb + kk);
+      float* out = C + r * ldc + c;
+      *out = acc ? *out + v : v;
+    }
+}
+
+template <typename TB, __m256 (*L8)(const TB*), float (*L1)(const TB*)>
+void MmadNT(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N,
+            int64_t K, bool acc) {
+  int64_t n = 0;
+  for (; n + 4 <= N; n += 4) {
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2) BlockNT<TB, L8, L1, 2, 4>(C + m * ldc + n, ldc, A + m * lda, lda, B + n * ldb, ldb, K, acc);
+    for (; m < M; ++m) BlockNT<TB, L8, L1, 1, 4>(C + m * ldc + n, ldc, A + m * lda, lda, B + n * ldb, ldb, K, acc);
+  }
+  for (; n < N; ++n)
+    for (int64_t m = 0; m < M; ++m) BlockNT<TB, L8, L1, 1, 1>(C + m * ldc + n, ldc, A + m * lda, lda, B + n * ldb, ldb, K, acc);
+}
+
+template <typename TB, __m256 (*L8)(const TB*), float (*L1)(const TB*)>
+void MmadNN(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N,
+            int64_t K, bool acc) {
+  for (int64_t m = 0; m < M; ++m) {
+    float* c = C + m * ldc;
+    const float* a = A + m * lda;
+    int64_t n = 0;
+    for (; n + 32 <= N; n += 32) {
+      __m256 s0 = acc ? _mm256_loadu_ps(c + n) : _mm256_setzero_ps();
+      __m256 s1 = acc ? _mm256_loadu_ps(c + n + 8) : _mm256_setzero_ps();
+      __m256 s2 = acc ? _mm256_loadu_ps(c + n + 16) : _mm256_setzero_ps();
+      __m256 s3 = acc ? _mm256_loadu_ps(c + n + 24) : _mm256_setzero_ps();
+      for (int64_t k = 0; k < K; ++k) {
+        __m256 av = _mm256_set1_ps(a[k]);
+        const TB* b = B + k * ldb + n;
+        s0 = _mm256_fmadd_ps(av, L8(b), s0);
+        s1 = _mm256_fmadd_ps(av, L8(b + 8), s1);
+        s2 = _mm256_fmadd_ps(av, L8(b + 16), s2);
+        s3 = _mm256_fmadd_ps(av, L8(b + 24), s3);
+      }
+      _mm256_storeu_ps(c + n, s0);
+      _mm256_storeu_ps(c + n + 8, s1);
+      _mm256_storeu_ps(c + n + 16, s2);
+      _mm256_storeu_ps(c + n + 24, s3);
+    }
+    for (; n + 8 <= N; n += 8) {
+      __m256 s0 = acc ? _mm256_loadu_ps(c + n) : _mm256_setzero_ps();
+      for (int64_t k = 0; k < K; ++k) s0 = _mm256_fmadd_ps(_mm256_set1_ps(a[k]), L8(B + k * ldb + n), s0);
+      _mm256_storeu_ps(c + n, s0);
+    }
+    for (; n < N; ++n) {
+      float v = acc ? c[n] : 0.0f;
+      for (int64_t k = 0; k < K; ++k) v += a[k] * L1(B + k * ldb + n);
+      c[n] = v;
+    }
+  }
+}
+
+const SimdOps kAvx2 = {
+    "avx2", Add, Sub, Mul, Max, Muls, Adds, Axpy, Exp, Silu, SiluMul, Duplicate,
+    ReduceSum, ReduceMax, SumSquares, Dot, F16ToF32, Bf16ToF32, F32ToF16, F32ToBf16,
+    MmadNT<float, Load8, Load1>, MmadNT<uint16_t, Load8H, Load1H>, MmadNT<uint16_t, Load8B, Load1B>,
+    MmadNN<float, Load8, Load1>, MmadNN<uint16_t, Load8H, Load1H>, MmadNN<uint16_t, Load8B, Load1B>,
+};
+
+}  // namespace
+#pragma GCC pop_options
+
+const SimdOps* Avx2SimdOps() { return &kAvx2; }
+
+}  // namespace AscendC
+
+#else
+namespace AscendC {
+const SimdOps* Avx2SimdOps() { return nullptr; }
+}  // namespace AscendC
+#endif

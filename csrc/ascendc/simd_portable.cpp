@@ -1,0 +1,93 @@
+// Portable table: plain loops the compiler vectorizes for the baseline ISA.
+// It is the fallback on CPUs without AVX2 (and all of aarch64) and the
+// reference the AVX2 table is tested against.
+#include <cmath>
+
+#include "dtype.h"
+#include "simd.h"
+
+namespace AscendC {
+namespace {
+
+void Add(float* d, const float* a, const float* b, int64_t n) { for (int64_t i = 0; i < n; ++i) d[i] = a[i] + b[i]; }
+void Sub(float* d, const float* a, const float* b, int64_t n) { for (int64_t i = 0; i < n; ++i) d[i] = a[i] - b[i]; }
+void Mul(float* d, const float* a, const float* b, int64_t n) { for (int64_t i = 0; i < n; ++i) d[i] = a[i] * b[i]; }
+void Max(float* d, const float* a, const float* b, int64_t n) { for (int64_t i = 0; i < n; ++i) d[i] = a[i] > b[i] ? a[i] : b[i]; }
+void Muls(float* d, const float* a, float s, int64_t n) { for (int64_t i = 0; i < n; ++i) d[i] = a[i] * s; }
+void Adds(float* d, const float* a, float s, int64_t n) { for (int64_t i = 0; i < n; ++i) d[i] = a[i] + s; }
+void Axpy(float* d, const float* a, float s, int64_t n) { for (int64_t i = 0; i < n; ++i) d[i] += s * a[i]; }
+void Exp(float* d, const float* a, int64_t n) { for (int64_t i = 0; i < n; ++i) d[i] = std::exp(a[i]); }
+void Silu(float* d, const float* a, int64_t n) { for (int64_t i = 0; i < n; ++i) d[i] = a[i] / (1.0f + std::exp(-a[i])); }
+void SiluMul(float* d, const float* g, const float* u, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) d[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+void Duplicate(float* d, float v, int64_t n) { for (int64_t i = 0; i < n; ++i) d[i] = v; }
+
+// Eight partial sums: the same association the SIMD paths use, so results
+// differ between tables only by the last bits of rounding, not by order effects.
+template <typename F>
+float Reduce8(int64_t n, F term) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += term(i + j);
+  float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+  for (; i < n; ++i) s += term(i);
+  return s;
+}
+float ReduceSum(const float* a, int64_t n) { return Reduce8(n, [&](int64_t i) { return a[i]; }); }
+float SumSquares(const float* a, int64_t n) { return Reduce8(n, [&](int64_t i) { return a[i] * a[i]; }); }
+float Dot(const float* a, const float* b, int64_t n) { return Reduce8(n, [&](int64_t i) { return a[i] * b[i]; }); }
+float ReduceMax(const float* a, int64_t n) {
+  float m = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) m = a[i] > m ? a[i] : m;
+  return m;
+}
+
+void F16ToF32(float* d, const uint16_t* s, int64_t n) { for (int64_t i = 0; i < n; ++i) d[i] = ToFloat(half{s[i]}); }
+void Bf16ToF32(float* d, const uint16_t* s, int64_t n) { for (int64_t i = 0; i < n; ++i) d[i] = BitsToFloat(uint32_t(s[i]) << 16); }
+void F32ToF16(uint16_t* d, const float* s, int64_t n) { for (int64_t i = 0; i < n; ++i) d[i] = FromFloat<half>(s[i]).bits; }
+void F32ToBf16(uint16_t* d, const float* s, int64_t n) { for (int64_t i = 0; i < n; ++i) d[i] = FromFloat<bfloat16_t>(s[i]).bits; }
+
+inline float Load(const float* p) { return *p; }
+inline float LoadH(const uint16_t* p) { return ToFloat(half{*p}); }
+inline float LoadB(const uint16_t* p) { return BitsToFloat(uint32_t(*p) << 16); }
+
+template <typename TB, float (*L)(const TB*)>
+void MmadNT(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N,
+            int64_t K, bool acc) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      const float* a = A + m * lda;
+      const TB* b = B + n * ldb;
+      float s = Reduce8(K, [&](int64_t k) { return a[k] * L(b + k); });
+      C[m * ldc + n] = acc ? C[m * ldc + n] + s : s;
+    }
+}
+
+template <typename TB, float (*L)(const TB*)>
+void MmadNN(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N,
+            int64_t K, bool acc) {
+  for (int64_t m = 0; m < M; ++m) {
+    float* c = C + m * ldc;
+    if (!acc) Duplicate(c, 0.0f, N);
+    for (int64_t k = 0; k < K; ++k) {
+      float a = A[m * lda + k];
+      const TB* b = B + k * ldb;
+      for (int64_t n = 0; n < N; ++n) c[n] += a * L(b + n);
+    }
+  }
+}
+
+const SimdOps kPortable = {
+    "portable", Add, Sub, Mul, Max, Muls, Adds, Axpy, Exp, Silu, SiluMul, Duplicate,
+    ReduceSum, ReduceMax, SumSquares, Dot, F16ToF32, Bf16ToF32, F32ToF16, F32ToBf16,
+    MmadNT<float, Load>, MmadNT<uint16_t, LoadH>, MmadNT<uint16_t, LoadB>,
+    MmadNN<float, Load>, MmadNN<uint16_t, LoadH>, MmadNN<uint16_t, LoadB>,
+};
+
+}  // namespace
+
+const SimdOps* PortableSimdOps() { return &kPortable; }
+
+}  // namespace AscendC

@@ -1,0 +1,80 @@
+// AscendC vector and cube APIs over LocalTensors, executed by the SIMD table.
+// Names and argument order follow AscendC (dst first, count last).
+#pragma once
+#include <cstdint>
+
+#include "simd.h"
+#include "tensor.h"
+
+namespace AscendC {
+
+using LocalF = LocalTensor<float>;
+
+inline void Add(const LocalF& d, const LocalF& a, const LocalF& b, int64_t n) { Simd().add(d.GetPhyAddr(), a.GetPhyAddr(), b.GetPhyAddr(), n); }
+inline void Sub(const LocalF& d, const LocalF& a, const LocalF& b, int64_t n) { Simd().sub(d.GetPhyAddr(), a.GetPhyAddr(), b.GetPhyAddr(), n); }
+inline void Mul(const LocalF& d, const LocalF& a, const LocalF& b, int64_t n) { Simd().mul(d.GetPhyAddr(), a.GetPhyAddr(), b.GetPhyAddr(), n); }
+inline void Max(const LocalF& d, const LocalF& a, const LocalF& b, int64_t n) { Simd().max(d.GetPhyAddr(), a.GetPhyAddr(), b.GetPhyAddr(), n); }
+inline void Muls(const LocalF& d, const LocalF& a, float s, int64_t n) { Simd().muls(d.GetPhyAddr(), a.GetPhyAddr(), s, n); }
+inline void Adds(const LocalF& d, const LocalF& a, float s, int64_t n) { Simd().adds(d.GetPhyAddr(), a.GetPhyAddr(), s, n); }
+inline void Axpy(const LocalF& d, const LocalF& a, float s, int64_t n) { Simd().axpy(d.GetPhyAddr(), a.GetPhyAddr(), s, n); }
+inline void Exp(const LocalF& d, const LocalF& a, int64_t n) { Simd().exp(d.GetPhyAddr(), a.GetPhyAddr(), n); }
+inline void Silu(const LocalF& d, const LocalF& a, int64_t n) { Simd().silu(d.GetPhyAddr(), a.GetPhyAddr(), n); }
+inline void SiluMul(const LocalF& d, const LocalF& g, const LocalF& u, int64_t n) { Simd().silu_mul(d.GetPhyAddr(), g.GetPhyAddr(), u.GetPhyAddr(), n); }
+inline void Duplicate(const LocalF& d, float v, int64_t n) { Simd().duplicate(d.GetPhyAddr(), v, n); }
+inline float ReduceSum(const LocalF& a, int64_t n) { return Simd().reduce_sum(a.GetPhyAddr(), n); }
+inline float ReduceMax(const LocalF& a, int64_t n) { return Simd().reduce_max(a.GetPhyAddr(), n); }
+// sum(a*a): Mul + ReduceSum fused, as AscendC kernels get from one vector pass.
+inline float SumSquares(const LocalF& a, int64_t n) { return Simd().sum_squares(a.GetPhyAddr(), n); }
+inline float Dot(const LocalF& a, const LocalF& b, int64_t n) { return Simd().dot(a.GetPhyAddr(), b.GetPhyAddr(), n); }
+
+// Cast between fp32 and the storage types (round-to-nearest-even, CAST_RINT).
+enum class RoundMode { CAST_NONE, CAST_RINT };
+template <typename D, typename S>
+inline void CastRaw(D* d, const S* s, int64_t n);
+template <> inline void CastRaw<float, float>(float* d, const float* s, int64_t n) { if (d != s) Simd().muls(d, s, 1.0f, n); }
+template <> inline void CastRaw<float, half>(float* d, const half* s, int64_t n) { Simd().f16_to_f32(d, reinterpret_cast<const uint16_t*>(s), n); }
+template <> inline void CastRaw<float, bfloat16_t>(float* d, const bfloat16_t* s, int64_t n) { Simd().bf16_to_f32(d, reinterpret_cast<const uint16_t*>(s), n); }
+template <> inline void CastRaw<half, float>(half* d, const float* s, int64_t n) { Simd().f32_to_f16(reinterpret_cast<uint16_t*>(d), s, n); }
+template <> inline void CastRaw<bfloat16_t, float>(bfloat16_t* d, const float* s, int64_t n) { Simd().f32_to_bf16(reinterpret_cast<uint16_t*>(d), s, n); }
+
+template <typename D, typename S>
+inline void Cast(const LocalTensor<D>& d, const LocalTensor<S>& s, RoundMode, int64_t n) {
+  CastRaw<D, S>(d.GetPhyAddr(), s.GetPhyAddr(), n);
+}
+
+// Mmad, the cube unit: C (fp32) = or += A (fp32) x B^T / B, B in storage type T.
+template <typename T> struct MmadTable;
+template <> struct MmadTable<float> {
+  static auto NT() { return Simd().mmad_nt_f32; }
+  static auto NN() { return Simd().mmad_nn_f32; }
+};
+template <> struct MmadTable<half> {
+  static auto NT() { return Simd().mmad_nt_f16; }
+  static auto NN() { return Simd().mmad_nn_f16; }
+};
+template <> struct MmadTable<bfloat16_t> {
+  static auto NT() { return Simd().mmad_nt_bf16; }
+  static auto NN() { return Simd().mmad_nn_bf16; }
+};
+template <typename T> inline auto StorageBits(const T* p) { return p; }
+inline auto StorageBits(const half* p) { return reinterpret_cast<const uint16_t*>(p); }
+inline auto StorageBits(const bfloat16_t* p) { return reinterpret_cast<const uint16_t*>(p); }
+
+struct MmadParams {
+  int64_t m, n, k;
+  int64_t lda, ldb, ldc;  // leading dimensions, in elements
+  bool accumulate;
+};
+// C[m][n] (+)= sum_k A[m][k] * B[n][k]. B may be a GM tile: on the CPU the
+// cube reads its B operand where it lies (the L1/L0B copy is the cache itself).
+template <typename T>
+inline void MmadNT(float* C, const float* A, const T* B, const MmadParams& p) {
+  MmadTable<T>::NT()(C, p.ldc, A, p.lda, StorageBits(B), p.ldb, p.m, p.n, p.k, p.accumulate);
+}
+// C[m][n] (+)= sum_k A[m][k] * B[k][n].
+template <typename T>
+inline void MmadNN(float* C, const float* A, const T* B, const MmadParams& p) {
+  MmadTable<T>::NN()(C, p.ldc, A, p.lda, StorageBits(B), p.ldb, p.m, p.n, p.k, p.accumulate);
+}
+
+}  // namespace AscendC

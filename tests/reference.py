@@ -1,0 +1,39 @@
+"""float64 torch references for every kernel, and the tolerance table.
+
+References compute in float64 from the inputs as given (already rounded to
+their dtype); a kernel's output, compared in float64, must be within
+TOLERANCES[dtype] of the reference.
+"""
+from __future__ import annotations
+
+import torch
+
+# (atol, rtol) by dtype: fp32 accumulates in fp32 (error grows ~sqrt(K) ulp);
+# fp16/bf16 outputs carry one final rounding (2^-11, 2^-8 relative) plus the
+# intermediate roundings HF itself performs.
+TOLERANCES = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 4e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, scale: float = 1.0):
+    """Compares in float64 with the dtype's tolerance (times ``scale``)."""
+    atol, rtol = TOLERANCES[dtype or actual.dtype]
+    torch.testing.assert_close(actual.double(), expected.double(), atol=atol * scale, rtol=rtol * scale)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm in float64: normalize, round to x's dtype, scale by weight."""
+    h = x.double()
+    normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype).double()
+    return weight.double() * normed
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """PRENORM: h = x + residual (rounded to the dtype, as HF adds in the dtype); (rms_norm(h), h)."""
+    h = (x.double() + residual.double()).to(x.dtype)
+    return rms_norm_ref(h, weight, eps), h.double()

@@ -1,0 +1,99 @@
+"""rms_norm and add_rms_norm against the float64 reference; tiling; bad input."""
+import pytest
+import torch
+
+import atb
+from atb import _C
+from atb.kernels._common import DTYPE_CODES
+from conftest import ALL_SOCS
+from reference import DTYPES, add_rms_norm_ref, assert_close, rms_norm_ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (1, 576), (7, 7), (3, 123), (2, 4097), (300, 576), (2, 3, 64)])
+def test_rms_norm_matches_reference(dtype, shape):
+    x = torch.randn(shape).to(dtype)
+    w = (torch.rand(shape[-1]) + 0.5).to(dtype)
+    assert_close(atb.kernels.rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 576), (5, 123), (129, 4097)])
+def test_add_rms_norm_matches_reference(dtype, shape):
+    x, r = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+    w = torch.randn(shape[-1]).to(dtype)
+    y, h = atb.kernels.add_rms_norm(x, r, w, 1e-6)
+    y_ref, h_ref = add_rms_norm_ref(x, r, w, 1e-6)
+    assert torch.equal(h.double(), h_ref)  # the sum is one rounding: exact
+    assert_close(y, y_ref)
+
+
+@pytest.mark.parametrize("soc", ALL_SOCS)
+def test_every_soc_gives_the_same_numbers(soc):
+    dtype = torch.float16  # every SoC supports it
+    x = torch.randn(257, 1000).to(dtype)
+    w = torch.randn(1000).to(dtype)
+    assert torch.equal(atb.kernels.rms_norm(x, w, soc_type=soc), atb.kernels.rms_norm(x, w, soc_type="host"))
+    y, h = atb.kernels.add_rms_norm(x, x, w, soc_type=soc)
+    y0, h0 = atb.kernels.add_rms_norm(x, x, w, soc_type="host")
+    assert torch.equal(y, y0) and torch.equal(h, h0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_d_variant(dtype):
+    # 60000 columns cannot sit in a 192 KiB UB as one row: the split-D tiling kicks in.
+    cols = 60001
+    t = _C.rms_norm_tiling(3, cols, DTYPE_CODES[dtype], atb.get_soc("Ascend910B4"))
+    assert t["split_d"] and t["col_tile"] < cols and t["ub_bytes"] <= 192 * 1024
+    x = torch.randn(3, cols).to(dtype)
+    w = torch.randn(cols).to(dtype)
+    assert_close(atb.kernels.rms_norm(x, w, soc_type="Ascend910B4"), rms_norm_ref(x, w, 1e-6))
+    r = torch.randn(3, cols).to(dtype)
+    y, h = atb.kernels.add_rms_norm(x, r, w, soc_type="Ascend910B4")
+    y_ref, h_ref = add_rms_norm_ref(x, r, w, 1e-6)
+    assert torch.equal(h.double(), h_ref)
+    assert_close(y, y_ref)
+
+
+def test_tiling_core_split_with_remainder():
+    soc = atb.get_soc("Ascend910B4")  # 40 vector cores
+    t = _C.rms_norm_tiling(2049, 576, 0, soc)
+    assert t["block_dim"] == 40 and t["block_factor"] == 52  # 39 x 52 + 1 x 21
+    assert (t["block_dim"] - 1) * t["block_factor"] < 2049 <= t["block_dim"] * t["block_factor"]
+    t = _C.rms_norm_tiling(3, 576, 0, soc)
+    assert t["block_dim"] == 3 and t["block_factor"] == 1
+    t = _C.rms_norm_tiling(1, 576, 0, atb.get_soc("host"))
+    assert t["block_dim"] == 1 and not t["split_d"]
+    assert t["ub_bytes"] <= atb.get_soc("host").ub_size
+
+
+def test_bf16_rejected_on_socs_without_it():
+    x = torch.randn(2, 64).bfloat16()
+    w = torch.randn(64).bfloat16()
+    for soc in ("Ascend910", "Ascend310P3"):
+        with pytest.raises(ValueError, match="bfloat16.*" + soc):
+            atb.kernels.rms_norm(x, w, soc_type=soc)
+
+
+def test_non_contiguous_and_empty_inputs():
+    x = torch.randn(64, 10)[:, ::2]  # non-contiguous: handled by a copy
+    w = torch.randn(5)
+    assert_close(atb.kernels.rms_norm(x, w), rms_norm_ref(x, w, 1e-6))
+    e = torch.empty(0, 5)
+    assert atb.kernels.rms_norm(e, w).shape == (0, 5)
+
+
+def test_bad_inputs_raise_clear_errors():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="weight has shape \\(7,\\).*\\(8,\\)"):
+        atb.kernels.rms_norm(x, torch.randn(7))
+    with pytest.raises(TypeError, match="x must be float32, float16 or bfloat16, got torch.int64"):
+        atb.kernels.rms_norm(torch.ones(4, 8, dtype=torch.long), torch.randn(8))
+    with pytest.raises(TypeError, match="weight is torch.float16 but x is torch.float32"):
+        atb.kernels.rms_norm(x, torch.randn(8).half())
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        atb.kernels.rms_norm([1.0, 2.0], torch.randn(2))
+    with pytest.raises(ValueError, match="residual has shape"):
+        atb.kernels.add_rms_norm(x, torch.randn(4, 9), torch.randn(8))
+    with pytest.raises(ValueError, match="unknown SoC"):
+        atb.kernels.rms_norm(x, torch.randn(8), soc_type="Ascend000")

@@ -1,0 +1,77 @@
+"""The SoC table, thread pool, SIMD selection and UB budget."""
+import pytest
+import torch
+
+import atb
+from atb import _C
+
+
+def test_soc_table_facts():
+    s = atb.get_soc("Ascend910B4")
+    assert (s.cube_core_num, s.vector_core_num, s.ub_size, s.l1_size, s.supports_bf16) == (20, 40, 192 * 1024, 512 * 1024, True)
+    assert atb.get_soc("Ascend910B1").vector_core_num == 48
+    assert not atb.get_soc("Ascend910").supports_bf16
+    assert not atb.get_soc("Ascend310P3").supports_bf16
+    assert atb.get_soc("Ascend310P").ub_size == atb.get_soc("Ascend310P3").ub_size
+    # ATB's rule: the exact name Ascend910B is 910A-class (no bf16, 32 cores).
+    b = atb.get_soc("Ascend910B")
+    assert (b.vector_core_num, b.supports_bf16) == (32, False)
+    h = atb.get_soc("host")
+    assert h.vector_core_num == atb.get_num_threads() and h.supports_bf16
+
+
+def test_unknown_soc_lists_valid_names():
+    with pytest.raises(ValueError, match="Ascend910B4.*host|host.*Ascend910B4"):
+        atb.get_soc("Ascend999")
+    with pytest.raises(ValueError):
+        atb.set_soc("nope")
+    with pytest.raises(TypeError):
+        atb.get_soc(910)
+
+
+def test_set_soc_changes_default():
+    atb.set_soc("Ascend910B3")
+    assert atb.get_soc().name == "Ascend910B3"
+    atb.set_soc("host")
+
+
+def test_threads_roundtrip():
+    n = atb.get_num_threads()
+    atb.set_num_threads(1)
+    assert atb.get_num_threads() == 1 and atb.get_soc("host").vector_core_num == 1
+    x = torch.randn(64, 576)
+    w = torch.randn(576)
+    y1 = atb.kernels.rms_norm(x, w, soc_type="Ascend910B4")
+    atb.set_num_threads(3)
+    y3 = atb.kernels.rms_norm(x, w, soc_type="Ascend910B4")
+    atb.set_num_threads(n)
+    assert torch.equal(y1, y3)
+    with pytest.raises(ValueError):
+        atb.set_num_threads(0)
+
+
+def test_build_info_reports_isa():
+    info = atb.build_info()
+    assert info["isa"] in ("avx2", "portable")
+    assert "num_threads" in info and "cpu_features" in info
+
+
+def test_portable_and_simd_paths_agree():
+    x = torch.randn(33, 4097)
+    w = torch.randn(4097)
+    active = _C.isa()
+    y_fast = atb.kernels.rms_norm(x, w)
+    atb.set_isa("portable")
+    try:
+        y_port = atb.kernels.rms_norm(x, w)
+    finally:
+        atb.set_isa("auto")
+    assert _C.isa() == active
+    torch.testing.assert_close(y_fast, y_port, atol=1e-5, rtol=1e-5)
+
+
+def test_many_launches_do_not_deadlock():
+    x = torch.randn(4096, 64)
+    w = torch.randn(64)
+    for _ in range(2000):
+        atb.kernels.rms_norm(x[:97], w, soc_type="Ascend910B1")
