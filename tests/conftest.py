@@ -13,3 +13,28 @@ def _fresh_seed(request):
 
 
 ALL_SOCS = atb.soc_names()
+
+
+_MODELS = {}
+
+
+def load_smollm2(dtype=torch.float32):
+    """The real SmolLM2-135M-Instruct checkpoint, loaded once per test session per dtype.
+
+    Tests must not modify the returned model permanently (unpatch what you patch).
+    """
+    if dtype not in _MODELS:
+        from atb.checkpoints import load_model
+
+        _MODELS[dtype] = load_model(dtype=dtype)
+    return _MODELS[dtype]
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32():
+    return load_smollm2(torch.float32)
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16():
+    return load_smollm2(torch.bfloat16)
