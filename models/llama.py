@@ -1,0 +1,13 @@
+"""LLaMA family: SmolLM2, TinyLlama, Llama 2 / 3 (GQA or MHA, optional attention/MLP bias, rope scaling)."""
+from __future__ import annotations
+
+from .base import FamilyAdapter
+
+
+class LlamaAdapter(FamilyAdapter):
+    model_type = "llama"
+    prefix = "Llama"
+    hf_module = "transformers.models.llama.modeling_llama"
+
+
+ADAPTER = LlamaAdapter
