@@ -10,6 +10,7 @@
 #include "ascendc/simd.h"
 #include "ascendc/soc.h"
 #include "kernels/rms_norm/rms_norm_tiling.h"
+#include "kernels/rope/rope_tiling.h"
 
 namespace py = pybind11;
 using AscendC::DataType;
@@ -34,6 +35,23 @@ py::dict RmsNormTilingDict(const atb::RmsNormTilingData& t) {
   d["ub_bytes"] = t.ubBytes;
   d["tiling_key"] = t.tilingKey;
   d["split_d"] = (t.tilingKey % 10) == atb::RMS_NORM_SPLIT_D;
+  return d;
+}
+
+py::dict RopeTilingDict(const atb::RopeTilingData& t) {
+  py::dict d;
+  d["tokens"] = t.tokens;
+  d["heads"] = t.heads;
+  d["kv_heads"] = t.kvHeads;
+  d["head_dim"] = t.headDim;
+  d["rotary_dim"] = t.rotaryDim;
+  d["block_dim"] = t.blockDim;
+  d["block_factor"] = t.blockFactor;
+  d["tokens_per_loop"] = t.tokensPerLoop;
+  d["heads_per_loop"] = t.headsPerLoop;
+  d["head_pitch"] = t.headPitch;
+  d["ub_bytes"] = t.ubBytes;
+  d["tiling_key"] = t.tilingKey;
   return d;
 }
 
@@ -82,4 +100,25 @@ PYBIND11_MODULE(_C, m) {
         },
         py::arg("y"), py::arg("residual_out"), py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("rows"),
         py::arg("cols"), py::arg("dtype"), py::arg("eps"), py::arg("soc"));
+
+  // ---- rope ------------------------------------------------------------------
+  m.def("rope_tiling",
+        [](int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t rotary_dim, int dtype,
+           const SocInfo& soc, int cos_dtype, bool interleave) {
+          return RopeTilingDict(atb::RopeTiling(tokens, heads, kv_heads, head_dim, rotary_dim, Dt(dtype),
+                                                Dt(cos_dtype < 0 ? dtype : cos_dtype),
+                                                interleave ? atb::ROPE_INTERLEAVE : atb::ROPE_NEOX, soc));
+        },
+        py::arg("tokens"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("rotary_dim"),
+        py::arg("dtype"), py::arg("soc"), py::arg("cos_dtype") = -1, py::arg("interleave") = false);
+  // Views cross as (data pointer, token stride, head stride), strides in elements.
+  m.def("rope",
+        [](uintptr_t q_out, int64_t qo_ts, int64_t qo_hs, uintptr_t k_out, int64_t ko_ts, int64_t ko_hs, uintptr_t q,
+           int64_t q_ts, int64_t q_hs, uintptr_t k, int64_t k_ts, int64_t k_hs, uintptr_t cos, uintptr_t sin,
+           int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t rotary_dim, int dtype,
+           int cos_dtype, bool interleave, const SocInfo& soc) {
+          atb::Rope({Ptr(q_out), qo_ts, qo_hs}, {Ptr(k_out), ko_ts, ko_hs}, {Ptr(q), q_ts, q_hs}, {Ptr(k), k_ts, k_hs},
+                    Ptr(cos), Ptr(sin), tokens, heads, kv_heads, head_dim, rotary_dim, Dt(dtype), Dt(cos_dtype),
+                    interleave ? atb::ROPE_INTERLEAVE : atb::ROPE_NEOX, soc);
+        });
 }

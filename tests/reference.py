@@ -37,3 +37,33 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     """PRENORM: h = x + residual (rounded to the dtype, as HF adds in the dtype); (rms_norm(h), h)."""
     h = (x.double() + residual.double()).to(x.dtype)
     return rms_norm_ref(h, weight, eps), h.double()
+
+
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str = "neox") -> torch.Tensor:
+    """RoPE in float64 on x [tokens, heads, head_dim]; cos/sin [tokens, rotary_dim], used as rounded to x's dtype.
+
+    neox: x*cos + cat(-x2, x1)*sin over the first rotary_dim columns (x1, x2 its halves);
+    interleave (GPT-J): pairs (2i, 2i+1) with rotate = (-x[2i+1], x[2i]). The tail passes through.
+    """
+    r = cos.shape[-1]
+    c = cos.to(x.dtype).double()[:, None, :]
+    s = sin.to(x.dtype).double()[:, None, :]
+    xd = x.double()
+    xr = xd[..., :r]
+    if style == "neox":
+        rot = torch.cat((-xr[..., r // 2:], xr[..., : r // 2]), dim=-1)
+    else:
+        rot = torch.stack((-xr[..., 1::2], xr[..., 0::2]), dim=-1).flatten(-2)
+    return torch.cat((xr * c + rot * s, xd[..., r:]), dim=-1)
+
+
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in float64 (HF's act_fn(gate_proj(x)) * up_proj(x))."""
+    g = gate.double()
+    return g * torch.sigmoid(g) * up.double()
+
+
+def swiglu_ref(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :n]) * x[..., n:] in float64, n = x.shape[-1] // 2."""
+    n = x.shape[-1] // 2
+    return silu_mul_ref(x[..., :n], x[..., n:])

@@ -48,6 +48,24 @@ struct SimdOps {
                       int64_t M, int64_t N, int64_t K, bool accumulate);
   void (*mmad_nn_bf16)(float* C, int64_t ldc, const float* A, int64_t lda, const uint16_t* B, int64_t ldb,
                        int64_t M, int64_t N, int64_t K, bool accumulate);
+  // Rotary embedding of `rows` head rows (row r at src/dst + r * pitch elements)
+  // in the storage type, with HF's roundings: each product x*cos and
+  // rotate(x)*sin is rounded to the storage type, then their sum is.
+  // Columns [0, rotary) rotate, [rotary, headDim) are copied when dst != src.
+  // neox: rotate(x) = (-x[h:], x[:h]), h = rotary/2; interleave (GPT-J):
+  // rotate(x)[2i] = -x[2i+1], rotate(x)[2i+1] = x[2i]. cos/sin: fp32 [rotary].
+  // dst may alias src.
+  void (*rope_f32)(float* dst, const float* src, const float* cos, const float* sin, int64_t rows, int64_t pitch,
+                   int64_t headDim, int64_t rotary, bool interleave);
+  void (*rope_f16)(uint16_t* dst, const uint16_t* src, const float* cos, const float* sin, int64_t rows,
+                   int64_t pitch, int64_t headDim, int64_t rotary, bool interleave);
+  void (*rope_bf16)(uint16_t* dst, const uint16_t* src, const float* cos, const float* sin, int64_t rows,
+                    int64_t pitch, int64_t headDim, int64_t rotary, bool interleave);
+  // silu(g) * u in the storage type, HF's roundings: silu(g) rounded to the
+  // storage type, then the product. Every element takes the same SIMD path
+  // (tails too), so results do not depend on where a tile starts.
+  void (*silu_mul_f16)(uint16_t* dst, const uint16_t* g, const uint16_t* u, int64_t n);
+  void (*silu_mul_bf16)(uint16_t* dst, const uint16_t* g, const uint16_t* u, int64_t n);
 };
 
 // The active table (selected on first use; never null).

@@ -4,6 +4,7 @@
 // the table is only selected when CPUID reports the features.
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "dtype.h"
 #include "simd.h"
@@ -284,11 +285,116 @@ void MmadNN(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int
   }
 }
 
+// Storage traits for the fused elementwise ops: load 8 -> fp32, store 8 with
+// rounding, and Round8 = round to the storage precision but stay in fp32 (the
+// value HF's intermediate tensor holds).
+// For fp32 the product is already rounded; the empty asm only stops the
+// compiler from contracting it with the following add into an FMA.
+struct F32S {
+  using T = float;
+  static __m256 L8(const float* p) { return _mm256_loadu_ps(p); }
+  static void S8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+  static __m256 Round8(__m256 v) {
+    __asm__("" : "+x"(v));
+    return v;
+  }
+  static float L1(const float* p) { return *p; }
+  static void S1(float* p, float v) { *p = v; }
+  static float Round1(float v) {
+    __asm__("" : "+x"(v));
+    return v;
+  }
+};
+struct F16S {
+  using T = uint16_t;
+  static __m256 L8(const uint16_t* p) { return Load8H(p); }
+  static void S8(uint16_t* p, __m256 v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  }
+  static __m256 Round8(__m256 v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT)); }
+  static float L1(const uint16_t* p) { return Load1H(p); }
+  static void S1(uint16_t* p, float v) { *p = FromFloat<half>(v).bits; }
+  static float Round1(float v) { return ToFloat(FromFloat<half>(v)); }
+};
+struct Bf16S {
+  using T = uint16_t;
+  static __m256 L8(const uint16_t* p) { return Load8B(p); }
+  static void S8(uint16_t* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), Bf16Round8(v)); }
+  static __m256 Round8(__m256 v) {
+    __m256i r = _mm256_slli_epi32(_mm256_cvtepu16_epi32(Bf16Round8(v)), 16);
+    return _mm256_castsi256_ps(r);
+  }
+  static float L1(const uint16_t* p) { return Load1B(p); }
+  static void S1(uint16_t* p, float v) { *p = FromFloat<bfloat16_t>(v).bits; }
+  static float Round1(float v) { return ToFloat(FromFloat<bfloat16_t>(v)); }
+};
+
+// No FMA on purpose: HF rounds x*cos before adding, so a fused multiply-add
+// would differ from it in the last bit (fp32) or by a bf16/fp16 ulp.
+template <class S>
+void Rope(typename S::T* dst, const typename S::T* src, const float* cos, const float* sin, int64_t rows,
+          int64_t pitch, int64_t headDim, int64_t rotary, bool interleave) {
+  using T = typename S::T;
+  const __m256 negEven = _mm256_castsi256_ps(_mm256_set_epi32(0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN));
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* x = src + r * pitch;
+    T* y = dst + r * pitch;
+    if (!interleave) {
+      int64_t h = rotary / 2, i = 0;
+      for (; i + 8 <= h; i += 8) {
+        __m256 x1 = S::L8(x + i), x2 = S::L8(x + h + i);
+        __m256 a1 = S::Round8(_mm256_mul_ps(x1, _mm256_loadu_ps(cos + i)));
+        __m256 b1 = S::Round8(_mm256_mul_ps(x2, _mm256_loadu_ps(sin + i)));
+        __m256 a2 = S::Round8(_mm256_mul_ps(x2, _mm256_loadu_ps(cos + h + i)));
+        __m256 b2 = S::Round8(_mm256_mul_ps(x1, _mm256_loadu_ps(sin + h + i)));
+        S::S8(y + i, _mm256_sub_ps(a1, b1));
+        S::S8(y + h + i, _mm256_add_ps(a2, b2));
+      }
+      for (; i < h; ++i) {
+        float x1 = S::L1(x + i), x2 = S::L1(x + h + i);
+        float a1 = S::Round1(x1 * cos[i]), b1 = S::Round1(x2 * sin[i]);
+        float a2 = S::Round1(x2 * cos[h + i]), b2 = S::Round1(x1 * sin[h + i]);
+        S::S1(y + i, a1 - b1);
+        S::S1(y + h + i, a2 + b2);
+      }
+    } else {
+      int64_t i = 0;
+      for (; i + 8 <= rotary; i += 8) {
+        __m256 v = S::L8(x + i);
+        // (x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)
+        __m256 rot = _mm256_xor_ps(_mm256_permute_ps(v, 0xB1), negEven);
+        __m256 a = S::Round8(_mm256_mul_ps(v, _mm256_loadu_ps(cos + i)));
+        __m256 b = S::Round8(_mm256_mul_ps(rot, _mm256_loadu_ps(sin + i)));
+        S::S8(y + i, _mm256_add_ps(a, b));
+      }
+      for (; i < rotary; i += 2) {
+        float x0 = S::L1(x + i), x1 = S::L1(x + i + 1);
+        S::S1(y + i, S::Round1(x0 * cos[i]) - S::Round1(x1 * sin[i]));
+        S::S1(y + i + 1, S::Round1(x1 * cos[i + 1]) + S::Round1(x0 * sin[i + 1]));
+      }
+    }
+    if (y != x && rotary < headDim) std::memcpy(y + rotary, x + rotary, size_t(headDim - rotary) * sizeof(T));
+  }
+}
+
+template <class S>
+void SiluMulT(uint16_t* d, const uint16_t* g, const uint16_t* u, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) S::S8(d + i, _mm256_mul_ps(S::Round8(Silu8(S::L8(g + i))), S::L8(u + i)));
+  if (i < n) {  // the tail goes through the same vector path, zero-padded
+    alignas(32) uint16_t gb[8] = {0}, ub[8] = {0}, db[8];
+    for (int64_t j = i; j < n; ++j) gb[j - i] = g[j], ub[j - i] = u[j];
+    S::S8(db, _mm256_mul_ps(S::Round8(Silu8(S::L8(gb))), S::L8(ub)));
+    for (int64_t j = i; j < n; ++j) d[j] = db[j - i];
+  }
+}
+
 const SimdOps kAvx2 = {
     "avx2", Add, Sub, Mul, Max, Muls, Adds, Axpy, Exp, Silu, SiluMul, Duplicate,
     ReduceSum, ReduceMax, SumSquares, Dot, F16ToF32, Bf16ToF32, F32ToF16, F32ToBf16,
     MmadNT<float, Load8, Load1>, MmadNT<uint16_t, Load8H, Load1H>, MmadNT<uint16_t, Load8B, Load1B>,
     MmadNN<float, Load8, Load1>, MmadNN<uint16_t, Load8H, Load1H>, MmadNN<uint16_t, Load8B, Load1B>,
+    Rope<F32S>, Rope<F16S>, Rope<Bf16S>, SiluMulT<F16S>, SiluMulT<Bf16S>,
 };
 
 }  // namespace

@@ -2,6 +2,7 @@
 // It is the fallback on CPUs without AVX2 (and all of aarch64) and the
 // reference the AVX2 table is tested against.
 #include <cmath>
+#include <cstring>
 
 #include "dtype.h"
 #include "simd.h"
@@ -79,11 +80,67 @@ void MmadNN(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int
   }
 }
 
+// fp32 products are already rounded; the empty asm only keeps the compiler
+// from fusing them with the following add into an FMA (aarch64 would).
+struct F32S {
+  using T = float;
+  static float L(const float* p) { return *p; }
+  static void S(float* p, float v) { *p = v; }
+  static float Round(float v) {
+#if defined(__x86_64__)
+    __asm__("" : "+x"(v));
+#elif defined(__aarch64__)
+    __asm__("" : "+w"(v));
+#endif
+    return v;
+  }
+};
+struct F16S {
+  using T = uint16_t;
+  static float L(const uint16_t* p) { return ToFloat(half{*p}); }
+  static void S(uint16_t* p, float v) { *p = FromFloat<half>(v).bits; }
+  static float Round(float v) { return ToFloat(FromFloat<half>(v)); }
+};
+struct Bf16S {
+  using T = uint16_t;
+  static float L(const uint16_t* p) { return BitsToFloat(uint32_t(*p) << 16); }
+  static void S(uint16_t* p, float v) { *p = FromFloat<bfloat16_t>(v).bits; }
+  static float Round(float v) { return ToFloat(FromFloat<bfloat16_t>(v)); }
+};
+
+template <class S>
+void Rope(typename S::T* dst, const typename S::T* src, const float* cos, const float* sin, int64_t rows,
+          int64_t pitch, int64_t headDim, int64_t rotary, bool interleave) {
+  using T = typename S::T;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* x = src + r * pitch;
+    T* y = dst + r * pitch;
+    // Pairs (i, j) rotate together: neox (i, i + rotary/2), interleave (2i, 2i + 1).
+    int64_t pairs = rotary / 2, step = interleave ? 2 : 1, off = interleave ? 1 : pairs;
+    for (int64_t p = 0; p < pairs; ++p) {
+      int64_t i = p * step, j = i + off;
+      float xi = S::L(x + i), xj = S::L(x + j);
+      S::S(y + i, S::Round(xi * cos[i]) - S::Round(xj * sin[i]));
+      S::S(y + j, S::Round(xj * cos[j]) + S::Round(xi * sin[j]));
+    }
+    if (y != x && rotary < headDim) std::memcpy(y + rotary, x + rotary, size_t(headDim - rotary) * sizeof(T));
+  }
+}
+
+template <class S>
+void SiluMulT(uint16_t* d, const uint16_t* g, const uint16_t* u, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    float x = S::L(g + i);
+    S::S(d + i, S::Round(x / (1.0f + std::exp(-x))) * S::L(u + i));
+  }
+}
+
 const SimdOps kPortable = {
     "portable", Add, Sub, Mul, Max, Muls, Adds, Axpy, Exp, Silu, SiluMul, Duplicate,
     ReduceSum, ReduceMax, SumSquares, Dot, F16ToF32, Bf16ToF32, F32ToF16, F32ToBf16,
     MmadNT<float, Load>, MmadNT<uint16_t, LoadH>, MmadNT<uint16_t, LoadB>,
     MmadNN<float, Load>, MmadNN<uint16_t, LoadH>, MmadNN<uint16_t, LoadB>,
+    Rope<F32S>, Rope<F16S>, Rope<Bf16S>, SiluMulT<F16S>, SiluMulT<Bf16S>,
 };
 
 }  // namespace

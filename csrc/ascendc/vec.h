@@ -42,6 +42,33 @@ inline void Cast(const LocalTensor<D>& d, const LocalTensor<S>& s, RoundMode, in
   CastRaw<D, S>(d.GetPhyAddr(), s.GetPhyAddr(), n);
 }
 
+// Fused elementwise ops in the storage type (see SimdOps::rope_* / silu_mul_*).
+// One pass over the tile instead of Cast/Mul/Cast chains: at 64-128-element
+// heads a chain of ~10 vector calls costs more than the data movement.
+inline void RopeRaw(float* d, const float* s, const float* c, const float* sn, int64_t rows, int64_t pitch,
+                    int64_t headDim, int64_t rotary, bool interleave) {
+  Simd().rope_f32(d, s, c, sn, rows, pitch, headDim, rotary, interleave);
+}
+inline void RopeRaw(half* d, const half* s, const float* c, const float* sn, int64_t rows, int64_t pitch,
+                    int64_t headDim, int64_t rotary, bool interleave) {
+  Simd().rope_f16(reinterpret_cast<uint16_t*>(d), reinterpret_cast<const uint16_t*>(s), c, sn, rows, pitch, headDim,
+                  rotary, interleave);
+}
+inline void RopeRaw(bfloat16_t* d, const bfloat16_t* s, const float* c, const float* sn, int64_t rows, int64_t pitch,
+                    int64_t headDim, int64_t rotary, bool interleave) {
+  Simd().rope_bf16(reinterpret_cast<uint16_t*>(d), reinterpret_cast<const uint16_t*>(s), c, sn, rows, pitch, headDim,
+                   rotary, interleave);
+}
+inline void SiluMulRaw(float* d, const float* g, const float* u, int64_t n) { Simd().silu_mul(d, g, u, n); }
+inline void SiluMulRaw(half* d, const half* g, const half* u, int64_t n) {
+  Simd().silu_mul_f16(reinterpret_cast<uint16_t*>(d), reinterpret_cast<const uint16_t*>(g),
+                      reinterpret_cast<const uint16_t*>(u), n);
+}
+inline void SiluMulRaw(bfloat16_t* d, const bfloat16_t* g, const bfloat16_t* u, int64_t n) {
+  Simd().silu_mul_bf16(reinterpret_cast<uint16_t*>(d), reinterpret_cast<const uint16_t*>(g),
+                       reinterpret_cast<const uint16_t*>(u), n);
+}
+
 // Mmad, the cube unit: C (fp32) = or += A (fp32) x B^T / B, B in storage type T.
 template <typename T> struct MmadTable;
 template <> struct MmadTable<float> {

@@ -1,0 +1,90 @@
+"""Rotary position embedding (RoPE) on q and k in one fused kernel."""
+from __future__ import annotations
+
+import torch
+
+from atb import _C
+from atb.kernels._common import DTYPE_CODES, float_code, resolve_soc
+
+_STYLES = {"neox": False, "interleave": True}
+
+
+def _check_qk(name: str, t: torch.Tensor, inplace: bool) -> None:
+    if t.dim() != 3:
+        raise ValueError(f"rope: {name} must be 3-D [tokens, heads, head_dim], got shape {tuple(t.shape)}")
+    if inplace:
+        if t.shape[2] > 1 and t.stride(2) != 1:
+            raise ValueError(f"rope: inplace=True needs {name}'s last dim contiguous, got strides {t.stride()}")
+        # Rows written in place must not overlap (an expanded or aliased view would race).
+        if (t.shape[1] > 1 and t.stride(1) < t.shape[2]) or (t.shape[0] > 1 and t.stride(0) < t.shape[1] * t.stride(1)):
+            raise ValueError(f"rope: inplace=True needs {name}'s rows not to overlap, got shape {tuple(t.shape)} "
+                             f"strides {t.stride()}")
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, style: str = "neox",
+         inplace: bool = False, soc_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of q and k with HF ``apply_rotary_pos_emb`` numerics; returns ``(q_out, k_out)``.
+
+    q ``[tokens, heads, head_dim]``, k ``[tokens, kv_heads, head_dim]``, float32/float16/bfloat16, same dtype.
+    Any token/head strides are read in place (e.g. q/k views of a fused QKV projection output); only the
+    last dim must be contiguous (otherwise it is copied first, or rejected when ``inplace``).
+
+    cos, sin ``[tokens, rotary_dim]``, ``rotary_dim <= head_dim`` and even; the first ``rotary_dim``
+    columns rotate, the rest pass through unchanged. They are q's dtype or float32; float32 tables are
+    rounded to q's dtype first, exactly as HF's rotary embedding hands them over (``cos.to(x.dtype)``).
+
+    * ``style="neox"`` (LLaMA, HF ``rotate_half``): ``x*cos + cat(-x2, x1)*sin`` with
+      ``x1, x2 = x[:r/2], x[r/2:r]``; cos/sin as HF builds them, ``cat(freqs, freqs).cos()``.
+    * ``style="interleave"`` (GPT-J, ``rotate_every_two``): pairs ``(2i, 2i+1)`` rotate,
+      ``x*cos + (-x[2i+1], x[2i])*sin``; cos/sin are per element, i.e. in the
+      ``repeat_interleave(freqs, 2)`` layout (``cos[2i] == cos[2i+1]``).
+
+    Numerics: each product and the sum are rounded to the dtype, as torch evaluates HF's expression,
+    so results are bit-identical to HF for every dtype. ``inplace=True`` writes into q and k and
+    returns them.
+    """
+    code = float_code("rope", "q", q)
+    kcode = float_code("rope", "k", k)
+    ccode = float_code("rope", "cos", cos)
+    scode = float_code("rope", "sin", sin)
+    if kcode != code:
+        raise TypeError(f"rope: k is {k.dtype} but q is {q.dtype}; they must match")
+    if ccode != scode:
+        raise TypeError(f"rope: sin is {sin.dtype} but cos is {cos.dtype}; they must match")
+    if ccode != code and ccode != 0:
+        raise TypeError(f"rope: cos/sin must be {q.dtype} (q's dtype) or torch.float32, got {cos.dtype}")
+    interleave = _STYLES.get(style)
+    if interleave is None:
+        raise ValueError(f"rope: style must be 'neox' or 'interleave', got {style!r}")
+    _check_qk("q", q, inplace)
+    _check_qk("k", k, inplace)
+    tokens, heads, head_dim = q.shape
+    if k.shape[0] != tokens or k.shape[2] != head_dim:
+        raise ValueError(f"rope: k has shape {tuple(k.shape)}, expected [{tokens}, kv_heads, {head_dim}] to match q "
+                         f"{tuple(q.shape)}")
+    if cos.dim() != 2 or cos.shape[0] != tokens:
+        raise ValueError(f"rope: cos has shape {tuple(cos.shape)}, expected [{tokens}, rotary_dim] (one row per token)")
+    if sin.shape != cos.shape:
+        raise ValueError(f"rope: sin has shape {tuple(sin.shape)}, cos has {tuple(cos.shape)}; they must match")
+    if heads == 0 or k.shape[1] == 0:
+        raise ValueError(f"rope: q and k need at least one head, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    rotary = cos.shape[1]
+    if rotary < 2 or rotary % 2 or rotary > head_dim:
+        raise ValueError(f"rope: rotary_dim (cos.shape[1]) must be even and in [2, head_dim={head_dim}], got {rotary}")
+    if q.stride(2) != 1 and head_dim > 1:
+        q = q.contiguous()
+    if k.stride(2) != 1 and head_dim > 1:
+        k = k.contiguous()
+    if inplace:
+        q_out, k_out = q, k
+    else:
+        q_out = torch.empty((tokens, heads, head_dim), dtype=q.dtype)
+        k_out = torch.empty(k.shape, dtype=k.dtype)
+    if tokens == 0:
+        return q_out, k_out
+    cos = cos.contiguous()
+    sin = sin.contiguous()
+    _C.rope(q_out.data_ptr(), q_out.stride(0), q_out.stride(1), k_out.data_ptr(), k_out.stride(0), k_out.stride(1),
+            q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), cos.data_ptr(),
+            sin.data_ptr(), tokens, heads, k.shape[1], head_dim, rotary, code, ccode, interleave, resolve_soc(soc_type))
+    return q_out, k_out
