@@ -9,6 +9,7 @@
 #include "ascendc/runtime.h"
 #include "ascendc/simd.h"
 #include "ascendc/soc.h"
+#include "kernels/linear/linear_tiling.h"
 #include "kernels/rms_norm/rms_norm_tiling.h"
 #include "kernels/rope/rope_tiling.h"
 
@@ -121,4 +122,35 @@ PYBIND11_MODULE(_C, m) {
                     Ptr(cos), Ptr(sin), tokens, heads, kv_heads, head_dim, rotary_dim, Dt(dtype), Dt(cos_dtype),
                     interleave ? atb::ROPE_INTERLEAVE : atb::ROPE_NEOX, soc);
         });
+  // ---- linear (decode-shaped, fused epilogues) ------------------------------
+  // segments: [(weight_ptr, bias_ptr or 0, out_ptr, n)], 1..3 of them.
+  m.def("linear_tiling",
+        [](int64_t rows, int64_t k, std::vector<int64_t> seg_rows, int epilogue, int dtype, const SocInfo& soc) {
+          atb::LinearTilingData t = atb::LinearTiling(rows, k, seg_rows.data(), int64_t(seg_rows.size()),
+                                                      atb::LinearEpilogue(epilogue), Dt(dtype), soc);
+          py::dict d;
+          d["block_dim"] = t.blockDim;
+          d["block_factor"] = t.blockFactor;
+          d["m_tile"] = t.mTile;
+          d["n_tile"] = t.nTile;
+          d["k_tile"] = t.kTile;
+          d["ub_bytes"] = t.ubBytes;
+          d["tiling_key"] = t.tilingKey;
+          return d;
+        },
+        py::arg("m"), py::arg("k"), py::arg("seg_rows"), py::arg("epilogue"), py::arg("dtype"), py::arg("soc"));
+  m.def("linear",
+        [](uintptr_t x, int64_t rows, int64_t k, const std::vector<std::tuple<uintptr_t, uintptr_t, uintptr_t, int64_t>>& segs,
+           uintptr_t residual, int epilogue, int dtype, const SocInfo& soc) {
+          if (segs.empty() || segs.size() > size_t(atb::kLinearMaxSegments))
+            AscendC::ThrowError("linear: 1..", atb::kLinearMaxSegments, " segments, got ", segs.size());
+          if (epilogue < 0 || epilogue > 2) AscendC::ThrowError("linear: epilogue must be 0, 1 or 2, got ", epilogue);
+          atb::LinearSegment s[atb::kLinearMaxSegments];
+          for (size_t i = 0; i < segs.size(); ++i)
+            s[i] = {Ptr(std::get<0>(segs[i])), Ptr(std::get<1>(segs[i])), Ptr(std::get<2>(segs[i])), std::get<3>(segs[i])};
+          py::gil_scoped_release nogil;
+          atb::Linear(Ptr(x), rows, k, s, int64_t(segs.size()), Ptr(residual), atb::LinearEpilogue(epilogue), Dt(dtype), soc);
+        },
+        py::arg("x"), py::arg("m"), py::arg("k"), py::arg("segments"), py::arg("residual"), py::arg("epilogue"),
+        py::arg("dtype"), py::arg("soc"));
 }

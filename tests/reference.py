@@ -67,3 +67,19 @@ def swiglu_ref(x: torch.Tensor) -> torch.Tensor:
     """silu(x[..., :n]) * x[..., n:] in float64, n = x.shape[-1] // 2."""
     n = x.shape[-1] // 2
     return silu_mul_ref(x[..., :n], x[..., n:])
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias in float64 (one rounding to x's dtype happens in the kernel's output)."""
+    y = x.double() @ weight.double().T
+    return y if bias is None else y + bias.double()
+
+
+def linear_residual_ref(x, weight, residual, bias=None) -> torch.Tensor:
+    """HF o_proj/down_proj then the residual add, each rounded to the dtype as HF's separate ops are."""
+    return linear_ref(x, weight, bias).to(x.dtype).double() + residual.double()
+
+
+def linear_swiglu_ref(x, gate_weight, up_weight) -> torch.Tensor:
+    """LlamaMLP's act_fn(gate_proj(x)) * up_proj(x) with HF's roundings between ops."""
+    g = linear_ref(x, gate_weight).to(x.dtype).double()
+    u = linear_ref(x, up_weight).to(x.dtype).double()
+    return torch.nn.functional.silu(g).to(x.dtype).double() * u

@@ -1,5 +1,6 @@
 """Functional API of the fused kernels: validate, allocate, call the C++ core."""
+from atb.kernels.linear import linear, linear_auto, linear_multi, linear_residual, linear_swiglu
 from atb.kernels.rms_norm import add_rms_norm, rms_norm
 from atb.kernels.rope import rope
 
-__all__ = ["rms_norm", "add_rms_norm", "rope"]
+__all__ = ["rms_norm", "add_rms_norm", "rope", "linear", "linear_multi", "linear_residual", "linear_swiglu", "linear_auto"]

@@ -66,6 +66,16 @@ struct SimdOps {
   // (tails too), so results do not depend on where a tile starts.
   void (*silu_mul_f16)(uint16_t* dst, const uint16_t* g, const uint16_t* u, int64_t n);
   void (*silu_mul_bf16)(uint16_t* dst, const uint16_t* g, const uint16_t* u, int64_t n);
+  // Lane-accumulating NT Mmad, the cube's L0C accumulator kept per SIMD lane:
+  //   lanes[(m * N + n) * 8 + j] (+)= sum over k in [0, K), k % 8 == j, of A[m][k] * B[n][k]
+  // in increasing k; K must be a multiple of 8. Splitting K into chunks (multiples of 8) leaves every
+  // lane's sum bit-identical, so a linear's result does not depend on how its tiling splits K.
+  void (*mmad_nt_lanes_f32)(float* lanes, const float* A, int64_t lda, const float* B, int64_t ldb, int64_t M,
+                            int64_t N, int64_t K, bool accumulate);
+  void (*mmad_nt_lanes_f16)(float* lanes, const float* A, int64_t lda, const uint16_t* B, int64_t ldb, int64_t M,
+                            int64_t N, int64_t K, bool accumulate);
+  void (*mmad_nt_lanes_bf16)(float* lanes, const float* A, int64_t lda, const uint16_t* B, int64_t ldb, int64_t M,
+                             int64_t N, int64_t K, bool accumulate);
 };
 
 // The active table (selected on first use; never null).

@@ -2,6 +2,7 @@
 // only (pragma below, after every system header, and everything here lives in
 // an anonymous namespace), so the rest of the build stays baseline x86-64 and
 // the table is only selected when CPUID reports the features.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -389,12 +390,63 @@ void SiluMulT(uint16_t* d, const uint16_t* g, const uint16_t* u, int64_t n) {
   }
 }
 
+// Lane-accumulating GEMV/GEMM tile for decode-shaped linears: R rows of A
+// against CN weight rows, R*CN accumulators in registers, every weight vector
+// loaded once per k-step for all R rows. Accumulators start from (and return
+// to) the lanes buffer, so K may be split anywhere on a multiple of 8.
+template <typename TB, __m256 (*L8)(const TB*), int R, int CN>
+inline void LanesBlock(float* lanes, int64_t N, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t K,
+                       bool acc) {
+  __m256 s[R][CN];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CN; ++c) s[r][c] = acc ? _mm256_loadu_ps(lanes + (r * N + c) * 8) : _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 b[CN];
+    for (int c = 0; c < CN; ++c) b[c] = L8(B + c * ldb + k);
+    for (int r = 0; r < R; ++r) {
+      __m256 a = _mm256_loadu_ps(A + r * lda + k);
+      for (int c = 0; c < CN; ++c) s[r][c] = _mm256_fmadd_ps(a, b[c], s[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CN; ++c) _mm256_storeu_ps(lanes + (r * N + c) * 8, s[r][c]);
+}
+
+template <typename TB, __m256 (*L8)(const TB*), int CN>
+inline void LanesRows(float* lanes, int64_t N, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M,
+                      int64_t K, bool acc) {
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) LanesBlock<TB, L8, 2, CN>(lanes + m * N * 8, N, A + m * lda, lda, B, ldb, K, acc);
+  if (m < M) LanesBlock<TB, L8, 1, CN>(lanes + m * N * 8, N, A + m * lda, lda, B, ldb, K, acc);
+}
+
+template <typename TB, __m256 (*L8)(const TB*)>
+void MmadNTLanes(float* lanes, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
+                 bool acc) {
+  // With more than one pass of A rows over the same CN weight rows, walk K in
+  // blocks of 512 so those rows (CN x 512 x 4 bytes <= 8 KiB) stay in L1
+  // between passes; one or two A rows stream each weight row exactly once.
+  if (K == 0) {  // an all-tail K (< 8): the lanes still start from zero
+    if (!acc) std::fill(lanes, lanes + M * N * 8, 0.0f);
+    return;
+  }
+  const int64_t kb = M <= 2 ? K : 512;
+  int64_t n = 0;
+  for (; n + 4 <= N; n += 4)
+    for (int64_t k = 0; k < K; k += kb)
+      LanesRows<TB, L8, 4>(lanes + n * 8, N, A + k, lda, B + n * ldb + k, ldb, M, std::min(kb, K - k), acc || k > 0);
+  for (; n < N; ++n)
+    for (int64_t k = 0; k < K; k += kb)
+      LanesRows<TB, L8, 1>(lanes + n * 8, N, A + k, lda, B + n * ldb + k, ldb, M, std::min(kb, K - k), acc || k > 0);
+}
+
 const SimdOps kAvx2 = {
     "avx2", Add, Sub, Mul, Max, Muls, Adds, Axpy, Exp, Silu, SiluMul, Duplicate,
     ReduceSum, ReduceMax, SumSquares, Dot, F16ToF32, Bf16ToF32, F32ToF16, F32ToBf16,
     MmadNT<float, Load8, Load1>, MmadNT<uint16_t, Load8H, Load1H>, MmadNT<uint16_t, Load8B, Load1B>,
     MmadNN<float, Load8, Load1>, MmadNN<uint16_t, Load8H, Load1H>, MmadNN<uint16_t, Load8B, Load1B>,
     Rope<F32S>, Rope<F16S>, Rope<Bf16S>, SiluMulT<F16S>, SiluMulT<Bf16S>,
+    MmadNTLanes<float, Load8>, MmadNTLanes<uint16_t, Load8H>, MmadNTLanes<uint16_t, Load8B>,
 };
 
 }  // namespace

@@ -135,12 +135,30 @@ void SiluMulT(uint16_t* d, const uint16_t* g, const uint16_t* u, int64_t n) {
   }
 }
 
+// Lanes as the AVX2 table keeps them: lane j sums k = j, j + 8, ... in order.
+template <typename TB, float (*L)(const TB*)>
+void MmadNTLanes(float* lanes, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
+                 bool acc) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      float* l = lanes + (m * N + n) * 8;
+      const float* a = A + m * lda;
+      const TB* b = B + n * ldb;
+      for (int j = 0; j < 8; ++j) {
+        float s = acc ? l[j] : 0.0f;
+        for (int64_t k = j; k < K; k += 8) s += a[k] * L(b + k);
+        l[j] = s;
+      }
+    }
+}
+
 const SimdOps kPortable = {
     "portable", Add, Sub, Mul, Max, Muls, Adds, Axpy, Exp, Silu, SiluMul, Duplicate,
     ReduceSum, ReduceMax, SumSquares, Dot, F16ToF32, Bf16ToF32, F32ToF16, F32ToBf16,
     MmadNT<float, Load>, MmadNT<uint16_t, LoadH>, MmadNT<uint16_t, LoadB>,
     MmadNN<float, Load>, MmadNN<uint16_t, LoadH>, MmadNN<uint16_t, LoadB>,
     Rope<F32S>, Rope<F16S>, Rope<Bf16S>, SiluMulT<F16S>, SiluMulT<Bf16S>,
+    MmadNTLanes<float, Load>, MmadNTLanes<uint16_t, LoadH>, MmadNTLanes<uint16_t, LoadB>,
 };
 
 }  // namespace

@@ -1,0 +1,146 @@
+"""Decode-shaped linear kernels: ``y = x W^T (+ bias)`` and its fused forms.
+
+The native kernel streams each weight row once for all M rows of x, so it is
+built for decode (M = 1 .. ~32). Every function here is always native; the
+choice of ``torch.matmul`` for prefill-sized M belongs to the callers (see
+``LINEAR_CROSSOVER_M`` and ``linear_auto``).
+"""
+from __future__ import annotations
+
+import torch
+
+from atb import _C
+from atb.kernels._common import float_code, resolve_soc, same_dtype
+
+# Measured with atb/bench/linear.py on a 2-core AVX2 host (576x1536 and
+# 4096x4096, fp32 and bf16): the native kernel beats torch.matmul up to M = 16
+# (bf16: 2-4x, fp32: 1.1-1.5x at M = 1); by M = 32 oneDNN's blocked GEMM
+# reuses x from registers better and wins. Only ``linear_auto`` routes on it.
+LINEAR_CROSSOVER_M = 32
+
+_PLAIN, _RESIDUAL, _SWIGLU = 0, 1, 2
+
+
+def _check_x(op: str, x) -> int:
+    code = float_code(op, "x", x)
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if x.shape[1] == 0:
+        raise ValueError(f"{op}: x has K = 0 columns")
+    return code
+
+
+def _check_weight(op: str, name: str, w, x) -> None:
+    float_code(op, name, w)
+    same_dtype(op, name, w, "x", x)
+    if w.dim() != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"{op}: {name} has shape {tuple(w.shape)}, expected [N, {x.shape[1]}] (HF layout [out, in])")
+    if w.shape[0] == 0:
+        raise ValueError(f"{op}: {name} has N = 0 rows")
+
+
+def _check_bias(op: str, name: str, b, w, x) -> None:
+    if b is None:
+        return
+    float_code(op, name, b)
+    same_dtype(op, name, b, "x", x)
+    if b.dim() != 1 or b.shape[0] != w.shape[0]:
+        raise ValueError(f"{op}: {name} has shape {tuple(b.shape)}, expected ({w.shape[0]},)")
+
+
+def _ptr(t) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           soc_type: str | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``: x ``[M, K]``, weight ``[N, K]``, bias ``[N]``; fp32 accumulation, x's dtype out."""
+    code = _check_x("linear", x)
+    _check_weight("linear", "weight", weight, x)
+    _check_bias("linear", "bias", bias, weight, x)
+    x, weight = x.contiguous(), weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    if x.shape[0]:
+        _C.linear(x.data_ptr(), x.shape[0], x.shape[1], [(weight.data_ptr(), _ptr(bias), out.data_ptr(), weight.shape[0])],
+                  0, _PLAIN, code, resolve_soc(soc_type))
+    return out
+
+
+def linear_multi(x: torch.Tensor, weights, biases=None, *, soc_type: str | None = None) -> tuple[torch.Tensor, ...]:
+    """Fused q/k/v projection: one launch over 1..3 weights sharing x, one output each.
+
+    Equivalent to ``tuple(linear(x, w, b) for w, b in zip(weights, biases))``; the
+    cores split the concatenated rows, so small k/v projections do not each pay a launch.
+    """
+    code = _check_x("linear_multi", x)
+    weights = list(weights)
+    if not 1 <= len(weights) <= 3:
+        raise ValueError(f"linear_multi: weights must hold 1 to 3 tensors, got {len(weights)}")
+    biases = [None] * len(weights) if biases is None else list(biases)
+    if len(biases) != len(weights):
+        raise ValueError(f"linear_multi: {len(biases)} biases for {len(weights)} weights")
+    x = x.contiguous()
+    segs, outs, keep = [], [], []
+    for i, (w, b) in enumerate(zip(weights, biases)):
+        _check_weight("linear_multi", f"weights[{i}]", w, x)
+        _check_bias("linear_multi", f"biases[{i}]", b, w, x)
+        w = w.contiguous()
+        b = None if b is None else b.contiguous()
+        out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+        keep += [w, b]
+        outs.append(out)
+        segs.append((w.data_ptr(), _ptr(b), out.data_ptr(), w.shape[0]))
+    if x.shape[0]:
+        _C.linear(x.data_ptr(), x.shape[0], x.shape[1], segs, 0, _PLAIN, code, resolve_soc(soc_type))
+    return tuple(outs)
+
+
+def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, bias: torch.Tensor | None = None, *,
+                    soc_type: str | None = None) -> torch.Tensor:
+    """``residual + linear(x, weight, bias)`` (o_proj / down_proj), each rounded to x's dtype as HF does."""
+    code = _check_x("linear_residual", x)
+    _check_weight("linear_residual", "weight", weight, x)
+    _check_bias("linear_residual", "bias", bias, weight, x)
+    float_code("linear_residual", "residual", residual)
+    same_dtype("linear_residual", "residual", residual, "x", x)
+    if tuple(residual.shape) != (x.shape[0], weight.shape[0]):
+        raise ValueError(f"linear_residual: residual has shape {tuple(residual.shape)}, "
+                         f"expected [{x.shape[0]}, {weight.shape[0]}]")
+    x, weight, residual = x.contiguous(), weight.contiguous(), residual.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    if x.shape[0]:
+        _C.linear(x.data_ptr(), x.shape[0], x.shape[1], [(weight.data_ptr(), _ptr(bias), out.data_ptr(), weight.shape[0])],
+                  residual.data_ptr(), _RESIDUAL, code, resolve_soc(soc_type))
+    return out
+
+
+def linear_swiglu(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, *,
+                  soc_type: str | None = None) -> torch.Tensor:
+    """``silu(x @ gate_weight.T) * (x @ up_weight.T)`` in one weight pass (LLaMA MLP's first half)."""
+    code = _check_x("linear_swiglu", x)
+    _check_weight("linear_swiglu", "gate_weight", gate_weight, x)
+    _check_weight("linear_swiglu", "up_weight", up_weight, x)
+    if gate_weight.shape != up_weight.shape:
+        raise ValueError(f"linear_swiglu: gate_weight has shape {tuple(gate_weight.shape)}, up_weight has "
+                         f"{tuple(up_weight.shape)}; they must match")
+    x, gate_weight, up_weight = x.contiguous(), gate_weight.contiguous(), up_weight.contiguous()
+    n = gate_weight.shape[0]
+    out = torch.empty(x.shape[0], n, dtype=x.dtype)
+    if x.shape[0]:
+        _C.linear(x.data_ptr(), x.shape[0], x.shape[1],
+                  [(gate_weight.data_ptr(), 0, out.data_ptr(), n), (up_weight.data_ptr(), 0, 0, n)],
+                  0, _SWIGLU, code, resolve_soc(soc_type))
+    return out
+
+
+def linear_auto(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                soc_type: str | None = None) -> torch.Tensor:
+    """Routing policy: native ``linear`` below ``LINEAR_CROSSOVER_M`` rows, ``torch.nn.functional.linear`` above
+    (prefill shapes, where oneDNN's blocked GEMM wins). Leading dims are flattened."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] >= LINEAR_CROSSOVER_M:
+        return torch.nn.functional.linear(x, weight, bias)
+    return linear(x2, weight, bias, soc_type=soc_type).reshape(*lead, weight.shape[0])

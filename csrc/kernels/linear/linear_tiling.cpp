@@ -1,0 +1,91 @@
+#include "linear_tiling.h"
+
+#include <algorithm>
+
+#include "ascendc/error.h"
+#include "kernels/common/tiling_utils.h"
+
+namespace atb {
+
+using AscendC::AlignUp;
+using AscendC::CeilDiv;
+
+namespace {
+
+// UB of one tile:
+//   x          fp32 [mTile, kTile]            (widened once per pass)
+//   lanes      fp32 [mTile, nTile, 8] per stream (SWIGLU: gate and up)
+//   sums       fp32 [mTile, nTile]    per stream
+//   out queue  BUFFER_NUM x T [mTile, nTile]
+//   residual   BUFFER_NUM x T [mTile, nTile]  (RESIDUAL)
+int64_t TileUb(int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep) {
+  int64_t streams = ep == LINEAR_SWIGLU ? 2 : 1;
+  int64_t ub = UbSlot(mt * kt * 4) + streams * (UbSlot(mt * nt * 32) + UbSlot(mt * nt * 4)) +
+               AscendC::BUFFER_NUM * UbSlot(mt * nt * elt);
+  if (ep == LINEAR_RESIDUAL) ub += AscendC::BUFFER_NUM * UbSlot(mt * nt * elt);
+  return ub;
+}
+
+// A host core must stream at least this much weight to be worth waking: a
+// hand-off costs ~2-5 us, 256 KiB of weight is ~10 us at one core's bandwidth.
+constexpr int64_t kHostMinBytesPerCore = 256 * 1024;
+
+}  // namespace
+
+LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int64_t numSegments, LinearEpilogue ep,
+                              AscendC::DataType dtype, const AscendC::SocInfo& soc) {
+  ATB_CHECK(m >= 1 && k >= 1, "linear tiling: M and K must be >= 1, got M=", m, " K=", k);
+  ATB_CHECK(numSegments >= 1 && numSegments <= kLinearMaxSegments, "linear tiling: 1..", kLinearMaxSegments,
+            " weight segments, got ", numSegments);
+  ATB_CHECK(ep != LINEAR_SWIGLU || (numSegments == 2 && segRows[0] == segRows[1]),
+            "linear tiling: swiglu needs two segments (gate, up) of equal N");
+  ATB_CHECK(ep != LINEAR_RESIDUAL || numSegments == 1, "linear tiling: the residual epilogue takes one segment");
+  ATB_CHECK(dtype != AscendC::DataType::BFLOAT16 || soc.supports_bf16, "linear: bfloat16 is not supported on ",
+            soc.name, " (no bf16 cube unit); use float16 or float32");
+  LinearTilingData t;
+  t.m = m;
+  t.k = k;
+  t.numSegments = numSegments;
+  for (int64_t s = 0; s < numSegments; ++s) {
+    ATB_CHECK(segRows[s] >= 1, "linear tiling: segment ", s, " has N=", segRows[s], ", must be >= 1");
+    t.segRows[s] = segRows[s];
+    t.rows += segRows[s];
+  }
+  if (ep == LINEAR_SWIGLU) t.rows = segRows[0];
+  int64_t elt = AscendC::DataTypeSize(dtype);
+  int64_t bytesPerRow = k * elt * (ep == LINEAR_SWIGLU ? 2 : 1);
+
+  // A matmul runs on the cube cores; the host uses as many threads as the
+  // weight bytes pay for.
+  int64_t cores = std::max<int64_t>(1, soc.cube_core_num);
+  if (soc.is_host) cores = std::min(cores, std::max<int64_t>(1, t.rows * bytesPerRow / kHostMinBytesPerCore));
+  // Rows per core in whole blocks of 4 (the micro-kernel's weight-row block), then
+  // re-derive blockDim so every core gets rows.
+  t.blockFactor = AlignUp(CeilDiv(t.rows, std::min(cores, t.rows)), 4);
+  t.blockDim = CeilDiv(t.rows, t.blockFactor);
+
+  // Decode: all M rows in one pass, all of K in UB, 64 weight rows per tile.
+  // Shrink K first (x is re-widened per K chunk, cheap), then the row tile,
+  // then M (each extra M pass re-streams the weights: prefill shapes).
+  t.mTile = std::min<int64_t>(m, 32);
+  t.nTile = std::min<int64_t>(t.blockFactor, 64);
+  t.kTile = k;
+  while (TileUb(t.mTile, t.nTile, t.kTile, elt, ep) > soc.ub_size) {
+    if (t.kTile > 512) {
+      t.kTile = AlignUp(CeilDiv(t.kTile, 2), 64);
+    } else if (t.nTile > 8) {
+      t.nTile = AlignUp(t.nTile / 2, 4);
+    } else if (t.mTile > 1) {
+      t.mTile = CeilDiv(t.mTile, 2);
+    } else if (t.kTile > 64) {
+      t.kTile = AlignUp(CeilDiv(t.kTile, 2), 64);
+    } else {
+      AscendC::ThrowError("linear tiling: UB of ", soc.ub_size, " bytes is too small");
+    }
+  }
+  t.ubBytes = TileUb(t.mTile, t.nTile, t.kTile, elt, ep);
+  t.tilingKey = int64_t(dtype) * 10 + ep;
+  return t;
+}
+
+}  // namespace atb

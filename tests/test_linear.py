@@ -1,0 +1,163 @@
+"""linear and its fused forms (multi-weight, residual, SwiGLU) against float64 references; tiling; bad input."""
+import pytest
+import torch
+
+import atb
+from atb import _C
+from atb.kernels._common import DTYPE_CODES
+from conftest import ALL_SOCS
+from reference import DTYPES, assert_close, linear_ref, linear_residual_ref, linear_swiglu_ref
+
+BF16_SOCS = [s for s in ALL_SOCS if atb.get_soc(s).supports_bf16]
+
+
+def _scale(k: int) -> float:
+    # fp32 accumulation error grows ~sqrt(K) ulp of the sum's magnitude; inputs are
+    # randn so |y| ~ sqrt(K): compare against the tolerance scaled to that magnitude.
+    return max(1.0, k ** 0.5 / 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_reference(dtype, m, bias):
+    k, n = 577, 1537
+    x = torch.randn(m, k).to(dtype)
+    w = torch.randn(n, k).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    y = atb.kernels.linear(x, w, b)
+    assert y.dtype == dtype and y.shape == (m, n)
+    assert_close(y, linear_ref(x, w, b), scale=_scale(k))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (2, 7, 5), (5, 8, 3), (3, 64, 4), (1, 4100, 9), (33, 100, 9), (40, 1030, 70)])
+def test_linear_odd_and_edge_shapes(dtype, m, k, n):
+    x = torch.randn(m, k).to(dtype)
+    w = torch.randn(n, k).to(dtype)
+    b = torch.randn(n).to(dtype)
+    assert_close(atb.kernels.linear(x, w, b), linear_ref(x, w, b), scale=_scale(k))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_linear_multi_equals_separate_linears(dtype, m):
+    k = 577
+    x = torch.randn(m, k).to(dtype)
+    ws = [torch.randn(n, k).to(dtype) for n in (576, 193, 193)]
+    bs = [torch.randn(w.shape[0]).to(dtype) for w in ws]
+    outs = atb.kernels.linear_multi(x, ws, bs)
+    for out, w, b in zip(outs, ws, bs):
+        assert torch.equal(out, atb.kernels.linear(x, w, b))  # same sums, same bits
+        assert_close(out, linear_ref(x, w, b), scale=_scale(k))
+    q, kk = atb.kernels.linear_multi(x, ws[:2])  # two segments, no bias
+    assert torch.equal(q, atb.kernels.linear(x, ws[0])) and torch.equal(kk, atb.kernels.linear(x, ws[1]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 16])
+def test_linear_residual(dtype, m):
+    k, n = 1537, 577
+    x = torch.randn(m, k).to(dtype)
+    w = (torch.randn(n, k) / k ** 0.5).to(dtype)
+    r = torch.randn(m, n).to(dtype)
+    b = torch.randn(n).to(dtype)
+    assert_close(atb.kernels.linear_residual(x, w, r), linear_residual_ref(x, w, r))
+    assert_close(atb.kernels.linear_residual(x, w, r, b), linear_residual_ref(x, w, r, b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_linear_swiglu(dtype, m):
+    k, n = 577, 1537
+    x = torch.randn(m, k).to(dtype)
+    g = (torch.randn(n, k) / k ** 0.5).to(dtype)
+    u = (torch.randn(n, k) / k ** 0.5).to(dtype)
+    assert_close(atb.kernels.linear_swiglu(x, g, u), linear_swiglu_ref(x, g, u))
+
+
+@pytest.mark.parametrize("soc", ALL_SOCS)
+def test_every_soc_gives_the_same_bits(soc):
+    # Ascend SoCs split N over 20-48 cores and K over a 192 KiB UB (x of 16 x 4100 fp32
+    # does not fit): the per-lane accumulators make the bits independent of that.
+    dtype = torch.bfloat16 if soc in BF16_SOCS else torch.float16
+    x = torch.randn(16, 4100).to(dtype)
+    w = torch.randn(301, 4100).to(dtype)
+    b = torch.randn(301).to(dtype)
+    assert torch.equal(atb.kernels.linear(x, w, b, soc_type=soc), atb.kernels.linear(x, w, b, soc_type="host"))
+    g, u = w[:150], w[150:300]
+    assert torch.equal(atb.kernels.linear_swiglu(x, g, u, soc_type=soc), atb.kernels.linear_swiglu(x, g, u, soc_type="host"))
+    r = torch.randn(16, 301).to(dtype)
+    assert torch.equal(atb.kernels.linear_residual(x, w, r, soc_type=soc),
+                       atb.kernels.linear_residual(x, w, r, soc_type="host"))
+
+
+def test_tiling_splits_rows_and_k():
+    soc = atb.get_soc("Ascend910B4")  # 20 cube cores, 192 KiB UB
+    t = _C.linear_tiling(16, 4096, [4096], 0, DTYPE_CODES[torch.float32], soc)
+    assert t["block_dim"] == 20 and t["block_factor"] % 4 == 0
+    assert (t["block_dim"] - 1) * t["block_factor"] < 4096 <= t["block_dim"] * t["block_factor"]
+    assert t["k_tile"] < 4096 and t["k_tile"] % 64 == 0 and t["ub_bytes"] <= soc.ub_size
+    t = _C.linear_tiling(1, 576, [576, 192, 192], 0, 0, soc)  # fused qkv: rows of all three segments split
+    assert t["block_dim"] * t["block_factor"] >= 960 and t["k_tile"] == 576 and t["m_tile"] == 1
+    host = atb.get_soc("host")
+    t = _C.linear_tiling(1, 64, [64], 0, 0, host)  # 16 KiB of weight: not worth a second thread
+    assert t["block_dim"] == 1
+    t = _C.linear_tiling(1, 4096, [4096], 0, 2, host)
+    assert t["block_dim"] == host.cube_core_num and t["k_tile"] == 4096
+    t = _C.linear_tiling(512, 4096, [4096], 0, 0, soc)  # prefill-sized M: several passes of x rows
+    assert t["m_tile"] < 512 and t["ub_bytes"] <= soc.ub_size
+
+
+def test_linear_auto_routes_by_crossover():
+    from atb.kernels.linear import LINEAR_CROSSOVER_M
+    w = torch.randn(33, 65)
+    for m in (1, LINEAR_CROSSOVER_M - 1):
+        x = torch.randn(2, m, 65)[1]
+        assert torch.equal(atb.kernels.linear_auto(x, w), atb.kernels.linear(x, w))
+    x = torch.randn(3, LINEAR_CROSSOVER_M, 65)
+    assert torch.equal(atb.kernels.linear_auto(x, w), torch.nn.functional.linear(x, w))
+
+
+def test_portable_isa_agrees():
+    x = torch.randn(3, 203).bfloat16()
+    w = torch.randn(37, 203).bfloat16()
+    fast = atb.kernels.linear(x, w)
+    atb.set_isa("portable")
+    try:
+        slow = atb.kernels.linear(x, w)
+    finally:
+        atb.set_isa("auto")
+    assert_close(slow, fast.double())
+
+
+def test_bad_inputs():
+    x = torch.randn(2, 8)
+    w = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"linear: weight has shape \(4, 7\), expected \[N, 8\]"):
+        atb.kernels.linear(x, torch.randn(4, 7))
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        atb.kernels.linear(torch.randn(8), w)
+    with pytest.raises(TypeError, match="weight is torch.float16 but x is torch.float32"):
+        atb.kernels.linear(x, w.half())
+    with pytest.raises(TypeError, match="x must be float32, float16 or bfloat16"):
+        atb.kernels.linear(x.long(), w)
+    with pytest.raises(ValueError, match=r"bias has shape \(5,\), expected \(4,\)"):
+        atb.kernels.linear(x, w, torch.randn(5))
+    with pytest.raises(ValueError, match="bfloat16 is not supported on Ascend910"):
+        atb.kernels.linear(x.bfloat16(), w.bfloat16(), soc_type="Ascend910")
+    with pytest.raises(ValueError, match="residual has shape"):
+        atb.kernels.linear_residual(x, w, torch.randn(2, 5))
+    with pytest.raises(ValueError, match="gate_weight has shape"):
+        atb.kernels.linear_swiglu(x, w, torch.randn(5, 8))
+    with pytest.raises(ValueError, match="1 to 3 tensors"):
+        atb.kernels.linear_multi(x, [w] * 4)
+    with pytest.raises(ValueError, match="unknown SoC"):
+        atb.kernels.linear(x, w, soc_type="Ascend999")
+    assert atb.kernels.linear(torch.randn(0, 8), w).shape == (0, 4)
+
+
+def test_non_contiguous_inputs():
+    x = torch.randn(3, 40)[:, ::2]
+    w = torch.randn(20, 7).T
+    assert_close(atb.kernels.linear(x, w), linear_ref(x, w), scale=2)
