@@ -12,6 +12,8 @@
 #include "kernels/linear/linear_tiling.h"
 #include "kernels/rms_norm/rms_norm_tiling.h"
 #include "kernels/rope/rope_tiling.h"
+#include "kernels/swiglu/swiglu_tiling.h"
+#include "kernels/common/ub_probe.h"
 
 namespace py = pybind11;
 using AscendC::DataType;
@@ -56,6 +58,22 @@ py::dict RopeTilingDict(const atb::RopeTilingData& t) {
   return d;
 }
 
+py::dict SwiGluTilingDict(const atb::SwiGluTilingData& t) {
+  py::dict d;
+  d["rows"] = t.rows;
+  d["cols"] = t.cols;
+  d["col_tile"] = t.colTile;
+  d["col_chunks"] = t.colChunks;
+  d["units"] = t.units;
+  d["block_dim"] = t.blockDim;
+  d["block_factor"] = t.blockFactor;
+  d["rows_per_loop"] = t.rowsPerLoop;
+  d["ub_bytes"] = t.ubBytes;
+  d["tiling_key"] = t.tilingKey;
+  d["col_tiles"] = (t.tilingKey % 10) == atb::SWIGLU_COL_TILES;
+  return d;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -82,6 +100,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("isa", [] { return std::string(AscendC::Simd().isa); });
   m.def("set_isa", [](const std::string& isa) { AscendC::SelectSimd(isa.c_str()); }, py::arg("isa"));
   m.def("cpu_features", [] { return std::string(AscendC::CpuFeatures()); });
+  // Test hook: one block carving `bytes` of UB on `soc` (ValueError past its UB size).
+  m.def("_ub_carve_probe", &atb::UbCarveProbe, py::arg("bytes"), py::arg("soc"));
 
   // ---- rms_norm / add_rms_norm ---------------------------------------------
   m.def("rms_norm_tiling",
@@ -153,4 +173,16 @@ PYBIND11_MODULE(_C, m) {
         },
         py::arg("x"), py::arg("m"), py::arg("k"), py::arg("segments"), py::arg("residual"), py::arg("epilogue"),
         py::arg("dtype"), py::arg("soc"));
+
+  // ---- swiglu / silu_mul ---------------------------------------------------------
+  m.def("swiglu_tiling",
+        [](int64_t rows, int64_t cols, int dtype, const SocInfo& soc) {
+          return SwiGluTilingDict(atb::SwiGluTiling(rows, cols, Dt(dtype), soc));
+        },
+        py::arg("rows"), py::arg("cols"), py::arg("dtype"), py::arg("soc"));
+  m.def("silu_mul",
+        [](uintptr_t out, uintptr_t gate, int64_t gate_row_stride, uintptr_t up, int64_t up_row_stride, int64_t rows,
+           int64_t cols, int dtype, const SocInfo& soc) {
+          atb::SiluMul(Ptr(out), Ptr(gate), gate_row_stride, Ptr(up), up_row_stride, rows, cols, Dt(dtype), soc);
+        });
 }

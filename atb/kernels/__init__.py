@@ -2,5 +2,6 @@
 from atb.kernels.linear import linear, linear_auto, linear_multi, linear_residual, linear_swiglu
 from atb.kernels.rms_norm import add_rms_norm, rms_norm
 from atb.kernels.rope import rope
+from atb.kernels.swiglu import silu_mul, swiglu
 
-__all__ = ["rms_norm", "add_rms_norm", "rope", "linear", "linear_multi", "linear_residual", "linear_swiglu", "linear_auto"]
+__all__ = ["rms_norm", "add_rms_norm", "rope", "swiglu", "silu_mul", "linear", "linear_multi", "linear_residual", "linear_swiglu", "linear_auto"]
