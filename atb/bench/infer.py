@@ -1,0 +1,132 @@
+"""TransformerInfer vs HF generate on SmolLM2-135M: prefill and decode tokens/s, side by side.
+
+    python -m atb.bench.infer [--dtypes float32,bfloat16] [--batches 1,16] [--prompt 128] [--new 128] [--repeats 3]
+
+For each dtype and batch size: prefill tok/s (generate with one new token),
+decode tok/s ((new - 1) tokens per sequence over the time beyond prefill),
+and the same for HF ``generate`` in the same process. Decode is also reported
+as a fraction of the weight-streaming roofline (weight bytes per step /
+bandwidth measured here, in this run). Medians over ``--repeats``; the machine
+is shared, so read the ratios, not the absolute numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Streaming-read bandwidth (bytes/s) over a buffer of ``nbytes`` (a sum reads each byte once)."""
+    buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
+    buf.sum()
+    return buf.nbytes / _median_time(buf.sum, repeats)
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # Ordinary tokens only (ids below 17 are SmolLM2's special tokens).
+    return torch.randint(17, vocab, (batch, length), generator=g).tolist()
+
+
+def bench_one(model, prompts, new: int, repeats: int, graph_mode: bool) -> dict:
+    import atb
+
+    batch = len(prompts)
+    infer = atb.TransformerInfer(model, max_seq_len=len(prompts[0]) + new, max_batch_size=batch, block_size=128,
+                                 graph_mode=graph_mode)
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+
+    def ours(n):
+        out = infer.generate(prompts, n, eos_token_id=[])
+        assert all(len(o) == n for o in out)
+
+    def hf(n):
+        model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+    ours(2)  # warm-up: kernels, allocator, page faults in the KV pool
+    hf(2)
+    res = {"batch": batch, "graph_mode": infer.graph_mode}
+    for name, fn in (("atb", ours), ("hf", hf)):
+        t_prefill = _median_time(lambda: fn(1), repeats)
+        t_total = _median_time(lambda: fn(new), repeats)
+        decode_s = max(t_total - t_prefill, 1e-9)
+        res[name] = {
+            "prefill_tok_s": batch * len(prompts[0]) / t_prefill,
+            "decode_tok_s": batch * (new - 1) / decode_s,
+            "step_ms": 1e3 * decode_s / (new - 1),
+            "throughput_tok_s": batch * new / t_total,
+        }
+    res["decode_vs_hf"] = res["atb"]["decode_tok_s"] / res["hf"]["decode_tok_s"]
+    res["prefill_vs_hf"] = res["atb"]["prefill_tok_s"] / res["hf"]["prefill_tok_s"]
+    res["weights_bytes"] = infer.memory_summary()["weights_bytes"]
+    return res
+
+
+def main(argv=None) -> list[dict]:
+    from atb.checkpoints import load_model
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-graph", action="store_true", help="graph_mode=False (the Python decode step)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    results = []
+    for dname in args.dtypes.split(","):
+        model, _ = load_model(dtype=_DTYPES[dname])
+        vocab = model.config.vocab_size
+        per_batch = {}
+        for b in (int(x) for x in args.batches.split(",")):
+            r = bench_one(model, _prompts(b, args.prompt, vocab, seed=b), args.new, args.repeats, not args.no_graph)
+            r["dtype"] = dname
+            per_batch[b] = r
+            results.append(r)
+        bw = measure_bandwidth(next(iter(per_batch.values()))["weights_bytes"])
+        for b, r in per_batch.items():
+            r["bandwidth_GB_s"] = bw / 1e9
+            r["roofline_fraction"] = r["atb"]["decode_tok_s"] / b * r["weights_bytes"] / bw
+            if 1 in per_batch and b != 1:
+                r["throughput_vs_batch1"] = r["atb"]["throughput_tok_s"] / per_batch[1]["atb"]["throughput_tok_s"]
+        del model
+    if args.json:
+        print(json.dumps(results, indent=1))
+    else:
+        print(f"SmolLM2-135M, {args.prompt}-token prompts, {args.new} new tokens, median of {args.repeats}, "
+              f"threads={torch.get_num_threads()}")
+        hdr = (f"{'dtype':9} {'batch':>5} {'graph':>5} | {'prefill tok/s atb':>17} {'hf':>8} {'x':>5} | "
+               f"{'decode tok/s atb':>16} {'hf':>7} {'x':>5} | {'step ms':>7} {'roofline':>8} {'thr/b1':>6}")
+        print(hdr)
+        print("-" * len(hdr))
+        for r in results:
+            a, h = r["atb"], r["hf"]
+            thr = f"{r['throughput_vs_batch1']:.1f}" if "throughput_vs_batch1" in r else "-"
+            print(f"{r['dtype']:9} {r['batch']:>5} {str(r['graph_mode']):>5} | {a['prefill_tok_s']:17.0f} "
+                  f"{h['prefill_tok_s']:8.0f} {r['prefill_vs_hf']:5.2f} | {a['decode_tok_s']:16.1f} "
+                  f"{h['decode_tok_s']:7.1f} {r['decode_vs_hf']:5.2f} | {a['step_ms']:7.1f} "
+                  f"{r['roofline_fraction']:8.0%} {thr:>6}")
+        print(f"bandwidth (streaming read, this run): {results[0]['bandwidth_GB_s']:.1f} GB/s")
+    return results
+
+
+if __name__ == "__main__":
+    main()
