@@ -14,6 +14,8 @@
 #include "kernels/rope/rope_tiling.h"
 #include "kernels/swiglu/swiglu_tiling.h"
 #include "kernels/common/ub_probe.h"
+#include "kernels/reshape_and_cache/reshape_and_cache_tiling.h"
+#include "kernels/paged_attention/paged_attention_tiling.h"
 
 namespace py = pybind11;
 using AscendC::DataType;
@@ -71,6 +73,29 @@ py::dict SwiGluTilingDict(const atb::SwiGluTilingData& t) {
   d["ub_bytes"] = t.ubBytes;
   d["tiling_key"] = t.tilingKey;
   d["col_tiles"] = (t.tilingKey % 10) == atb::SWIGLU_COL_TILES;
+  return d;
+}
+
+const int32_t* I32(uintptr_t p) { return reinterpret_cast<const int32_t*>(p); }
+
+py::dict PagedAttentionTilingDict(const atb::PagedAttentionTilingData& t) {
+  py::dict d;
+  d["rows_per_tile"] = t.rowsPerTile;
+  d["heads_per_tile"] = t.headsPerTile;
+  d["kv_tile"] = t.kvTile;
+  d["chunk"] = t.chunk;
+  d["block_dim"] = t.blockDim;
+  d["merge_block_dim"] = t.mergeBlockDim;
+  d["ub_bytes"] = t.ubBytes;
+  d["workspace_floats"] = t.workspaceFloats;
+  d["tiling_key"] = t.tilingKey;
+  d["gather"] = (t.tilingKey % 10) == atb::PA_GATHER;
+  d["num_items"] = int64_t(t.items.size());
+  d["num_merge_groups"] = int64_t(t.groups.size());
+  py::list items;
+  for (const auto& it : t.items)
+    items.append(py::make_tuple(it.batch, it.kvHead, it.g0, it.gn, it.q0, it.qn, it.kvStart, it.kvEnd, it.partial));
+  d["items"] = items;
   return d;
 }
 
@@ -185,4 +210,44 @@ PYBIND11_MODULE(_C, m) {
            int64_t cols, int dtype, const SocInfo& soc) {
           atb::SiluMul(Ptr(out), Ptr(gate), gate_row_stride, Ptr(up), up_row_stride, rows, cols, Dt(dtype), soc);
         });
+
+  // ---- reshape_and_cache ---------------------------------------------------
+  m.def("reshape_and_cache",
+        [](uintptr_t key, int64_t key_stride, uintptr_t value, int64_t value_stride, uintptr_t key_cache,
+           uintptr_t value_cache, uintptr_t slot_mapping, int64_t tokens, int64_t kv_heads, int64_t head_dim,
+           int64_t num_blocks, int64_t block_size, int dtype, const SocInfo& soc) {
+          atb::ReshapeAndCache(Ptr(key), key_stride, Ptr(value), value_stride, Ptr(key_cache), Ptr(value_cache),
+                               I32(slot_mapping), tokens, kv_heads, head_dim, num_blocks, block_size, Dt(dtype), soc);
+        },
+        py::arg("key"), py::arg("key_stride"), py::arg("value"), py::arg("value_stride"), py::arg("key_cache"),
+        py::arg("value_cache"), py::arg("slot_mapping"), py::arg("tokens"), py::arg("kv_heads"), py::arg("head_dim"),
+        py::arg("num_blocks"), py::arg("block_size"), py::arg("dtype"), py::arg("soc"));
+
+  // ---- paged_attention -----------------------------------------------------
+  // q_lens == 0 (null): decode, one query per sequence. window <= 0: none.
+  m.def("paged_attention_tiling",
+        [](int64_t batch, int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t num_blocks,
+           int64_t block_size, int64_t max_blocks, uintptr_t context_lens, uintptr_t q_lens, int64_t total_q,
+           int64_t window, int dtype, const SocInfo& soc) {
+          return PagedAttentionTilingDict(atb::PagedAttentionTiling(
+              batch, num_heads, kv_heads, head_dim, num_blocks, block_size, max_blocks, I32(context_lens),
+              I32(q_lens), total_q, num_heads * head_dim, 1.0f, window, Dt(dtype), soc));
+        },
+        py::arg("batch"), py::arg("num_heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("num_blocks"),
+        py::arg("block_size"), py::arg("max_blocks"), py::arg("context_lens"), py::arg("q_lens"), py::arg("total_q"),
+        py::arg("window"), py::arg("dtype"), py::arg("soc"));
+  m.def("paged_attention",
+        [](uintptr_t out, uintptr_t q, int64_t q_stride, uintptr_t key_cache, uintptr_t value_cache,
+           uintptr_t block_tables, uintptr_t context_lens, uintptr_t q_lens, int64_t batch, int64_t num_heads,
+           int64_t kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
+           int64_t total_q, float scale, int64_t window, int dtype, const SocInfo& soc) {
+          atb::PagedAttention(Ptr(out), Ptr(q), q_stride, Ptr(key_cache), Ptr(value_cache), I32(block_tables),
+                              I32(context_lens), I32(q_lens), batch, num_heads, kv_heads, head_dim, num_blocks,
+                              block_size, max_blocks, total_q, scale, window, Dt(dtype), soc);
+        },
+        py::arg("out"), py::arg("q"), py::arg("q_stride"), py::arg("key_cache"), py::arg("value_cache"),
+        py::arg("block_tables"), py::arg("context_lens"), py::arg("q_lens"), py::arg("batch"), py::arg("num_heads"),
+        py::arg("kv_heads"), py::arg("head_dim"), py::arg("num_blocks"), py::arg("block_size"),
+        py::arg("max_blocks"), py::arg("total_q"), py::arg("scale"), py::arg("window"), py::arg("dtype"),
+        py::arg("soc"));
 }

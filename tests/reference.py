@@ -83,3 +83,48 @@ def linear_swiglu_ref(x, gate_weight, up_weight) -> torch.Tensor:
     g = linear_ref(x, gate_weight).to(x.dtype).double()
     u = linear_ref(x, up_weight).to(x.dtype).double()
     return torch.nn.functional.silu(g).to(x.dtype).double() * u
+
+
+
+
+def reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping):
+    """New (key_cache, value_cache): token i's rows at slot slot_mapping[i] (negative = skipped)."""
+    kc, vc = key_cache.clone(), value_cache.clone()
+    nb, bs = kc.shape[:2]
+    for i, s in enumerate(slot_mapping.tolist()):
+        if s >= 0:
+            kc[s // bs, s % bs] = key[i]
+            vc[s // bs, s % bs] = value[i]
+    return kc, vc
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """[length, kv_heads, head_dim]: positions 0..length-1 of one sequence, read through its block table."""
+    bs = cache.shape[1]
+    pos = torch.arange(length)
+    return cache[block_table.long()[pos // bs], pos % bs]
+
+
+def paged_attention_ref(q, key_cache, value_cache, block_tables, context_lens, scale=None, q_lens=None, window=None):
+    """float64 attention of each sequence's queries (the last q_lens[b] positions of its
+    context, causal; one per sequence without q_lens) over its K/V read through block_tables."""
+    rows, heads, dim = q.shape
+    kv_heads = key_cache.shape[2]
+    scale = dim ** -0.5 if scale is None else scale
+    q_lens = [1] * len(context_lens) if q_lens is None else q_lens.tolist()
+    out = torch.empty(rows, heads, dim, dtype=torch.float64)
+    start = 0
+    for b, (ctx, ql) in enumerate(zip(context_lens.tolist(), q_lens)):
+        k = gather_kv(key_cache, block_tables[b], ctx).double().repeat_interleave(heads // kv_heads, dim=1)
+        v = gather_kv(value_cache, block_tables[b], ctx).double().repeat_interleave(heads // kv_heads, dim=1)
+        qb = q[start:start + ql].double()
+        s = torch.einsum("qhd,khd->hqk", qb, k) * scale
+        p = torch.arange(ctx - ql, ctx)[:, None]
+        j = torch.arange(ctx)[None, :]
+        visible = j <= p
+        if window is not None:
+            visible &= j > p - window
+        s = s.masked_fill(~visible, float("-inf"))
+        out[start:start + ql] = torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)
+        start += ql
+    return out

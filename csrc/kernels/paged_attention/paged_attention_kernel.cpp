@@ -1,0 +1,361 @@
+// PagedAttention: queries against a K/V cache read through block tables.
+//
+// One item = the query rows of one q tile (query tokens x the query heads that
+// share one KV head, GQA rows stacked into the M dimension of the cube so each
+// K/V row is read once for all of them) against a range of key positions:
+//   S = (scale * Q) K^T    MmadNT, K rows taken per cache block (or gathered)
+//   online softmax in fp32 per row (running max m, sum l, causal/window mask)
+//   acc = acc * alpha + P V   MmadNN
+// An item that covers its rows' whole key range writes out = acc / l; a key
+// range cut over several items (flash-decoding) writes (m, l, acc) partials,
+// and the merge kernel combines them:  out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "ascendc/kernel_operator.h"
+#include "paged_attention_tiling.h"
+
+using namespace AscendC;
+
+namespace atb {
+namespace {
+
+// A run of consecutive key positions whose K (and V) rows are ld elements
+// apart: one cache block's slice for one KV head, or the gathered UB tile.
+template <typename T>
+struct KvRun {
+  const T* k;
+  const T* v;
+  int64_t ld, col, n;  // row stride, first column in the score tile, keys
+};
+
+template <typename T>
+class KernelPagedAttention {
+ public:
+  void Init(GM_ADDR q, GM_ADDR keyCache, GM_ADDR valueCache, const int32_t* blockTables, GM_ADDR out, float* workspace,
+            const PagedAttentionTilingData& t) {
+    t_ = &t;
+    d_ = t.headDim;
+    gather_ = t.tilingKey % 10 == PA_GATHER;
+    qGm_.SetGlobalBuffer(reinterpret_cast<T*>(q));
+    kGm_.SetGlobalBuffer(reinterpret_cast<T*>(keyCache));
+    vGm_.SetGlobalBuffer(reinterpret_cast<T*>(valueCache));
+    oGm_.SetGlobalBuffer(reinterpret_cast<T*>(out));
+    wsGm_.SetGlobalBuffer(workspace);
+    bt_ = blockTables;
+    int64_t m = t.rowsPerTile, tn = t.kvTile;
+    pipe_.InitBuffer(inQ_, 1, m * d_ * int64_t(sizeof(T)));
+    pipe_.InitBuffer(outO_, 1, m * d_ * int64_t(sizeof(T)));
+    pipe_.InitBuffer(qBuf_, m * d_ * 4);
+    pipe_.InitBuffer(accBuf_, m * d_ * 4);
+    pipe_.InitBuffer(sBuf_, m * tn * 4);
+    pipe_.InitBuffer(statBuf_, 3 * m * 4);
+    if (gather_) {
+      pipe_.InitBuffer(inK_, BUFFER_NUM, tn * d_ * int64_t(sizeof(T)));
+      pipe_.InitBuffer(inV_, BUFFER_NUM, tn * d_ * int64_t(sizeof(T)));
+    }
+    runs_.reserve(size_t(tn));
+  }
+
+  void Process() {
+    int64_t n = int64_t(t_->items.size());
+    for (int64_t i = GetBlockIdx(); i < n; i += GetBlockNum()) ProcessItem(t_->items[size_t(i)]);
+  }
+
+ private:
+  void ProcessItem(const PagedAttentionItem& it) {
+    rows_ = int64_t(it.qn) * it.gn;
+    int64_t ctx = t_->contextLens[it.batch], ql = t_->qLens[it.batch];
+    for (int64_t tp = 0; tp < it.qn; ++tp) {
+      int64_t p = ctx - ql + it.q0 + tp;  // this query token's position
+      lo_[tp] = t_->window ? std::max<int64_t>(0, p - t_->window + 1) : 0;
+      hi_[tp] = p + 1;
+    }
+    CopyInQuery(it);
+    PrepareQuery();
+    int64_t tn = t_->kvTile;
+    for (int64_t t0 = it.kvStart; t0 < it.kvEnd;) {
+      int64_t t1 = std::min<int64_t>(it.kvEnd, (t0 / tn + 1) * tn);
+      CopyInKv(it, t0, t1);
+      Compute(it, t0, t1);
+      t0 = t1;
+    }
+    CopyOut(it);
+  }
+
+  int64_t QueryRow(const PagedAttentionItem& it, int64_t tp) const { return t_->qStart[it.batch] + it.q0 + tp; }
+  int64_t FirstHead(const PagedAttentionItem& it) const { return int64_t(it.kvHead) * t_->groupSize + it.g0; }
+
+  // The gn heads of one query token are adjacent in q: one copy per token.
+  void CopyInQuery(const PagedAttentionItem& it) {
+    LocalTensor<T> x = inQ_.AllocTensor<T>();
+    for (int64_t tp = 0; tp < it.qn; ++tp)
+      DataCopy(x[tp * it.gn * d_], qGm_[QueryRow(it, tp) * t_->qStride + FirstHead(it) * d_], int64_t(it.gn) * d_);
+    inQ_.EnQue(x);
+  }
+
+  // fp32 Q with the softmax scale folded in; fresh running statistics.
+  void PrepareQuery() {
+    LocalTensor<T> x = inQ_.DeQue<T>();
+    LocalTensor<float> q = qBuf_.Get<float>();
+    Cast(q, x, RoundMode::CAST_NONE, rows_ * d_);
+    Muls(q, q, t_->scale, rows_ * d_);
+    inQ_.FreeTensor(x);
+    LocalTensor<float> st = statBuf_.Get<float>();
+    Duplicate(st, -INFINITY, rows_);        // m
+    Duplicate(st[rows_], 0.0f, rows_);      // l
+    Duplicate(accBuf_.Get<float>(), 0.0f, rows_ * d_);
+  }
+
+  // K/V rows of key positions [t0, t1), block by block through the block table.
+  void CopyInKv(const PagedAttentionItem& it, int64_t t0, int64_t t1) {
+    runs_.clear();
+    const int64_t bs = t_->blockSize, kh = t_->kvHeads;
+    const int32_t* table = bt_ + int64_t(it.batch) * t_->maxBlocks;
+    LocalTensor<T> k, v;
+    if (gather_) {
+      k = inK_.AllocTensor<T>();
+      v = inV_.AllocTensor<T>();
+    }
+    for (int64_t pos = t0; pos < t1;) {
+      int64_t blk = table[pos / bs], off = pos % bs, n = std::min(bs - off, t1 - pos);
+      int64_t base = ((blk * bs + off) * kh + it.kvHead) * d_;
+      if (gather_) {
+        GatherRows(k[(pos - t0) * d_], kGm_[base], n);
+        GatherRows(v[(pos - t0) * d_], vGm_[base], n);
+      } else {
+        runs_.push_back({kGm_.GetPhyAddr(base), vGm_.GetPhyAddr(base), kh * d_, pos - t0, n});
+      }
+      pos += n;
+    }
+    if (gather_) {
+      inK_.EnQue(k);
+      inV_.EnQue(v);
+    }
+  }
+
+  // n rows of head_dim elements, kv_heads * head_dim apart in the cache, packed in UB.
+  void GatherRows(const LocalTensor<T>& dst, const GlobalTensor<T>& src, int64_t n) {
+    int64_t rowBytes = d_ * int64_t(sizeof(T));
+    if (rowBytes % ONE_BLK_SIZE == 0) {
+      DataCopyParams p;
+      p.blockCount = n;
+      p.blockLen = rowBytes;
+      p.srcStride = (t_->kvHeads - 1) * rowBytes;
+      DataCopyPad(dst, src, p);
+    } else {  // DataCopyPad would pad each UB row to 32 bytes; keep rows packed
+      for (int64_t r = 0; r < n; ++r) DataCopy(dst[r * d_], src[r * t_->kvHeads * d_], d_);
+    }
+  }
+
+  void Compute(const PagedAttentionItem& it, int64_t t0, int64_t t1) {
+    LocalTensor<T> k, v;
+    if (gather_) {
+      k = inK_.DeQue<T>();
+      v = inV_.DeQue<T>();
+      runs_.assign(1, {k.GetPhyAddr(), v.GetPhyAddr(), d_, 0, t1 - t0});
+    }
+    const int64_t n = t1 - t0, tn = t_->kvTile;
+    float* s = sBuf_.Get<float>().GetPhyAddr();
+    float* q = qBuf_.Get<float>().GetPhyAddr();
+    float* acc = accBuf_.Get<float>().GetPhyAddr();
+    float* m = statBuf_.Get<float>().GetPhyAddr();
+    float* l = m + rows_;
+    for (const auto& r : runs_) MmadNT<T>(s + r.col, q, r.k, {rows_, r.n, d_, d_, r.ld, tn, false});
+    for (int64_t tp = 0; tp < it.qn; ++tp) {
+      // Keys this token may see inside the tile (causal end, sliding-window start).
+      int64_t c0 = std::clamp<int64_t>(lo_[tp] - t0, 0, n), c1 = std::clamp<int64_t>(hi_[tp] - t0, 0, n);
+      for (int64_t gi = 0; gi < it.gn; ++gi) {
+        int64_t r = tp * it.gn + gi;
+        float* row = s + r * tn;
+        if (c1 <= c0) {
+          Simd().duplicate(row, 0.0f, n);
+          continue;
+        }
+        float mx = std::max(m[r], Simd().reduce_max(row + c0, c1 - c0));
+        Simd().adds(row + c0, row + c0, -mx, c1 - c0);
+        Simd().exp(row + c0, row + c0, c1 - c0);
+        if (c0 > 0) Simd().duplicate(row, 0.0f, c0);
+        if (c1 < n) Simd().duplicate(row + c1, 0.0f, n - c1);
+        float sum = Simd().reduce_sum(row + c0, c1 - c0);
+        if (mx != m[r]) {  // rescale what was accumulated under the old max
+          float alpha = std::exp(m[r] - mx);  // 0 on the first tile (m = -inf)
+          l[r] *= alpha;
+          Simd().muls(acc + r * d_, acc + r * d_, alpha, d_);
+          m[r] = mx;
+        }
+        l[r] += sum;
+      }
+    }
+    for (const auto& r : runs_) MmadNN<T>(acc, s + r.col, r.v, {rows_, d_, r.n, tn, r.ld, d_, true});
+    if (gather_) {
+      inK_.FreeTensor(k);
+      inV_.FreeTensor(v);
+    }
+  }
+
+  void CopyOut(const PagedAttentionItem& it) {
+    float* acc = accBuf_.Get<float>().GetPhyAddr();
+    LocalTensor<float> st = statBuf_.Get<float>();
+    if (it.partial >= 0) {  // (m, l, acc) for the merge stage, fp32
+      DataCopy(wsGm_[it.partial], st, rows_);
+      DataCopy(wsGm_[it.partial + rows_], st[rows_], rows_);
+      DataCopy(wsGm_[it.partial + 2 * rows_], accBuf_.Get<float>(), rows_ * d_);
+      return;
+    }
+    const float* l = st.GetPhyAddr() + rows_;
+    LocalTensor<T> o = outO_.AllocTensor<T>();
+    for (int64_t r = 0; r < rows_; ++r) {
+      Simd().muls(acc + r * d_, acc + r * d_, 1.0f / l[r], d_);
+      CastRaw<T, float>(o.GetPhyAddr(r * d_), acc + r * d_, d_);
+    }
+    outO_.EnQue(o);
+    o = outO_.DeQue<T>();
+    for (int64_t tp = 0; tp < it.qn; ++tp)
+      DataCopy(oGm_[(QueryRow(it, tp) * t_->numHeads + FirstHead(it)) * d_], o[tp * it.gn * d_], int64_t(it.gn) * d_);
+    outO_.FreeTensor(o);
+  }
+
+  const PagedAttentionTilingData* t_ = nullptr;
+  int64_t d_ = 0, rows_ = 0;
+  bool gather_ = false;
+  int64_t lo_[PA_MAX_ROWS], hi_[PA_MAX_ROWS];
+  const int32_t* bt_ = nullptr;
+  std::vector<KvRun<T>> runs_;
+  TPipe pipe_;
+  TQue<QuePosition::VECIN, 1> inQ_;
+  TQue<QuePosition::VECOUT, 1> outO_;
+  TQue<QuePosition::VECIN, BUFFER_NUM> inK_, inV_;
+  TBuf<TPosition::VECCALC> qBuf_, accBuf_, sBuf_, statBuf_;
+  GlobalTensor<T> qGm_, kGm_, vGm_, oGm_;
+  GlobalTensor<float> wsGm_;
+};
+
+// Combines the split partials of each merge group, row by row, in split order.
+template <typename T>
+class KernelPagedAttentionMerge {
+ public:
+  void Init(const float* workspace, GM_ADDR out, const PagedAttentionTilingData& t) {
+    t_ = &t;
+    d_ = t.headDim;
+    wsGm_.SetGlobalBuffer(const_cast<float*>(workspace));
+    oGm_.SetGlobalBuffer(reinterpret_cast<T*>(out));
+    pipe_.InitBuffer(inAcc_, BUFFER_NUM, d_ * 4);
+    pipe_.InitBuffer(accBuf_, d_ * 4);
+    pipe_.InitBuffer(outO_, 1, d_ * int64_t(sizeof(T)));
+  }
+
+  void Process() {
+    int64_t n = int64_t(t_->groups.size());
+    for (int64_t g = GetBlockIdx(); g < n; g += GetBlockNum()) {
+      const auto& grp = t_->groups[size_t(g)];
+      for (int64_t r = 0; r < int64_t(grp.qn) * grp.gn; ++r) {
+        float l = Compute(grp, r);
+        CopyOut(grp, r, l);
+      }
+    }
+  }
+
+ private:
+  // acc row = sum_s w_s acc_s, w_s = e^(m_s - max_s m_s); returns sum_s w_s l_s.
+  float Compute(const PagedAttentionMergeGroup& g, int64_t r) {
+    int64_t rows = int64_t(g.qn) * g.gn, stride = rows * (d_ + 2);
+    float mx = -INFINITY;
+    for (int64_t s = 0; s < g.splits; ++s) mx = std::max(mx, wsGm_.GetValue(g.partial + s * stride + r));
+    LocalTensor<float> acc = accBuf_.Get<float>();
+    Duplicate(acc, 0.0f, d_);
+    float l = 0.0f;
+    for (int64_t s = 0; s < g.splits; ++s) {
+      int64_t p = g.partial + s * stride;
+      float ms = wsGm_.GetValue(p + r);
+      if (ms == -INFINITY) continue;  // no key of this split is visible to the row
+      float w = std::exp(ms - mx);
+      l += w * wsGm_.GetValue(p + rows + r);
+      LocalTensor<float> a = inAcc_.AllocTensor<float>();
+      DataCopy(a, wsGm_[p + 2 * rows + r * d_], d_);
+      inAcc_.EnQue(a);
+      a = inAcc_.DeQue<float>();
+      Axpy(acc, a, w, d_);
+      inAcc_.FreeTensor(a);
+    }
+    return l;
+  }
+
+  void CopyOut(const PagedAttentionMergeGroup& g, int64_t r, float l) {
+    LocalTensor<float> acc = accBuf_.Get<float>();
+    Muls(acc, acc, 1.0f / l, d_);
+    LocalTensor<T> o = outO_.AllocTensor<T>();
+    Cast(o, acc, RoundMode::CAST_RINT, d_);
+    outO_.EnQue(o);
+    o = outO_.DeQue<T>();
+    int64_t tp = r / g.gn, gi = r % g.gn;
+    int64_t row = t_->qStart[g.batch] + g.q0 + tp;
+    int64_t head = int64_t(g.kvHead) * t_->groupSize + g.g0 + gi;
+    DataCopy(oGm_[(row * t_->numHeads + head) * d_], o, d_);
+    outO_.FreeTensor(o);
+  }
+
+  const PagedAttentionTilingData* t_ = nullptr;
+  int64_t d_ = 0;
+  TPipe pipe_;
+  TQue<QuePosition::VECIN, BUFFER_NUM> inAcc_;
+  TQue<QuePosition::VECOUT, 1> outO_;
+  TBuf<TPosition::VECCALC> accBuf_;
+  GlobalTensor<float> wsGm_;
+  GlobalTensor<T> oGm_;
+};
+
+template <typename T>
+void RunPagedAttention(GM_ADDR q, GM_ADDR kc, GM_ADDR vc, const int32_t* bt, GM_ADDR out, float* ws,
+                       const PagedAttentionTilingData& t) {
+  KernelPagedAttention<T> op;
+  op.Init(q, kc, vc, bt, out, ws, t);
+  op.Process();
+}
+
+template <typename T>
+void RunPagedAttentionMerge(const float* ws, GM_ADDR out, const PagedAttentionTilingData& t) {
+  KernelPagedAttentionMerge<T> op;
+  op.Init(ws, out, t);
+  op.Process();
+}
+
+}  // namespace
+
+void PagedAttention(void* out, const void* q, int64_t qStride, const void* keyCache, const void* valueCache,
+                    const int32_t* blockTables, const int32_t* contextLens, const int32_t* qLens, int64_t batch,
+                    int64_t numHeads, int64_t kvHeads, int64_t headDim, int64_t numBlocks, int64_t blockSize,
+                    int64_t maxBlocks, int64_t totalQ, float scale, int64_t window, DataType dtype,
+                    const SocInfo& soc) {
+  PagedAttentionTilingData t = PagedAttentionTiling(batch, numHeads, kvHeads, headDim, numBlocks, blockSize, maxBlocks,
+                                                    contextLens, qLens, totalQ, qStride, scale, window, dtype, soc);
+  CheckBlockTables(blockTables, t);
+  if (t.items.empty()) return;  // every q_len is 0
+  // Partials live for one call; the buffer is kept per calling thread so decode
+  // steps do not allocate.
+  thread_local std::vector<float> workspace;
+  if (int64_t(workspace.size()) < t.workspaceFloats) workspace.resize(size_t(t.workspaceFloats));
+  float* ws = workspace.data();
+  auto gm = [](const void* p) { return reinterpret_cast<GM_ADDR>(const_cast<void*>(p)); };
+  auto attention = [&]() {
+    switch (DataType(t.tilingKey / 10)) {
+      case DataType::FLOAT32: return RunPagedAttention<float>(gm(q), gm(keyCache), gm(valueCache), blockTables, gm(out), ws, t);
+      case DataType::FLOAT16: return RunPagedAttention<half>(gm(q), gm(keyCache), gm(valueCache), blockTables, gm(out), ws, t);
+      case DataType::BFLOAT16:
+        return RunPagedAttention<bfloat16_t>(gm(q), gm(keyCache), gm(valueCache), blockTables, gm(out), ws, t);
+    }
+  };
+  KernelLaunch(t.blockDim, soc.ub_size, attention);
+  if (t.groups.empty()) return;
+  auto merge = [&]() {
+    switch (DataType(t.tilingKey / 10)) {
+      case DataType::FLOAT32: return RunPagedAttentionMerge<float>(ws, gm(out), t);
+      case DataType::FLOAT16: return RunPagedAttentionMerge<half>(ws, gm(out), t);
+      case DataType::BFLOAT16: return RunPagedAttentionMerge<bfloat16_t>(ws, gm(out), t);
+    }
+  };
+  KernelLaunch(t.mergeBlockDim, soc.ub_size, merge);
+}
+
+}  // namespace atb

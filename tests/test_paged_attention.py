@@ -1,0 +1,166 @@
+"""paged_attention against the float64 reference: block sizes, GQA, head dims, dtypes,
+splits, multi-token queries, sliding window, SoCs; tiling; bad input."""
+import pytest
+import torch
+
+import atb
+from atb import _C
+from atb.kernels._common import DTYPE_CODES
+from conftest import ALL_SOCS
+from reference import DTYPES, assert_close, paged_attention_ref
+
+
+def _paged_cache(context_lens, block_size, kv_heads, head_dim, dtype, spare_blocks=3):
+    """K/V caches holding every sequence, with a random non-monotonic block table."""
+    batch = len(context_lens)
+    max_blocks = (max(context_lens) + block_size - 1) // block_size
+    num_blocks = batch * max_blocks + spare_blocks
+    kc = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    vc = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    bt = torch.randperm(num_blocks)[:batch * max_blocks].view(batch, max_blocks).int()
+    return kc, vc, bt, torch.tensor(context_lens, dtype=torch.int32)
+
+
+def _check(q, kc, vc, bt, ctx, dtype, **kw):
+    out = atb.kernels.paged_attention(q, kc, vc, bt, ctx, **kw)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_close(out, paged_attention_ref(q, kc, vc, bt, ctx, kw.get("scale"), kw.get("q_lens"), kw.get("window")))
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 16, 128])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 80), (16, 4, 128), (8, 1, 64)])
+def test_decode_matches_reference(dtype, block_size, heads, kv_heads, head_dim):
+    # Lengths at block boundaries, one past, a single token, and one long enough to split.
+    bs = block_size
+    lens = [bs, bs + 1, 2 * bs, 1, 700]
+    kc, vc, bt, ctx = _paged_cache(lens, bs, kv_heads, head_dim, dtype)
+    q = torch.randn(len(lens), heads, head_dim).to(dtype)
+    _check(q, kc, vc, bt, ctx, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batch_with_very_different_lengths(dtype):
+    lens = [1, 7, 63, 64, 65, 300, 1000, 2500]
+    kc, vc, bt, ctx = _paged_cache(lens, 16, 2, 64, dtype)
+    q = torch.randn(len(lens), 8, 64).to(dtype)
+    _check(q, kc, vc, bt, ctx, dtype, scale=0.3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 1, 37, 300])
+def test_multi_token_queries_and_window(dtype, window):
+    # Chunked prefill / speculative verification: q_lens[b] queries causal at the end of the context;
+    # 100 queries x 3 heads need several q tiles, q_len 0 sequences contribute no rows.
+    lens, q_lens = [5, 64, 130, 900, 40], [1, 64, 100, 7, 0]
+    kc, vc, bt, ctx = _paged_cache(lens, 16, 2, 64, dtype)
+    q = torch.randn(sum(q_lens), 6, 64).to(dtype)
+    _check(q, kc, vc, bt, ctx, dtype, q_lens=torch.tensor(q_lens, dtype=torch.int32), window=window)
+
+
+@pytest.mark.parametrize("window", [1, 200, 5000])
+def test_decode_window(window):
+    lens = [1, 199, 200, 201, 3000]
+    kc, vc, bt, ctx = _paged_cache(lens, 16, 4, 64, torch.float32)
+    q = torch.randn(len(lens), 8, 64)
+    _check(q, kc, vc, bt, ctx, torch.float32, window=window)
+
+
+def test_batch_one_long_context_splits_over_every_core():
+    # Flash-decoding: one sequence, 2 KV heads; the key range is cut into 256-key chunks that the
+    # cores share, and the merge stage combines their partials.
+    kc, vc, bt, ctx = _paged_cache([5000], 128, 2, 128, torch.float32)
+    soc = atb.get_soc("Ascend910B4")
+    t = _C.paged_attention_tiling(1, 8, 2, 128, kc.shape[0], 128, bt.shape[1], ctx.data_ptr(), 0, 1, 0,
+                                  DTYPE_CODES[torch.float32], soc)
+    assert t["num_items"] == 2 * 20 and t["num_merge_groups"] == 2 and t["block_dim"] == soc.cube_core_num
+    assert t["ub_bytes"] <= 192 * 1024 and not t["gather"]
+    q = torch.randn(1, 8, 128)
+    out = _check(q, kc, vc, bt, ctx, torch.float32, soc_type="Ascend910B4")
+    assert torch.equal(out, atb.kernels.paged_attention(q, kc, vc, bt, ctx, soc_type="host"))
+
+
+def test_tiling_variants_and_gqa_rows():
+    ctx = torch.tensor([100], dtype=torch.int32)
+    host = atb.get_soc("host")
+    t = _C.paged_attention_tiling(1, 32, 8, 128, 200, 1, 100, ctx.data_ptr(), 0, 1, 0, 2, host)
+    assert t["gather"] and t["heads_per_tile"] == 4 and t["num_items"] == 8 and t["num_merge_groups"] == 0
+    t = _C.paged_attention_tiling(1, 32, 8, 128, 200, 16, 7, ctx.data_ptr(), 0, 1, 0, 2, host)
+    assert not t["gather"]
+    # All 4 query heads of a KV head sit in one item: each K/V row is read once for them.
+    assert sorted((i[1], i[3]) for i in t["items"]) == [(h, 4) for h in range(8)]
+
+
+@pytest.mark.parametrize("soc", ALL_SOCS)
+def test_every_soc_and_thread_count_gives_the_same_numbers(soc):
+    lens, q_lens = [3000, 17, 600], [1, 5, 1]
+    kc, vc, bt, ctx = _paged_cache(lens, 16, 2, 80, torch.float16)
+    q = torch.randn(sum(q_lens), 6, 80).half()
+    ql = torch.tensor(q_lens, dtype=torch.int32)
+    out = atb.kernels.paged_attention(q, kc, vc, bt, ctx, q_lens=ql, soc_type=soc)
+    assert torch.equal(out, atb.kernels.paged_attention(q, kc, vc, bt, ctx, q_lens=ql, soc_type="host"))
+    n = atb.get_num_threads()
+    try:
+        atb.set_num_threads(1)
+        assert torch.equal(out, atb.kernels.paged_attention(q, kc, vc, bt, ctx, q_lens=ql, soc_type="host"))
+    finally:
+        atb.set_num_threads(n)
+
+
+def test_int64_indices_fused_q_view_and_unused_table_entries():
+    lens = [33, 70]
+    kc, vc, bt, ctx = _paged_cache(lens, 16, 2, 64, torch.float32)
+    bt[0, 3:] = -7  # past ceil(33 / 16) = 3 blocks: never read, so never checked
+    qkv = torch.randn(2, (8 + 4) * 64)
+    q = qkv[:, :8 * 64].view(2, 8, 64)
+    out = _check(q, kc, vc, bt, ctx, torch.float32)
+    assert torch.equal(out, atb.kernels.paged_attention(q.contiguous(), kc, vc, bt.long(), ctx.long()))
+
+
+def test_invalid_call_leaves_the_cache_untouched():
+    kc, vc, bt, ctx = _paged_cache([40] * 16, 16, 2, 64, torch.bfloat16)
+    kc0, vc0 = kc.clone(), vc.clone()
+    q = torch.randn(16, 4, 64).bfloat16()
+    bt[9, 1] = kc.shape[0]
+    with pytest.raises(ValueError, match="block_tables\\[9, 1\\] = 51 is out of range"):
+        atb.kernels.paged_attention(q, kc, vc, bt, ctx)
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
+
+
+def test_bad_inputs_raise_clear_errors():
+    kc, vc, bt, ctx = _paged_cache([20, 30], 16, 2, 64, torch.float32)
+    q = torch.randn(2, 4, 64)
+    pa = atb.kernels.paged_attention
+    with pytest.raises(TypeError, match="q must be float32, float16 or bfloat16, got torch.float64"):
+        pa(q.double(), kc, vc, bt, ctx)
+    with pytest.raises(TypeError, match="key_cache is torch.float16 but q is torch.float32"):
+        pa(q, kc.half(), vc, bt, ctx)
+    with pytest.raises(TypeError, match="block_tables must be int32 \\(or int64\\), got torch.float32"):
+        pa(q, kc, vc, bt.float(), ctx)
+    with pytest.raises(ValueError, match="num_heads \\(3\\) must be a multiple of the cache's num_kv_heads \\(2\\)"):
+        pa(torch.randn(2, 3, 64), kc, vc, bt, ctx)
+    with pytest.raises(ValueError, match="q's head_dim is 32, the cache's is 64"):
+        pa(torch.randn(2, 4, 32), kc, vc, bt, ctx)
+    with pytest.raises(ValueError, match="context_lens\\[1\\] = 33 must be in \\[1, max_blocks \\* block_size\\].*\\[1, 32\\]"):
+        pa(q, kc, vc, bt, torch.tensor([20, 33]))
+    with pytest.raises(ValueError, match="context_lens\\[0\\] = 0 must be in"):
+        pa(q, kc, vc, bt, torch.tensor([0, 3]))
+    bad = bt.clone()
+    bad[1, 0] = -1
+    with pytest.raises(ValueError, match="block_tables\\[1, 0\\] = -1 is out of range: the cache has 7 blocks"):
+        pa(q, kc, vc, bad, ctx)
+    with pytest.raises(ValueError, match="q has 2 rows but batch is 1"):
+        pa(q, kc, vc, bt[:1], ctx[:1])
+    with pytest.raises(ValueError, match="block_tables has 2 rows, context_lens has 1"):
+        pa(q, kc, vc, bt, ctx[:1])
+    with pytest.raises(ValueError, match="q_lens\\[0\\] = 21 must be in \\[0, context_lens\\[0\\]\\]"):
+        pa(torch.randn(22, 4, 64), kc, vc, bt, ctx, q_lens=torch.tensor([21, 1]))
+    with pytest.raises(ValueError, match="q has 5 query rows but sum\\(q_lens\\) is 4"):
+        pa(torch.randn(5, 4, 64), kc, vc, bt, ctx, q_lens=torch.tensor([2, 2]))
+    with pytest.raises(ValueError, match="window must be None or an int >= 1, got 0"):
+        pa(q, kc, vc, bt, ctx, window=0)
+    with pytest.raises(ValueError, match="bfloat16 is not supported on Ascend310P3"):
+        pa(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), bt, ctx, soc_type="Ascend310P3")
+    with pytest.raises(ValueError, match="key_cache must be 4-D"):
+        pa(q, kc[0], vc[0], bt, ctx)
