@@ -13,6 +13,7 @@
 #include "kernels/rms_norm/rms_norm_tiling.h"
 #include "kernels/rope/rope_tiling.h"
 #include "kernels/swiglu/swiglu_tiling.h"
+#include "kernels/common/stream_read.h"
 #include "kernels/common/ub_probe.h"
 #include "kernels/reshape_and_cache/reshape_and_cache_tiling.h"
 #include "kernels/paged_attention/paged_attention_tiling.h"
@@ -127,6 +128,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("cpu_features", [] { return std::string(AscendC::CpuFeatures()); });
   // Test hook: one block carving `bytes` of UB on `soc` (ValueError past its UB size).
   m.def("_ub_carve_probe", &atb::UbCarveProbe, py::arg("bytes"), py::arg("soc"));
+  // Memory-bandwidth probe for the benchmarks: reads `nbytes` at `ptr` on every pool thread.
+  m.def("stream_read", [](uintptr_t ptr, int64_t nbytes) { return atb::StreamRead(Ptr(ptr), nbytes); },
+        py::arg("ptr"), py::arg("nbytes"));
 
   // ---- rms_norm / add_rms_norm ---------------------------------------------
   m.def("rms_norm_tiling",

@@ -16,14 +16,16 @@ _FLOAT_NAMES = "float32, float16 or bfloat16"
 
 def float_code(op: str, name: str, t) -> int:
     """dtype code of a floating tensor on the CPU, or a clear error."""
+    # Fast path first: it runs for every tensor of every kernel call (t.device builds an object; is_cpu does not).
+    if isinstance(t, torch.Tensor):
+        code = DTYPE_CODES.get(t.dtype)
+        if code is not None and t.is_cpu:
+            return code
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    code = DTYPE_CODES.get(t.dtype)
-    if code is None:
+    if t.dtype not in DTYPE_CODES:
         raise TypeError(f"{op}: {name} must be {_FLOAT_NAMES}, got {t.dtype}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{op}: {name} must be on the CPU, got device {t.device}")
-    return code
+    raise ValueError(f"{op}: {name} must be on the CPU, got device {t.device}")
 
 
 def int_tensor(op: str, name: str, t, *, ndim: int | None = None) -> torch.Tensor:

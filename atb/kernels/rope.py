@@ -4,21 +4,20 @@ from __future__ import annotations
 import torch
 
 from atb import _C
-from atb.kernels._common import DTYPE_CODES, float_code, resolve_soc
+from atb.kernels._common import float_code, resolve_soc
 
 _STYLES = {"neox": False, "interleave": True}
 
 
-def _check_qk(name: str, t: torch.Tensor, inplace: bool) -> None:
-    if t.dim() != 3:
-        raise ValueError(f"rope: {name} must be 3-D [tokens, heads, head_dim], got shape {tuple(t.shape)}")
-    if inplace:
-        if t.shape[2] > 1 and t.stride(2) != 1:
-            raise ValueError(f"rope: inplace=True needs {name}'s last dim contiguous, got strides {t.stride()}")
-        # Rows written in place must not overlap (an expanded or aliased view would race).
-        if (t.shape[1] > 1 and t.stride(1) < t.shape[2]) or (t.shape[0] > 1 and t.stride(0) < t.shape[1] * t.stride(1)):
-            raise ValueError(f"rope: inplace=True needs {name}'s rows not to overlap, got shape {tuple(t.shape)} "
-                             f"strides {t.stride()}")
+def _check_inplace(name: str, t: torch.Tensor) -> None:
+    tokens, heads, head_dim = t.shape
+    st = t.stride()
+    if head_dim > 1 and st[2] != 1:
+        raise ValueError(f"rope: inplace=True needs {name}'s last dim contiguous, got strides {st}")
+    # Rows written in place must not overlap (an expanded or aliased view would race).
+    if (heads > 1 and st[1] < head_dim) or (tokens > 1 and st[0] < heads * st[1]):
+        raise ValueError(f"rope: inplace=True needs {name}'s rows not to overlap, got shape {tuple(t.shape)} "
+                         f"strides {st}")
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, style: str = "neox",
@@ -44,47 +43,53 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     returns them.
     """
     code = float_code("rope", "q", q)
-    kcode = float_code("rope", "k", k)
-    ccode = float_code("rope", "cos", cos)
-    scode = float_code("rope", "sin", sin)
-    if kcode != code:
+    if float_code("rope", "k", k) != code:
         raise TypeError(f"rope: k is {k.dtype} but q is {q.dtype}; they must match")
-    if ccode != scode:
+    ccode = float_code("rope", "cos", cos)
+    if float_code("rope", "sin", sin) != ccode:
         raise TypeError(f"rope: sin is {sin.dtype} but cos is {cos.dtype}; they must match")
     if ccode != code and ccode != 0:
         raise TypeError(f"rope: cos/sin must be {q.dtype} (q's dtype) or torch.float32, got {cos.dtype}")
     interleave = _STYLES.get(style)
     if interleave is None:
         raise ValueError(f"rope: style must be 'neox' or 'interleave', got {style!r}")
-    _check_qk("q", q, inplace)
-    _check_qk("k", k, inplace)
+    if q.ndim != 3 or k.ndim != 3:
+        name, t = ("q", q) if q.ndim != 3 else ("k", k)
+        raise ValueError(f"rope: {name} must be 3-D [tokens, heads, head_dim], got shape {tuple(t.shape)}")
     tokens, heads, head_dim = q.shape
-    if k.shape[0] != tokens or k.shape[2] != head_dim:
+    _, kv_heads, k_dim = k.shape
+    if k.shape[0] != tokens or k_dim != head_dim:
         raise ValueError(f"rope: k has shape {tuple(k.shape)}, expected [{tokens}, kv_heads, {head_dim}] to match q "
                          f"{tuple(q.shape)}")
-    if cos.dim() != 2 or cos.shape[0] != tokens:
+    if cos.ndim != 2 or cos.shape[0] != tokens:
         raise ValueError(f"rope: cos has shape {tuple(cos.shape)}, expected [{tokens}, rotary_dim] (one row per token)")
     if sin.shape != cos.shape:
         raise ValueError(f"rope: sin has shape {tuple(sin.shape)}, cos has {tuple(cos.shape)}; they must match")
-    if heads == 0 or k.shape[1] == 0:
+    if heads == 0 or kv_heads == 0:
         raise ValueError(f"rope: q and k need at least one head, got q {tuple(q.shape)}, k {tuple(k.shape)}")
     rotary = cos.shape[1]
     if rotary < 2 or rotary % 2 or rotary > head_dim:
         raise ValueError(f"rope: rotary_dim (cos.shape[1]) must be even and in [2, head_dim={head_dim}], got {rotary}")
-    if q.stride(2) != 1 and head_dim > 1:
-        q = q.contiguous()
-    if k.stride(2) != 1 and head_dim > 1:
-        k = k.contiguous()
     if inplace:
+        _check_inplace("q", q)
+        _check_inplace("k", k)
         q_out, k_out = q, k
     else:
-        q_out = torch.empty((tokens, heads, head_dim), dtype=q.dtype)
-        k_out = torch.empty(k.shape, dtype=k.dtype)
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        if k.stride(2) != 1:
+            k = k.contiguous()
+        # empty_like is the cheapest allocation torch offers (no shape/dtype parsing); it is contiguous here.
+        q_out = torch.empty_like(q) if q.is_contiguous() else torch.empty((tokens, heads, head_dim), dtype=q.dtype)
+        k_out = torch.empty_like(k) if k.is_contiguous() else torch.empty((tokens, kv_heads, head_dim), dtype=k.dtype)
     if tokens == 0:
         return q_out, k_out
-    cos = cos.contiguous()
-    sin = sin.contiguous()
-    _C.rope(q_out.data_ptr(), q_out.stride(0), q_out.stride(1), k_out.data_ptr(), k_out.stride(0), k_out.stride(1),
-            q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), cos.data_ptr(),
-            sin.data_ptr(), tokens, heads, k.shape[1], head_dim, rotary, code, ccode, interleave, resolve_soc(soc_type))
+    if not cos.is_contiguous():
+        cos = cos.contiguous()
+    if not sin.is_contiguous():
+        sin = sin.contiguous()
+    qs, ks, qos, kos = q.stride(), k.stride(), q_out.stride(), k_out.stride()
+    _C.rope(q_out.data_ptr(), qos[0], qos[1], k_out.data_ptr(), kos[0], kos[1], q.data_ptr(), qs[0], qs[1],
+            k.data_ptr(), ks[0], ks[1], cos.data_ptr(), sin.data_ptr(), tokens, heads, kv_heads, head_dim, rotary, code,
+            ccode, interleave, resolve_soc(soc_type))
     return q_out, k_out

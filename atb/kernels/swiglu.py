@@ -9,20 +9,14 @@ from atb.kernels._common import float_code, resolve_soc
 
 def _rows(t: torch.Tensor, cols: int) -> torch.Tensor:
     """t as a 2-D [rows, cols] view with unit column stride (copied only if no such view exists)."""
+    if t.ndim == 2 and t.stride(1) == 1:
+        return t
     if t.stride(-1) != 1 and cols > 1:
         t = t.contiguous()
     try:
         return t.view(-1, cols)
     except RuntimeError:  # leading dims that cannot merge into one row stride
         return t.contiguous().view(-1, cols)
-
-
-def _launch(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, code: int, soc_type) -> torch.Tensor:
-    rows, cols = gate.shape
-    if rows and cols:
-        _C.silu_mul(out.data_ptr(), gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), rows, cols, code,
-                    resolve_soc(soc_type))
-    return out
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, soc_type: str | None = None) -> torch.Tensor:
@@ -32,18 +26,27 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, soc_type: str | None = Non
     (e.g. halves of a fused gate/up projection); only the last dim must be contiguous (else copied).
     """
     code = float_code("silu_mul", "gate", gate)
-    float_code("silu_mul", "up", up)
-    if up.dtype != gate.dtype:
+    if float_code("silu_mul", "up", up) != code:
         raise TypeError(f"silu_mul: up is {up.dtype} but gate is {gate.dtype}; they must match")
-    if up.shape != gate.shape:
-        raise ValueError(f"silu_mul: up has shape {tuple(up.shape)}, gate has {tuple(gate.shape)}; they must match")
-    if gate.dim() == 0:
+    shape = gate.shape
+    if up.shape != shape:
+        raise ValueError(f"silu_mul: up has shape {tuple(up.shape)}, gate has {tuple(shape)}; they must match")
+    if not shape:
         raise ValueError("silu_mul: gate must have at least 1 dimension, got a scalar")
-    out = torch.empty(gate.shape, dtype=gate.dtype)
+    cols = shape[-1]
+    if gate.is_contiguous() and up.is_contiguous():  # the decode hot path: no views, cheapest allocation
+        out = torch.empty_like(gate)
+        n = out.numel()
+        if n:
+            _C.silu_mul(out.data_ptr(), gate.data_ptr(), cols, up.data_ptr(), cols, n // cols, cols, code,
+                        resolve_soc(soc_type))
+        return out
+    out = torch.empty(shape, dtype=gate.dtype)
     if out.numel() == 0:
         return out
-    cols = gate.shape[-1]
-    _launch(out.view(-1, cols), _rows(gate, cols), _rows(up, cols), code, soc_type)
+    g, u = _rows(gate, cols), _rows(up, cols)
+    _C.silu_mul(out.data_ptr(), g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), out.numel() // cols, cols, code,
+                resolve_soc(soc_type))
     return out
 
 
@@ -54,14 +57,17 @@ def swiglu(x: torch.Tensor, *, soc_type: str | None = None) -> torch.Tensor:
     the halves are read in place (no split copies).
     """
     code = float_code("swiglu", "x", x)
-    if x.dim() == 0:
+    if x.ndim == 0:
         raise ValueError("swiglu: x must have at least 1 dimension, got a scalar")
-    if x.shape[-1] % 2:
-        raise ValueError(f"swiglu: x's last dim must be even (gate and up halves), got {x.shape[-1]}")
-    n = x.shape[-1] // 2
-    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
+    shape = x.shape
+    if shape[-1] % 2:
+        raise ValueError(f"swiglu: x's last dim must be even (gate and up halves), got {shape[-1]}")
+    n = shape[-1] // 2
+    out = torch.empty((*shape[:-1], n), dtype=x.dtype)
     if out.numel() == 0:
         return out
     x2 = _rows(x, 2 * n)
-    _launch(out.view(-1, n), x2[:, :n], x2[:, n:], code, soc_type)
+    ptr, stride = x2.data_ptr(), x2.stride(0)
+    _C.silu_mul(out.data_ptr(), ptr, stride, ptr + n * x.element_size(), stride, x2.shape[0], n, code,
+                resolve_soc(soc_type))
     return out

@@ -321,9 +321,16 @@ struct Bf16S {
   using T = uint16_t;
   static __m256 L8(const uint16_t* p) { return Load8B(p); }
   static void S8(uint16_t* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), Bf16Round8(v)); }
+  // Round to nearest even at bit 16 without leaving the fp32 lanes (no pack/unpack);
+  // a NaN stays a quiet NaN, as FromFloat<bfloat16_t> makes it.
   static __m256 Round8(__m256 v) {
-    __m256i r = _mm256_slli_epi32(_mm256_cvtepu16_epi32(Bf16Round8(v)), 16);
-    return _mm256_castsi256_ps(r);
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    __m256 hi = _mm256_castsi256_ps(_mm256_set1_epi32(int32_t(0xffff0000u)));
+    __m256 nan = _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x00400000)));
+    __m256 isnan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    return _mm256_and_ps(_mm256_blendv_ps(_mm256_castsi256_ps(r), nan, isnan), hi);
   }
   static float L1(const uint16_t* p) { return Load1B(p); }
   static void S1(uint16_t* p, float v) { *p = FromFloat<bfloat16_t>(v).bits; }

@@ -1,0 +1,82 @@
+"""Shared benchmark utilities: a timing helper and the memory-bandwidth roofline.
+
+The API (reuse it; keep benchmarks comparable):
+
+* :func:`time_us` -- median microseconds per call of ``fn()``, after warm-up, each sample
+  batching enough calls to last ``min_sample_us`` so timer resolution does not matter.
+* :func:`stream_read_gbps` -- streaming-read memory bandwidth of this machine in GB/s, measured
+  now (median of repeats) by a native read loop over a buffer far larger than the L3, on every
+  kernel thread. Divide a kernel's achieved GB/s by it for the fraction of the roofline
+  (:func:`achieved_gbps` turns bytes moved and µs into GB/s).
+* :func:`keep_freed_memory` -- call once before timing: stops glibc from handing large freed
+  blocks back to the OS, so a fresh output tensor does not page-fault on every call.
+
+The machine is shared and noisy: compare ratios measured in one run, never absolute numbers
+across runs.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from atb import _C
+
+_BANDWIDTH_BUFFER_BYTES = 256 << 20  # 8x a 32 MiB L3: every pass comes from DRAM
+
+
+def time_us(fn: Callable[[], object], *, repeat: int = 15, warmup: int = 3, min_sample_us: float = 2000.0) -> float:
+    """Median wall time of one ``fn()`` call in microseconds.
+
+    ``warmup`` calls run first (allocator, caches, thread pool). Each of the ``repeat`` samples then
+    runs ``fn`` back to back as many times as needed to last about ``min_sample_us``; the median over
+    samples is divided by that count.
+    """
+    for _ in range(max(0, warmup)):
+        fn()
+    t0 = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t0, 1e-7)
+    inner = max(1, int(min_sample_us * 1e-6 / once))
+    samples = []
+    for _ in range(max(1, repeat)):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter() - t0) / inner)
+    return statistics.median(samples) * 1e6
+
+
+def stream_read_gbps(nbytes: int = _BANDWIDTH_BUFFER_BYTES, *, repeat: int = 9) -> float:
+    """Streaming-read bandwidth in GB/s (1e9 bytes/s): median over ``repeat`` full reads of ``nbytes``."""
+    buf = torch.ones(max(1, nbytes // 8), dtype=torch.int64)  # written once, so every page is resident
+    size = buf.numel() * 8
+    us = time_us(lambda: _C.stream_read(buf.data_ptr(), size), repeat=repeat, warmup=1, min_sample_us=0.0)
+    return size / (us * 1e-6) / 1e9
+
+
+def achieved_gbps(bytes_moved: int, us: float) -> float:
+    """GB/s of a kernel that moved ``bytes_moved`` (read + written) in ``us`` microseconds."""
+    return bytes_moved / (us * 1e-6) / 1e9
+
+
+def keep_freed_memory() -> bool:
+    """Makes glibc keep freed memory for reuse (as jemalloc/tcmalloc do); returns whether it applied.
+
+    glibc serves blocks of 32 MiB and more with mmap and unmaps them on free, so every fresh
+    2048x4096 fp32 output page-faults all over again: 8192 faults, tens of ms on this VM, more than
+    the kernel itself. With mmap off and trimming off, freed blocks are reused. Stock torch code and
+    atb allocate through the same allocator, so both sides benefit alike. Process-wide; for
+    benchmarks only.
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        m_trim_threshold, m_mmap_max = -1, -4
+        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 1 << 40))
+    except (OSError, AttributeError, TypeError):  # not glibc: nothing to tune
+        return False
