@@ -1,12 +1,13 @@
 """Fused elementwise kernels vs the stock torch/HF code they replace.
 
-Run: ``python -m atb.bench.kernels [--repeat N] [--quick]``.
+Run: ``python -m atb.bench.kernels [--repeat N] [--quick] [--threads N]``.
 
 For rms_norm, add_rms_norm, rope, silu_mul and swiglu at decode (1 token) and prefill (2048 tokens)
 shapes, hidden 576 (SmolLM2: rope 9/3 heads x 64) and 4096 (Llama: rope 32/8 heads x 128), float32
 and bfloat16, it prints the median µs of the stock code and of atb, the speedup, the bytes the kernel
 must move (inputs read + outputs written), the GB/s that makes, and that as a percentage of the
-streaming-read bandwidth measured at the start of the same run.
+streaming-read bandwidth measured at the start of the same run. Stock and atb samples are taken in
+turns (medians of ``--repeat`` samples each), so load from other processes hits both alike.
 
 Stock code: HF ``LlamaRMSNorm`` forward; ``residual + x`` then ``LlamaRMSNorm``; HF
 ``apply_rotary_pos_emb`` on HF's ``[1, heads, tokens, head_dim]`` layout; ``F.silu(g) * u``; and
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 import atb
-from atb.bench.roofline import achieved_gbps, keep_freed_memory, stream_read_gbps, time_us
+from atb.bench.roofline import achieved_gbps, keep_freed_memory, stream_read_gbps, time_us_many
 
 ROPE_HEADS = {576: (9, 3, 64), 4096: (32, 8, 128)}
 EPS = 1e-5
@@ -81,8 +82,7 @@ def run(repeat: int = 15, quick: bool = False) -> list[dict]:
             for hidden in (576, 4096):
                 for tokens in (1, 2048):
                     for name, shape, nbytes, stock, fused in _cases(hidden, tokens, dtype):
-                        t_stock = time_us(stock, repeat=repeat, min_sample_us=sample_us)
-                        t_atb = time_us(fused, repeat=repeat, min_sample_us=sample_us)
+                        t_stock, t_atb = time_us_many((stock, fused), repeat=repeat, min_sample_us=sample_us)
                         gbps = achieved_gbps(nbytes, t_atb)
                         row = dict(kernel=name, dtype=str(dtype).removeprefix("torch."), shape=shape,
                                    stock_us=t_stock, atb_us=t_atb, speedup=t_stock / t_atb, bytes=nbytes,
@@ -92,6 +92,8 @@ def run(repeat: int = 15, quick: bool = False) -> list[dict]:
                               f"{row['speedup']:>7.2f}x {nbytes / 1e6:>9.3f} {gbps:>7.1f} {row['pct_bw']:>5.0f}%",
                               flush=True)
                     gc.collect()
+    end_bw = stream_read_gbps(repeat=3 if quick else 9)
+    print(f"streaming read measured again at the end: {end_bw:.1f} GB/s (% bw above uses the first, {bw:.1f} GB/s)")
     return rows
 
 
@@ -99,7 +101,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m atb.bench.kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--repeat", type=int, default=15, help="timed samples per measurement (median taken)")
     p.add_argument("--quick", action="store_true", help="shorter samples and bandwidth probe (smoke run)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads for both torch and atb (default: as configured, torch's count)")
     args = p.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+        atb.set_num_threads(args.threads)
     run(repeat=args.repeat, quick=args.quick)
 
 

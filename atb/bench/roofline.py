@@ -4,6 +4,8 @@ The API (reuse it; keep benchmarks comparable):
 
 * :func:`time_us` -- median microseconds per call of ``fn()``, after warm-up, each sample
   batching enough calls to last ``min_sample_us`` so timer resolution does not matter.
+* :func:`time_us_many` -- the same for several candidates (e.g. stock vs fused), samples taken
+  in turns so the load of a shared machine falls on every candidate alike; use it for ratios.
 * :func:`stream_read_gbps` -- streaming-read memory bandwidth of this machine in GB/s, measured
   now (median of repeats) by a native read loop over a buffer far larger than the L3, on every
   kernel thread. Divide a kernel's achieved GB/s by it for the fraction of the roofline
@@ -49,6 +51,29 @@ def time_us(fn: Callable[[], object], *, repeat: int = 15, warmup: int = 3, min_
             fn()
         samples.append((time.perf_counter() - t0) / inner)
     return statistics.median(samples) * 1e6
+
+
+def time_us_many(fns, *, repeat: int = 15, warmup: int = 3, min_sample_us: float = 2000.0) -> list[float]:
+    """Median µs per call of each function in ``fns``, like :func:`time_us`, with samples interleaved.
+
+    Round r times sample r of every candidate back to back, so a burst of load from other processes
+    lands on all of them rather than on whichever happened to be running.
+    """
+    inner = []
+    for fn in fns:
+        for _ in range(max(0, warmup)):
+            fn()
+        t0 = time.perf_counter()
+        fn()
+        inner.append(max(1, int(min_sample_us * 1e-6 / max(time.perf_counter() - t0, 1e-7))))
+    samples = [[] for _ in fns]
+    for _ in range(max(1, repeat)):
+        for fn, n, out in zip(fns, inner, samples):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            out.append((time.perf_counter() - t0) / n)
+    return [statistics.median(s) * 1e6 for s in samples]
 
 
 def stream_read_gbps(nbytes: int = _BANDWIDTH_BUFFER_BYTES, *, repeat: int = 9) -> float:
