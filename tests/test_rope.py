@@ -114,6 +114,24 @@ def test_head_strided_and_copied_views(inplace):
     assert torch.equal(base[:, 1::2], other)  # the rows between q's heads are never written
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("style", ["neox", "interleave"])
+def test_interleaved_head_views_in_place(dtype, style):
+    # q = even heads, k = heads 1, 5, 9 of one buffer; head_dim 6 pads each UB row to 32 bytes.
+    base = torch.randn(37, 10, 6).to(dtype)
+    q, k = base[:, ::2], base[:, 1::4]
+    cos, sin = torch.randn(37, 4).to(dtype), torch.randn(37, 4).to(dtype)
+    soc = "Ascend910B4" if dtype != torch.bfloat16 else "Ascend910B1"
+    qo, ko = atb.kernels.rope(q, k, cos, sin, style=style, soc_type=soc)
+    assert_close(qo, rope_ref(q, cos, sin, style), scale=2)
+    assert_close(ko, rope_ref(k, cos, sin, style), scale=2)
+    b2 = base.clone()
+    atb.kernels.rope(b2[:, ::2], b2[:, 1::4], cos, sin, style=style, inplace=True, soc_type=soc)
+    assert torch.equal(b2[:, ::2], qo) and torch.equal(b2[:, 1::4], ko)
+    untouched = [3, 7]  # heads in neither view
+    assert torch.equal(b2[:, untouched], base[:, untouched])
+
+
 @pytest.mark.parametrize("soc", ALL_SOCS)
 def test_every_soc_gives_the_same_numbers(soc):
     q, k = rand_qk(300, 12, 4, 64, torch.float16)

@@ -15,7 +15,7 @@ def _check_inplace(name: str, t: torch.Tensor) -> None:
     if head_dim > 1 and st[2] != 1:
         raise ValueError(f"rope: inplace=True needs {name}'s last dim contiguous, got strides {st}")
     # Rows written in place must not overlap (an expanded or aliased view would race).
-    if (heads > 1 and st[1] < head_dim) or (tokens > 1 and st[0] < heads * st[1]):
+    if (heads > 1 and st[1] < head_dim) or (tokens > 1 and st[0] < (heads - 1) * st[1] + head_dim):
         raise ValueError(f"rope: inplace=True needs {name}'s rows not to overlap, got shape {tuple(t.shape)} "
                          f"strides {st}")
 
