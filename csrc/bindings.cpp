@@ -9,6 +9,7 @@
 #include "ascendc/runtime.h"
 #include "ascendc/simd.h"
 #include "ascendc/soc.h"
+#include "graph/decode_graph.h"
 #include "kernels/linear/linear_tiling.h"
 #include "kernels/rms_norm/rms_norm_tiling.h"
 #include "kernels/rope/rope_tiling.h"
@@ -254,4 +255,88 @@ PYBIND11_MODULE(_C, m) {
         py::arg("kv_heads"), py::arg("head_dim"), py::arg("num_blocks"), py::arg("block_size"),
         py::arg("max_blocks"), py::arg("total_q"), py::arg("scale"), py::arg("window"), py::arg("dtype"),
         py::arg("soc"));
+
+  // ---- decode graph ----------------------------------------------------------
+  // Built from a config dict and per-layer dicts of raw pointers (ints); the
+  // Python owner (atb.graph.DecodeGraph) keeps every tensor alive.
+  py::class_<atb::DecodeGraph>(m, "DecodeGraph")
+      .def(py::init([](const py::dict& cfg, const std::vector<py::dict>& layers, uintptr_t embed, uintptr_t final_norm,
+                       uintptr_t lm_head, uintptr_t cos, uintptr_t sin, const SocInfo& soc) {
+             atb::DecodeGraphConfig c;
+             auto geti = [&](const char* k) { return cfg[k].cast<int64_t>(); };
+             c.numLayers = geti("num_layers");
+             c.hidden = geti("hidden");
+             c.numHeads = geti("num_heads");
+             c.numKvHeads = geti("num_kv_heads");
+             c.headDim = geti("head_dim");
+             c.intermediate = geti("intermediate");
+             c.vocab = geti("vocab");
+             c.eps = cfg["eps"].cast<float>();
+             c.scale = cfg["scale"].cast<float>();
+             c.rotaryDim = geti("rotary_dim");
+             c.ropeStyle = atb::RopeStyle(geti("rope_style"));
+             c.maxBatch = geti("max_batch");
+             c.maxSeqLen = geti("max_seq_len");
+             c.numBlocks = geti("num_blocks");
+             c.blockSize = geti("block_size");
+             c.dtype = Dt(int(geti("dtype")));
+             c.cosDtype = Dt(int(geti("cos_dtype")));
+             std::vector<atb::DecodeLayer> ls;
+             for (const auto& d : layers) {
+               auto p = [&](const char* k) -> void* { return d.contains(k) ? Ptr(d[k].cast<uintptr_t>()) : nullptr; };
+               atb::DecodeLayer l;
+               l.inputNorm = p("input_norm");
+               l.q = p("q");
+               l.k = p("k");
+               l.v = p("v");
+               l.qBias = p("q_bias");
+               l.kBias = p("k_bias");
+               l.vBias = p("v_bias");
+               l.qNorm = p("q_norm");
+               l.kNorm = p("k_norm");
+               l.o = p("o");
+               l.oBias = p("o_bias");
+               l.postNorm = p("post_attention_norm");
+               l.gate = p("gate");
+               l.gateBias = p("gate_bias");
+               l.up = p("up");
+               l.upBias = p("up_bias");
+               l.down = p("down");
+               l.downBias = p("down_bias");
+               l.keyCache = p("key_cache");
+               l.valueCache = p("value_cache");
+               l.window = d.contains("window") ? d["window"].cast<int64_t>() : 0;
+               ls.push_back(l);
+             }
+             return new atb::DecodeGraph(c, std::move(ls), Ptr(embed), Ptr(final_norm), Ptr(lm_head), Ptr(cos),
+                                         Ptr(sin), soc);
+           }),
+           py::arg("config"), py::arg("layers"), py::arg("embed"), py::arg("final_norm"), py::arg("lm_head"),
+           py::arg("cos"), py::arg("sin"), py::arg("soc"))
+      .def("step",
+           [](atb::DecodeGraph& g, uintptr_t token_ids, uintptr_t positions, uintptr_t block_tables, int64_t max_blocks,
+              uintptr_t context_lens, uintptr_t slot_mapping, int64_t batch, uintptr_t logits, uintptr_t argmax_out) {
+             py::gil_scoped_release nogil;
+             g.Step(static_cast<const int32_t*>(Ptr(token_ids)), static_cast<const int32_t*>(Ptr(positions)),
+                    static_cast<const int32_t*>(Ptr(block_tables)), max_blocks,
+                    static_cast<const int32_t*>(Ptr(context_lens)), static_cast<const int32_t*>(Ptr(slot_mapping)),
+                    batch, Ptr(logits), static_cast<int32_t*>(Ptr(argmax_out)));
+           },
+           py::arg("token_ids"), py::arg("positions"), py::arg("block_tables"), py::arg("max_blocks"),
+           py::arg("context_lens"), py::arg("slot_mapping"), py::arg("batch"), py::arg("logits"),
+           py::arg("argmax_out"))
+      .def_property("profiling", &atb::DecodeGraph::Profiling, &atb::DecodeGraph::SetProfiling)
+      .def("reset_profile", &atb::DecodeGraph::ResetProfile)
+      .def("profile",
+           [](const atb::DecodeGraph& g) {
+             py::dict d;
+             for (int i = 0; i < atb::NODE_COUNT; ++i) {
+               py::dict e;
+               e["ns"] = g.ProfileNs()[i];
+               e["calls"] = g.ProfileCalls()[i];
+               d[atb::DecodeNodeName(i)] = e;
+             }
+             return py::make_tuple(d, g.ProfiledSteps());
+           })
+      .def_property_readonly("scratch_bytes", &atb::DecodeGraph::ScratchBytes);
 }

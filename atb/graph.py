@@ -1,0 +1,253 @@
+"""The native decode graph: one decode step of a whole model as one C++ call.
+
+ATB's GraphOperation on the CPU. ``DecodeGraph`` is built once from a model's
+shapes, its weight tensors (kept referenced here, never copied), the paged KV
+cache and the rope cos/sin table; ``step`` then runs embedding, every decoder
+layer (rms_norm, fused q/k/v linear (+bias), q/k norm, rope,
+reshape_and_cache, paged_attention, o_proj + residual, rms_norm, gate/up with
+SwiGLU, down_proj + residual), the final norm and the lm_head natively, with
+no Python between the kernels and no allocation of its own.
+
+    g = DecodeGraph.from_weights(config, layers, embed=..., final_norm=..., lm_head=...,
+                                 cos=cos, sin=sin, key_caches=kc, value_caches=vc, max_batch=8)
+    logits = g.step(token_ids, positions, block_tables, context_lens, slot_mapping)
+
+Metadata follows the paged-attention conventions (int32; int64 accepted):
+``positions[b]`` is the new token's position, ``context_lens[b]`` counts it,
+``slot_mapping[b]`` is where its K/V go. A step whose metadata is out of range
+(token id, position >= max_seq_len, a block id outside the pool, a slot
+outside the cache or used twice) raises ValueError before anything is written.
+
+Profiling: ``g.profiling = True`` accumulates wall time per node (embed, norm,
+qkv, rope, cache_write, attention, o_proj, mlp, lm_head); ``g.profile()``
+returns it; off, the cost is one branch per node.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from atb import _C
+from atb.kernels._common import DTYPE_CODES, float_code, int_tensor, resolve_soc
+
+_LAYER_REQUIRED = ("input_norm", "q", "k", "v", "o", "post_attention_norm", "gate", "up", "down")
+_LAYER_OPTIONAL = ("q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm", "gate_bias", "up_bias", "down_bias")
+_STYLES = {"neox": 0, "interleave": 1}
+
+
+def _need(name: str, t, dtype, shape) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"DecodeGraph: {name} must be a torch.Tensor, got {type(t).__name__}")
+    float_code("DecodeGraph", name, t)
+    if t.dtype != dtype:
+        raise TypeError(f"DecodeGraph: {name} is {t.dtype}, the graph runs in {dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"DecodeGraph: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"DecodeGraph: {name} must be contiguous (the graph holds its pointer)")
+    return t
+
+
+class DecodeGraph:
+    """A built decode graph. Use :meth:`from_weights` (or :meth:`from_infer` for a TransformerInfer)."""
+
+    def __init__(self, native, keep: list, *, vocab: int, dtype: torch.dtype, max_batch: int, max_seq_len: int):
+        self._g = native
+        self._keep = keep  # every tensor whose pointer the native graph holds
+        self.vocab = vocab
+        self.dtype = dtype
+        self.max_batch = max_batch
+        self.max_seq_len = max_seq_len
+
+    @classmethod
+    def from_weights(cls, config: Mapping, layers: Sequence[Mapping], *, embed: torch.Tensor, final_norm: torch.Tensor,
+                     lm_head: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_caches: Sequence[torch.Tensor],
+                     value_caches: Sequence[torch.Tensor], max_batch: int, soc_type: str | None = None) -> DecodeGraph:
+        """Builds the graph.
+
+        config: ``num_heads, num_kv_heads, head_dim, eps`` (required); optional ``scale`` (default
+            head_dim**-0.5), ``rope_style`` ("neox" | "interleave", default "neox"),
+            ``sliding_windows`` (per layer: None or a window size).
+        layers: per layer a mapping with the HF tensors ``input_norm, q, k, v, o, post_attention_norm,
+            gate, up, down`` and optionally ``q_bias, k_bias, v_bias, o_bias, q_norm, k_norm, gate_bias,
+            up_bias, down_bias`` (weights ``[out, in]``, contiguous, one dtype).
+        cos/sin: ``[max_seq_len, rotary_dim]`` rope tables (HF layout), the graph's dtype or float32.
+        key_caches/value_caches: per layer ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        """
+        layers = list(layers)
+        if not layers:
+            raise ValueError("DecodeGraph: layers is empty")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"DecodeGraph: max_batch must be a positive int, got {max_batch!r}")
+        dtype = embed.dtype
+        if dtype not in DTYPE_CODES:
+            raise TypeError(f"DecodeGraph: embed must be float32, float16 or bfloat16, got {dtype}")
+        vocab, hidden = embed.shape
+        H, KH, D = int(config["num_heads"]), int(config["num_kv_heads"]), int(config["head_dim"])
+        inter = layers[0]["gate"].shape[0]
+        keep: list = []
+
+        def need(name, t, shape):
+            keep.append(_need(name, t, dtype, shape))
+            return t.data_ptr()
+
+        if len(key_caches) != len(layers) or len(value_caches) != len(layers):
+            raise ValueError(f"DecodeGraph: {len(key_caches)} key caches / {len(value_caches)} value caches for "
+                             f"{len(layers)} layers")
+        cache_shape = tuple(key_caches[0].shape)
+        if len(cache_shape) != 4 or cache_shape[2:] != (KH, D):
+            raise ValueError(f"DecodeGraph: key_caches[0] has shape {cache_shape}, expected "
+                             f"[num_blocks, block_size, {KH}, {D}]")
+        windows = list(config.get("sliding_windows") or [None] * len(layers))
+        if len(windows) != len(layers):
+            raise ValueError(f"DecodeGraph: {len(windows)} sliding_windows for {len(layers)} layers")
+        native_layers = []
+        for i, lw in enumerate(layers):
+            missing = [n for n in _LAYER_REQUIRED if lw.get(n) is None]
+            if missing:
+                raise ValueError(f"DecodeGraph: layer {i} is missing {', '.join(missing)}")
+            shapes = {"input_norm": (hidden,), "q": (H * D, hidden), "k": (KH * D, hidden), "v": (KH * D, hidden),
+                      "o": (hidden, H * D), "post_attention_norm": (hidden,), "gate": (inter, hidden),
+                      "up": (inter, hidden), "down": (hidden, inter), "q_bias": (H * D,), "k_bias": (KH * D,),
+                      "v_bias": (KH * D,), "o_bias": (hidden,), "q_norm": (D,), "k_norm": (D,),
+                      "gate_bias": (inter,), "up_bias": (inter,), "down_bias": (hidden,)}
+            d = {}
+            for n in _LAYER_REQUIRED + _LAYER_OPTIONAL:
+                if lw.get(n) is not None:
+                    d[n] = need(f"layers[{i}].{n}", lw[n], shapes[n])
+            d["key_cache"] = need(f"key_caches[{i}]", key_caches[i], cache_shape)
+            d["value_cache"] = need(f"value_caches[{i}]", value_caches[i], cache_shape)
+            d["window"] = int(windows[i] or 0)
+            native_layers.append(d)
+        embed_p = need("embed", embed, (vocab, hidden))
+        final_p = need("final_norm", final_norm, (hidden,))
+        head_p = need("lm_head", lm_head, (vocab, hidden))
+        if cos.dim() != 2 or cos.shape != sin.shape or cos.dtype != sin.dtype:
+            raise ValueError(f"DecodeGraph: cos/sin must be two [max_seq_len, rotary_dim] tables of one dtype, got "
+                             f"{tuple(cos.shape)} {cos.dtype} and {tuple(sin.shape)} {sin.dtype}")
+        if cos.dtype not in (dtype, torch.float32):
+            raise TypeError(f"DecodeGraph: cos/sin are {cos.dtype}; expected {dtype} or torch.float32")
+        cos, sin = cos.contiguous(), sin.contiguous()
+        keep += [cos, sin]
+        style = config.get("rope_style", "neox")
+        if style not in _STYLES:
+            raise ValueError(f"DecodeGraph: rope_style must be 'neox' or 'interleave', got {style!r}")
+        cfg = {
+            "num_layers": len(layers), "hidden": hidden, "num_heads": H, "num_kv_heads": KH, "head_dim": D,
+            "intermediate": inter, "vocab": vocab, "eps": float(config["eps"]),
+            "scale": float(config.get("scale") or D ** -0.5), "rotary_dim": cos.shape[1],
+            "rope_style": _STYLES[style], "max_batch": max_batch, "max_seq_len": cos.shape[0],
+            "num_blocks": cache_shape[0], "block_size": cache_shape[1], "dtype": DTYPE_CODES[dtype],
+            "cos_dtype": DTYPE_CODES[cos.dtype],
+        }
+        native = _C.DecodeGraph(cfg, native_layers, embed_p, final_p, head_p, cos.data_ptr(), sin.data_ptr(),
+                                resolve_soc(soc_type))
+        return cls(native, keep, vocab=vocab, dtype=dtype, max_batch=max_batch, max_seq_len=cos.shape[0])
+
+    @classmethod
+    def from_infer(cls, infer) -> DecodeGraph:
+        """The graph over a TransformerInfer's weights, KV cache and rope tables (shared, not copied)."""
+        names = ("input_norm", "q", "q_bias", "k", "k_bias", "v", "v_bias", "q_norm", "k_norm", "o", "o_bias",
+                 "post_attention_norm", "gate", "gate_bias", "up", "up_bias", "down", "down_bias")
+        layers = [dict(zip(names, layer[:-1])) for layer in infer.layers]
+        windows = [layer[-1] for layer in infer.layers]
+        config = {"num_heads": infer.num_heads, "num_kv_heads": infer.num_kv_heads, "head_dim": infer.head_dim,
+                  "eps": infer.eps, "scale": infer.scale, "rope_style": infer.spec.rope.style,
+                  "sliding_windows": windows}
+        return cls.from_weights(config, layers, embed=infer.embed, final_norm=infer.final_norm, lm_head=infer.lm_head,
+                                cos=infer.cos, sin=infer.sin, key_caches=infer.cache.key_caches,
+                                value_caches=infer.cache.value_caches, max_batch=infer.max_batch_size,
+                                soc_type=infer.soc_type)
+
+    @classmethod
+    def from_model(cls, model, *, key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
+                   max_batch: int, max_seq_len: int, soc_type: str | None = None) -> DecodeGraph:
+        """The graph over a loaded HF model's own parameters (through its family adapter) and the given caches.
+
+        The model's dtype is the graph's; rope tables come from the model's rotary module.
+        """
+        from atb.layers.rotary import RotaryEmbedding
+        from atb.registry import get_adapter
+
+        ad = get_adapter(model)
+        unsupported = ad.unsupported_reasons()
+        if unsupported:
+            raise ValueError("DecodeGraph: this model cannot run fused: " +
+                             "; ".join(f"{role}: {why}" for role, why in unsupported.items()))
+        spec = ad.spec
+        dtype = ad.embed_tokens(model).dtype
+        layers = [{k: v.detach() for k, v in ad.layer_weights(model, i).tensors().items()}
+                  for i in range(spec.num_layers)]
+        cos, sin = RotaryEmbedding.from_hf(ad.rotary(model), max_positions=max_seq_len).table(dtype)
+        scale = float(getattr(ad.layers(model)[0].self_attn, "scaling", spec.head_dim ** -0.5))
+        config = {"num_heads": spec.num_heads, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+                  "eps": spec.rms_norm_eps, "scale": scale, "rope_style": spec.rope.style,
+                  "sliding_windows": spec.sliding_windows}
+        return cls.from_weights(config, layers, embed=ad.embed_tokens(model).detach(),
+                                final_norm=ad.final_norm(model).detach(), lm_head=ad.lm_head(model).detach(),
+                                cos=cos[:max_seq_len].contiguous(), sin=sin[:max_seq_len].contiguous(),
+                                key_caches=key_caches, value_caches=value_caches, max_batch=max_batch,
+                                soc_type=soc_type)
+
+    def step(self, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+             context_lens: torch.Tensor, slot_mapping: torch.Tensor, logits_out: torch.Tensor | None = None, *,
+             argmax_out: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step; returns logits ``[batch, vocab]`` in the graph's dtype (``logits_out`` if given).
+
+        ``argmax_out`` (int32 ``[batch]``, optional) receives the greedy tokens, computed natively.
+        """
+        op = "DecodeGraph.step"
+        token_ids = int_tensor(op, "token_ids", token_ids, ndim=1)
+        batch = token_ids.shape[0]
+        positions = int_tensor(op, "positions", positions, ndim=1)
+        context_lens = int_tensor(op, "context_lens", context_lens, ndim=1)
+        slot_mapping = int_tensor(op, "slot_mapping", slot_mapping, ndim=1)
+        block_tables = int_tensor(op, "block_tables", block_tables, ndim=2)
+        for name, t in (("positions", positions), ("context_lens", context_lens), ("slot_mapping", slot_mapping)):
+            if t.shape[0] != batch:
+                raise ValueError(f"{op}: {name} has {t.shape[0]} entries, token_ids has {batch}")
+        if block_tables.shape[0] != batch:
+            raise ValueError(f"{op}: block_tables has {block_tables.shape[0]} rows, token_ids has {batch}")
+        if not 1 <= batch <= self.max_batch:
+            raise ValueError(f"{op}: batch {batch} is outside [1, max_batch={self.max_batch}]")
+        if logits_out is None:
+            logits_out = torch.empty(batch, self.vocab, dtype=self.dtype)
+        elif (logits_out.dtype != self.dtype or tuple(logits_out.shape) != (batch, self.vocab)
+              or not logits_out.is_contiguous()):
+            raise ValueError(f"{op}: logits_out must be a contiguous {self.dtype} tensor of shape "
+                             f"({batch}, {self.vocab}), got {logits_out.dtype} {tuple(logits_out.shape)}")
+        am = 0
+        if argmax_out is not None:
+            if argmax_out.dtype != torch.int32 or tuple(argmax_out.shape) != (batch,) or not argmax_out.is_contiguous():
+                raise ValueError(f"{op}: argmax_out must be a contiguous int32 tensor of shape ({batch},)")
+            am = argmax_out.data_ptr()
+        self._g.step(token_ids.data_ptr(), positions.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+                     context_lens.data_ptr(), slot_mapping.data_ptr(), batch, logits_out.data_ptr(), am)
+        return logits_out
+
+    __call__ = step
+
+    # ---- profiling ----------------------------------------------------------------
+    @property
+    def profiling(self) -> bool:
+        return self._g.profiling
+
+    @profiling.setter
+    def profiling(self, on: bool) -> None:
+        self._g.profiling = bool(on)
+
+    def reset_profile(self) -> None:
+        self._g.reset_profile()
+
+    def profile(self) -> dict:
+        """``{"steps": n, "nodes": {name: {"ms": total, "ms_per_step": ..., "calls": ...}}}`` since the last reset."""
+        nodes, steps = self._g.profile()
+        out = {}
+        for name, e in nodes.items():
+            out[name] = {"ms": e["ns"] / 1e6, "ms_per_step": e["ns"] / 1e6 / max(1, steps), "calls": e["calls"]}
+        return {"steps": steps, "nodes": out}
+
+    @property
+    def scratch_bytes(self) -> int:
+        return self._g.scratch_bytes

@@ -1,0 +1,242 @@
+#include "decode_graph.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "ascendc/error.h"
+#include "ascendc/tensor.h"
+#include "kernels/linear/linear_tiling.h"
+#include "kernels/paged_attention/paged_attention_tiling.h"
+#include "kernels/reshape_and_cache/reshape_and_cache_tiling.h"
+#include "kernels/rms_norm/rms_norm_tiling.h"
+
+using AscendC::DataType;
+
+namespace atb {
+
+const char* DecodeNodeName(int node) {
+  static const char* names[NODE_COUNT] = {"embed", "norm", "qkv", "rope", "cache_write", "attention", "o_proj",
+                                          "mlp", "lm_head"};
+  return node >= 0 && node < NODE_COUNT ? names[node] : "?";
+}
+
+namespace {
+
+// Wall time of one node, added to the profile only when profiling is on: off,
+// it costs one predictable branch per node (~300 nodes per step of a 30-layer model).
+class NodeTimer {
+ public:
+  NodeTimer(bool on, int64_t* ns, int64_t* calls) : on_(on), ns_(ns), calls_(calls) {
+    if (on_) start_ = std::chrono::steady_clock::now();
+  }
+  ~NodeTimer() {
+    if (!on_) return;
+    *ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_).count();
+    ++*calls_;
+  }
+
+ private:
+  bool on_;
+  int64_t* ns_;
+  int64_t* calls_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+template <typename T>
+void ArgmaxRows(const T* logits, int64_t rows, int64_t cols, int32_t* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* row = logits + r * cols;
+    float best = AscendC::ToFloat(row[0]);
+    int64_t arg = 0;
+    for (int64_t c = 1; c < cols; ++c) {
+      float v = AscendC::ToFloat(row[c]);
+      if (v > best) best = v, arg = c;
+    }
+    out[r] = int32_t(arg);
+  }
+}
+
+}  // namespace
+
+DecodeGraph::DecodeGraph(const DecodeGraphConfig& cfg, std::vector<DecodeLayer> layers, const void* embed,
+                         const void* finalNorm, const void* lmHead, const void* cos, const void* sin,
+                         const AscendC::SocInfo& soc)
+    : cfg_(cfg), layers_(std::move(layers)), embed_(embed), finalNorm_(finalNorm), lmHead_(lmHead), cos_(cos),
+      sin_(sin), soc_(soc) {
+  const auto& c = cfg_;
+  ATB_CHECK(c.numLayers >= 1 && int64_t(layers_.size()) == c.numLayers, "DecodeGraph: ", layers_.size(),
+            " layers given, config says ", c.numLayers);
+  ATB_CHECK(c.hidden >= 1 && c.numHeads >= 1 && c.numKvHeads >= 1 && c.headDim >= 1 && c.intermediate >= 1 &&
+                c.vocab >= 1,
+            "DecodeGraph: every dimension must be >= 1");
+  ATB_CHECK(c.numHeads % c.numKvHeads == 0, "DecodeGraph: num_heads ", c.numHeads, " is not a multiple of num_kv_heads ",
+            c.numKvHeads);
+  ATB_CHECK(c.rotaryDim >= 2 && c.rotaryDim <= c.headDim && c.rotaryDim % 2 == 0, "DecodeGraph: rotary_dim ",
+            c.rotaryDim, " must be even and in [2, head_dim=", c.headDim, "]");
+  ATB_CHECK(c.maxBatch >= 1 && c.maxSeqLen >= 1 && c.numBlocks >= 1 && c.blockSize >= 1,
+            "DecodeGraph: max_batch, max_seq_len, num_blocks and block_size must be >= 1");
+  ATB_CHECK(c.dtype != DataType::BFLOAT16 || soc_.supports_bf16, "DecodeGraph: bfloat16 is not supported on ",
+            soc_.name);
+  ATB_CHECK(embed_ && finalNorm_ && lmHead_ && cos_ && sin_, "DecodeGraph: embed, final_norm, lm_head, cos and sin are required");
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const DecodeLayer& l = layers_[i];
+    ATB_CHECK(l.inputNorm && l.q && l.k && l.v && l.o && l.postNorm && l.gate && l.up && l.down && l.keyCache &&
+                  l.valueCache,
+              "DecodeGraph: layer ", i, " is missing a required weight or cache pointer");
+    ATB_CHECK((l.qNorm == nullptr) == (l.kNorm == nullptr), "DecodeGraph: layer ", i, " has only one of q_norm/k_norm");
+  }
+  if (c.scale == 0.0f) cfg_.scale = 1.0f / std::sqrt(float(c.headDim));
+
+  // Scratch: residual stream x, normed h, q, k, v, attention output, MLP
+  // activation, gathered cos/sin; each [maxBatch, width], 64-byte aligned.
+  int64_t elt = AscendC::DataTypeSize(c.dtype), celt = AscendC::DataTypeSize(c.cosDtype), B = c.maxBatch;
+  int64_t qSize = c.numHeads * c.headDim, kvSize = c.numKvHeads * c.headDim;
+  int64_t off = 0;
+  auto take = [&](int64_t bytes) {
+    int64_t o = off;
+    off += AscendC::AlignUp(bytes, 64);
+    return o;
+  };
+  offX_ = take(B * c.hidden * elt);
+  offH_ = take(B * c.hidden * elt);
+  offQ_ = take(B * qSize * elt);
+  offK_ = take(B * kvSize * elt);
+  offV_ = take(B * kvSize * elt);
+  offAttn_ = take(B * qSize * elt);
+  offAct_ = take(B * c.intermediate * elt);
+  offCos_ = take(B * c.rotaryDim * celt);
+  offSin_ = take(B * c.rotaryDim * celt);
+  scratch_.assign(size_t(off + 64), 0);
+  base_ = reinterpret_cast<uint8_t*>(AscendC::AlignUp(int64_t(reinterpret_cast<uintptr_t>(scratch_.data())), 64));
+}
+
+void DecodeGraph::ResetProfile() {
+  profNs_.fill(0);
+  profCalls_.fill(0);
+  profSteps_ = 0;
+}
+
+void DecodeGraph::Validate(const int32_t* tokenIds, const int32_t* positions, const int32_t* blockTables,
+                           int64_t maxBlocks, const int32_t* contextLens, const int32_t* slotMapping,
+                           int64_t batch) const {
+  const auto& c = cfg_;
+  ATB_CHECK(batch >= 1 && batch <= c.maxBatch, "DecodeGraph.step: batch ", batch, " is outside [1, max_batch=",
+            c.maxBatch, "]");
+  ATB_CHECK(maxBlocks >= 1, "DecodeGraph.step: block_tables must have at least one column");
+  int64_t slots = c.numBlocks * c.blockSize;
+  for (int64_t b = 0; b < batch; ++b) {
+    ATB_CHECK(tokenIds[b] >= 0 && tokenIds[b] < c.vocab, "DecodeGraph.step: token_ids[", b, "] = ", tokenIds[b],
+              " is outside the vocabulary [0, ", c.vocab, ")");
+    ATB_CHECK(positions[b] >= 0 && positions[b] < c.maxSeqLen, "DecodeGraph.step: positions[", b, "] = ",
+              positions[b], " is outside [0, max_seq_len=", c.maxSeqLen, ")");
+    int64_t ctx = contextLens[b];
+    ATB_CHECK(ctx >= 1 && ctx <= maxBlocks * c.blockSize, "DecodeGraph.step: context_lens[", b, "] = ", ctx,
+              " is outside [1, ", maxBlocks * c.blockSize, "] (block_tables has ", maxBlocks, " columns of ",
+              c.blockSize, " tokens)");
+    for (int64_t j = 0, used = AscendC::CeilDiv(ctx, c.blockSize); j < used; ++j) {
+      int32_t blk = blockTables[b * maxBlocks + j];
+      ATB_CHECK(blk >= 0 && blk < c.numBlocks, "DecodeGraph.step: block_tables[", b, "][", j, "] = ", blk,
+                " is outside [0, num_blocks=", c.numBlocks, ")");
+    }
+    ATB_CHECK(slotMapping[b] < slots, "DecodeGraph.step: slot_mapping[", b, "] = ", slotMapping[b],
+              " is outside the cache's ", slots, " slots");
+    for (int64_t e = 0; e < b; ++e)
+      ATB_CHECK(slotMapping[b] < 0 || slotMapping[e] != slotMapping[b], "DecodeGraph.step: slot_mapping[", e,
+                "] and slot_mapping[", b, "] are both ", slotMapping[b]);
+  }
+}
+
+void DecodeGraph::Step(const int32_t* tokenIds, const int32_t* positions, const int32_t* blockTables,
+                       int64_t maxBlocks, const int32_t* contextLens, const int32_t* slotMapping, int64_t batch,
+                       void* logits, int32_t* argmaxOut) {
+  Validate(tokenIds, positions, blockTables, maxBlocks, contextLens, slotMapping, batch);
+  const auto& c = cfg_;
+  const DataType dt = c.dtype;
+  const int64_t B = batch, elt = AscendC::DataTypeSize(dt), celt = AscendC::DataTypeSize(c.cosDtype);
+  const int64_t qSize = c.numHeads * c.headDim, kvSize = c.numKvHeads * c.headDim;
+  void *x = Buf(offX_), *h = Buf(offH_), *q = Buf(offQ_), *k = Buf(offK_), *v = Buf(offV_), *attn = Buf(offAttn_),
+       *act = Buf(offAct_), *cosB = Buf(offCos_), *sinB = Buf(offSin_);
+  auto timer = [&](int node) { return NodeTimer(profiling_, &profNs_[node], &profCalls_[node]); };
+  if (profiling_) ++profSteps_;
+
+  {
+    auto t = timer(NODE_EMBED);
+    const auto* emb = static_cast<const uint8_t*>(embed_);
+    for (int64_t b = 0; b < B; ++b)
+      std::memcpy(static_cast<uint8_t*>(x) + b * c.hidden * elt, emb + int64_t(tokenIds[b]) * c.hidden * elt,
+                  size_t(c.hidden * elt));
+    // Rope rows of this step's positions, shared by every layer.
+    const auto* cs = static_cast<const uint8_t*>(cos_);
+    const auto* sn = static_cast<const uint8_t*>(sin_);
+    int64_t row = c.rotaryDim * celt;
+    for (int64_t b = 0; b < B; ++b) {
+      std::memcpy(static_cast<uint8_t*>(cosB) + b * row, cs + int64_t(positions[b]) * row, size_t(row));
+      std::memcpy(static_cast<uint8_t*>(sinB) + b * row, sn + int64_t(positions[b]) * row, size_t(row));
+    }
+  }
+
+  for (const DecodeLayer& L : layers_) {
+    {
+      auto t = timer(NODE_NORM);
+      RmsNorm(h, nullptr, x, nullptr, L.inputNorm, B, c.hidden, dt, c.eps, soc_);
+    }
+    {
+      auto t = timer(NODE_QKV);
+      LinearSegment segs[3] = {{L.q, L.qBias, q, qSize}, {L.k, L.kBias, k, kvSize}, {L.v, L.vBias, v, kvSize}};
+      Linear(h, B, c.hidden, segs, 3, nullptr, LINEAR_PLAIN, dt, soc_);
+      if (L.qNorm) {
+        RmsNorm(q, nullptr, q, nullptr, L.qNorm, B * c.numHeads, c.headDim, dt, c.eps, soc_);
+        RmsNorm(k, nullptr, k, nullptr, L.kNorm, B * c.numKvHeads, c.headDim, dt, c.eps, soc_);
+      }
+    }
+    {
+      auto t = timer(NODE_ROPE);
+      RopeView qv{q, qSize, c.headDim}, kv{k, kvSize, c.headDim};
+      Rope(qv, kv, qv, kv, cosB, sinB, B, c.numHeads, c.numKvHeads, c.headDim, c.rotaryDim, dt, c.cosDtype,
+           c.ropeStyle, soc_);
+    }
+    {
+      auto t = timer(NODE_CACHE);
+      ReshapeAndCache(k, kvSize, v, kvSize, L.keyCache, L.valueCache, slotMapping, B, c.numKvHeads, c.headDim,
+                      c.numBlocks, c.blockSize, dt, soc_);
+    }
+    {
+      auto t = timer(NODE_ATTENTION);
+      PagedAttention(attn, q, qSize, L.keyCache, L.valueCache, blockTables, contextLens, nullptr, B, c.numHeads,
+                     c.numKvHeads, c.headDim, c.numBlocks, c.blockSize, maxBlocks, B, c.scale, L.window, dt, soc_);
+    }
+    {
+      auto t = timer(NODE_O_PROJ);
+      LinearSegment seg{L.o, L.oBias, x, c.hidden};
+      Linear(attn, B, qSize, &seg, 1, x, LINEAR_RESIDUAL, dt, soc_);  // x += o_proj(attn), in place
+    }
+    {
+      auto t = timer(NODE_MLP);
+      RmsNorm(h, nullptr, x, nullptr, L.postNorm, B, c.hidden, dt, c.eps, soc_);
+      LinearSegment gu[2] = {{L.gate, L.gateBias, act, c.intermediate}, {L.up, L.upBias, nullptr, c.intermediate}};
+      Linear(h, B, c.hidden, gu, 2, nullptr, LINEAR_SWIGLU, dt, soc_);
+      LinearSegment down{L.down, L.downBias, x, c.hidden};
+      Linear(act, B, c.intermediate, &down, 1, x, LINEAR_RESIDUAL, dt, soc_);
+    }
+  }
+
+  {
+    auto t = timer(NODE_LM_HEAD);
+    RmsNorm(h, nullptr, x, nullptr, finalNorm_, B, c.hidden, dt, c.eps, soc_);
+    LinearSegment head{lmHead_, nullptr, logits, c.vocab};
+    Linear(h, B, c.hidden, &head, 1, nullptr, LINEAR_PLAIN, dt, soc_);
+    if (argmaxOut) {
+      switch (dt) {
+        case DataType::FLOAT32: ArgmaxRows(static_cast<const float*>(logits), B, c.vocab, argmaxOut); break;
+        case DataType::FLOAT16: ArgmaxRows(static_cast<const AscendC::half*>(logits), B, c.vocab, argmaxOut); break;
+        case DataType::BFLOAT16:
+          ArgmaxRows(static_cast<const AscendC::bfloat16_t*>(logits), B, c.vocab, argmaxOut);
+          break;
+      }
+    }
+  }
+}
+
+}  // namespace atb

@@ -1,0 +1,112 @@
+// The decode graph: one decode step of a LLaMA-family model (LLaMA, Mistral,
+// Qwen2 q/k/v bias, Qwen3 q/k norm) as one native call, ATB GraphOperation
+// style. Built once from the model's shapes, raw pointers to its weights and
+// to the paged KV cache (all owned and kept alive by the caller), it runs
+//   embedding -> per layer [rms_norm, fused q/k/v linear (+bias), q/k norm,
+//   rope, reshape_and_cache, paged_attention, o_proj + residual, rms_norm,
+//   gate/up + SwiGLU, down_proj + residual] -> final rms_norm -> lm_head
+// through the kernels' host entries, with no Python and no allocation of its
+// own per step (activations live in scratch sized for maxBatch at build time).
+#pragma once
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ascendc/dtype.h"
+#include "ascendc/soc.h"
+#include "kernels/rope/rope_tiling.h"
+
+namespace atb {
+
+struct DecodeGraphConfig {
+  int64_t numLayers = 0, hidden = 0, numHeads = 0, numKvHeads = 0, headDim = 0, intermediate = 0, vocab = 0;
+  float eps = 1e-6f;
+  float scale = 0.0f;           // attention softmax scale (HF's `scaling`)
+  int64_t rotaryDim = 0;
+  RopeStyle ropeStyle = ROPE_NEOX;
+  int64_t maxBatch = 1;
+  int64_t maxSeqLen = 0;        // rows of the cos/sin table; positions must be below it
+  int64_t numBlocks = 0, blockSize = 0;  // the paged KV cache pool of every layer
+  AscendC::DataType dtype = AscendC::DataType::FLOAT32;      // weights, activations, KV cache
+  AscendC::DataType cosDtype = AscendC::DataType::FLOAT32;   // cos/sin table: dtype or float32
+};
+
+// One layer's parameters: raw pointers into the caller's tensors (HF layout,
+// contiguous, all of config.dtype). Optional ones are null.
+struct DecodeLayer {
+  const void* inputNorm = nullptr;
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* qBias = nullptr;
+  const void* kBias = nullptr;
+  const void* vBias = nullptr;
+  const void* qNorm = nullptr;  // Qwen3: RMSNorm over each head's head_dim
+  const void* kNorm = nullptr;
+  const void* o = nullptr;
+  const void* oBias = nullptr;
+  const void* postNorm = nullptr;
+  const void* gate = nullptr;
+  const void* gateBias = nullptr;
+  const void* up = nullptr;
+  const void* upBias = nullptr;
+  const void* down = nullptr;
+  const void* downBias = nullptr;
+  void* keyCache = nullptr;     // [numBlocks, blockSize, numKvHeads, headDim]
+  void* valueCache = nullptr;
+  int64_t window = 0;           // sliding window; <= 0: full attention
+};
+
+// Profiled nodes, in execution order.
+enum DecodeNode : int { NODE_EMBED, NODE_NORM, NODE_QKV, NODE_ROPE, NODE_CACHE, NODE_ATTENTION, NODE_O_PROJ,
+                        NODE_MLP, NODE_LM_HEAD, NODE_COUNT };
+const char* DecodeNodeName(int node);
+
+class DecodeGraph {
+ public:
+  DecodeGraph(const DecodeGraphConfig& cfg, std::vector<DecodeLayer> layers, const void* embed, const void* finalNorm,
+              const void* lmHead, const void* cos, const void* sin, const AscendC::SocInfo& soc);
+
+  // One decode step for `batch` sequences, one new token each. All metadata is
+  // int32: tokenIds/positions/contextLens/slotMapping [batch], blockTables
+  // [batch, maxBlocks] contiguous (entries past a sequence's context are not read).
+  // Everything is validated before anything is written (std::invalid_argument).
+  // logits: [batch, vocab] in config.dtype. argmaxOut (optional): int32 [batch]
+  // greedy tokens (first maximum, as torch.argmax).
+  void Step(const int32_t* tokenIds, const int32_t* positions, const int32_t* blockTables, int64_t maxBlocks,
+            const int32_t* contextLens, const int32_t* slotMapping, int64_t batch, void* logits, int32_t* argmaxOut);
+
+  void SetProfiling(bool on) { profiling_ = on; }
+  bool Profiling() const { return profiling_; }
+  void ResetProfile();
+  // Accumulated wall time (ns) and call count per node since the last reset.
+  const std::array<int64_t, NODE_COUNT>& ProfileNs() const { return profNs_; }
+  const std::array<int64_t, NODE_COUNT>& ProfileCalls() const { return profCalls_; }
+  int64_t ProfiledSteps() const { return profSteps_; }
+  const DecodeGraphConfig& Config() const { return cfg_; }
+  int64_t ScratchBytes() const { return int64_t(scratch_.size()); }
+
+ private:
+  void Validate(const int32_t* tokenIds, const int32_t* positions, const int32_t* blockTables, int64_t maxBlocks,
+                const int32_t* contextLens, const int32_t* slotMapping, int64_t batch) const;
+  void* Buf(int64_t off) { return base_ + off; }
+
+  DecodeGraphConfig cfg_;
+  std::vector<DecodeLayer> layers_;
+  const void* embed_;
+  const void* finalNorm_;
+  const void* lmHead_;
+  const void* cos_;
+  const void* sin_;
+  AscendC::SocInfo soc_;
+  // Scratch: one 64-byte aligned arena carved at build time.
+  std::vector<uint8_t> scratch_;
+  uint8_t* base_ = nullptr;
+  int64_t offX_ = 0, offH_ = 0, offQ_ = 0, offK_ = 0, offV_ = 0, offAttn_ = 0, offAct_ = 0, offCos_ = 0, offSin_ = 0;
+  bool profiling_ = false;
+  std::array<int64_t, NODE_COUNT> profNs_{}, profCalls_{};
+  int64_t profSteps_ = 0;
+};
+
+}  // namespace atb
