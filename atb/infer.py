@@ -69,8 +69,8 @@ class TransformerInfer:
             else float16 (with a warning); an explicit dtype the SoC lacks is an error.
             A dtype other than the model's converts (copies) the weights; otherwise
             the engine reads the model's own parameter tensors.
-        graph_mode: run each decode step as one native call when the decode graph
-            is available (``infer.graph_mode`` says whether it is in use).
+        graph_mode: run each decode step as one native call (``atb.graph.DecodeGraph``,
+            exposed as ``infer.decode_graph``); False runs the same kernels from Python.
     """
 
     def __init__(self, model, max_seq_len: int = 2048, soc_type: str = "host", *, max_batch_size: int = 8,
@@ -111,6 +111,15 @@ class TransformerInfer:
         self.graph_mode = False
         self._decode_step = self._python_decode_step
         self._requested_graph_mode = graph_mode
+        # The native decode graph over the same weights, cache and rope tables (shared, not copied);
+        # ``decode_graph.profiling = True`` gives per-node decode timings.
+        self.decode_graph = None
+        if graph_mode:
+            from atb.graph import DecodeGraph
+
+            self.decode_graph = DecodeGraph.from_infer(self)
+            self._decode_step = self.decode_graph.step
+            self.graph_mode = True
 
     # ---- construction -------------------------------------------------------
     def _resolve_dtype(self, model, dtype):

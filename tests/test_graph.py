@@ -225,3 +225,22 @@ def test_profiling():
     assert all(e["ms"] > 0 for e in p["nodes"].values())
     g.reset_profile()
     assert g.profile()["steps"] == 0
+
+
+@pytest.mark.skipif(not hasattr(atb.kernels, "flash_attention"), reason="TransformerInfer prefill needs flash_attention")
+def test_transformer_infer_graph_mode_equals_python_path_and_hf(smollm2_fp32):
+    model, tok = smollm2_fp32
+    texts = ["What is the capital of France?", "hi", "Write a haiku about the sea.", "1, 2, 3,",
+             "List three prime numbers."]
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"])
+               for t in texts]
+    fast = atb.TransformerInfer(model, max_seq_len=192, max_batch_size=5, block_size=16, graph_mode=True)
+    slow = atb.TransformerInfer(model, max_seq_len=192, max_batch_size=5, block_size=16, graph_mode=False)
+    assert fast.graph_mode and not slow.graph_mode and fast.decode_graph is not None
+    one = fast.generate([prompts[0]], max_new_tokens=64)
+    assert one == slow.generate([prompts[0]], max_new_tokens=64)
+    outs = fast.generate(prompts, max_new_tokens=64)
+    assert outs == slow.generate(prompts, max_new_tokens=64)
+    assert outs[0] == one[0]
+    for p, out in zip(prompts, outs):
+        _assert_greedy_matches_hf(model, p, p + out)
