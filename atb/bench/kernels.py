@@ -1,6 +1,6 @@
 """Fused elementwise kernels vs the stock torch/HF code they replace.
 
-Run: ``python -m atb.bench.kernels [--repeat N] [--quick] [--threads N]``.
+Run: ``python -m atb.bench.kernels [--repeat N] [--quick] [--threads N] [--cpu-time]``.
 
 For rms_norm, add_rms_norm, rope, silu_mul and swiglu at decode (1 token) and prefill (2048 tokens)
 shapes, hidden 576 (SmolLM2: rope 9/3 heads x 64) and 4096 (Llama: rope 32/8 heads x 128), float32
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import time
 
 import torch
 import torch.nn.functional as F
@@ -63,15 +64,19 @@ def _cases(hidden: int, tokens: int, dtype: torch.dtype):
            lambda: atb.kernels.swiglu(xu))
 
 
-def run(repeat: int = 15, quick: bool = False) -> list[dict]:
+def run(repeat: int = 15, quick: bool = False, cpu_time: bool = False) -> list[dict]:
     torch.manual_seed(0)
     tuned = keep_freed_memory()
+    if cpu_time and (torch.get_num_threads() != 1 or atb.get_num_threads() != 1):
+        raise SystemExit("--cpu-time needs --threads 1: thread CPU time misses work done on other threads")
+    clock = time.thread_time if cpu_time else time.perf_counter
     sample_us = 500.0 if quick else 2000.0
     bw = stream_read_gbps(repeat=3 if quick else 9)
     info = atb.build_info()
     print(f"atb kernels vs stock torch/HF | isa {info['isa']} | {info['num_threads']} threads | "
           f"torch threads {torch.get_num_threads()} | measured streaming read {bw:.1f} GB/s | "
-          f"freed memory kept for reuse: {'yes' if tuned else 'no (not glibc)'}")
+          f"freed memory kept for reuse: {'yes' if tuned else 'no (not glibc)'} | "
+          f"clock: {'thread CPU time' if cpu_time else 'wall'}")
     head = f"{'kernel':<16} {'dtype':<9} {'shape':<12} {'stock µs':>10} {'atb µs':>10} {'speedup':>8} " \
            f"{'MB moved':>9} {'GB/s':>7} {'% bw':>6}"
     print(head)
@@ -82,7 +87,8 @@ def run(repeat: int = 15, quick: bool = False) -> list[dict]:
             for hidden in (576, 4096):
                 for tokens in (1, 2048):
                     for name, shape, nbytes, stock, fused in _cases(hidden, tokens, dtype):
-                        t_stock, t_atb = time_us_many((stock, fused), repeat=repeat, min_sample_us=sample_us)
+                        t_stock, t_atb = time_us_many((stock, fused), repeat=repeat, min_sample_us=sample_us,
+                                                      clock=clock)
                         gbps = achieved_gbps(nbytes, t_atb)
                         row = dict(kernel=name, dtype=str(dtype).removeprefix("torch."), shape=shape,
                                    stock_us=t_stock, atb_us=t_atb, speedup=t_stock / t_atb, bytes=nbytes,
@@ -103,11 +109,13 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="shorter samples and bandwidth probe (smoke run)")
     p.add_argument("--threads", type=int, default=None,
                    help="threads for both torch and atb (default: as configured, torch's count)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time with this thread's CPU time (needs --threads 1): steadier on a busy shared machine")
     args = p.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
         atb.set_num_threads(args.threads)
-    run(repeat=args.repeat, quick=args.quick)
+    run(repeat=args.repeat, quick=args.quick, cpu_time=args.cpu_time)
 
 
 if __name__ == "__main__":

@@ -31,29 +31,21 @@ from atb import _C
 _BANDWIDTH_BUFFER_BYTES = 256 << 20  # 8x a 32 MiB L3: every pass comes from DRAM
 
 
-def time_us(fn: Callable[[], object], *, repeat: int = 15, warmup: int = 3, min_sample_us: float = 2000.0) -> float:
+def time_us(fn: Callable[[], object], *, repeat: int = 15, warmup: int = 3, min_sample_us: float = 2000.0,
+            clock: Callable[[], float] = time.perf_counter) -> float:
     """Median wall time of one ``fn()`` call in microseconds.
 
     ``warmup`` calls run first (allocator, caches, thread pool). Each of the ``repeat`` samples then
     runs ``fn`` back to back as many times as needed to last about ``min_sample_us``; the median over
-    samples is divided by that count.
+    samples is divided by that count. ``clock`` is wall time by default; ``time.thread_time`` counts
+    only this thread's CPU time, immune to being descheduled on a busy machine, but valid only when
+    all the work runs on the calling thread (torch and atb set to one thread).
     """
-    for _ in range(max(0, warmup)):
-        fn()
-    t0 = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - t0, 1e-7)
-    inner = max(1, int(min_sample_us * 1e-6 / once))
-    samples = []
-    for _ in range(max(1, repeat)):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        samples.append((time.perf_counter() - t0) / inner)
-    return statistics.median(samples) * 1e6
+    return time_us_many([fn], repeat=repeat, warmup=warmup, min_sample_us=min_sample_us, clock=clock)[0]
 
 
-def time_us_many(fns, *, repeat: int = 15, warmup: int = 3, min_sample_us: float = 2000.0) -> list[float]:
+def time_us_many(fns, *, repeat: int = 15, warmup: int = 3, min_sample_us: float = 2000.0,
+                 clock: Callable[[], float] = time.perf_counter) -> list[float]:
     """Median µs per call of each function in ``fns``, like :func:`time_us`, with samples interleaved.
 
     Round r times sample r of every candidate back to back, so a burst of load from other processes
@@ -63,16 +55,16 @@ def time_us_many(fns, *, repeat: int = 15, warmup: int = 3, min_sample_us: float
     for fn in fns:
         for _ in range(max(0, warmup)):
             fn()
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        inner.append(max(1, int(min_sample_us * 1e-6 / max(time.perf_counter() - t0, 1e-7))))
+        inner.append(max(1, int(min_sample_us * 1e-6 / max(clock() - t0, 1e-7))))
     samples = [[] for _ in fns]
     for _ in range(max(1, repeat)):
         for fn, n, out in zip(fns, inner, samples):
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(n):
                 fn()
-            out.append((time.perf_counter() - t0) / n)
+            out.append((clock() - t0) / n)
     return [statistics.median(s) * 1e6 for s in samples]
 
 
