@@ -110,7 +110,6 @@ class TransformerInfer:
         self.last_stop_reasons: list[str] | None = None
         self.graph_mode = False
         self._decode_step = self._python_decode_step
-        self._requested_graph_mode = graph_mode
         # The native decode graph over the same weights, cache and rope tables (shared, not copied);
         # ``decode_graph.profiling = True`` gives per-node decode timings.
         self.decode_graph = None

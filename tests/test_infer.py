@@ -104,8 +104,9 @@ def test_forward_logits_match_hf_with_left_padding(smollm2_fp32, smol_infer):
     assert full(smol_infer)
 
 
-def test_continuous_batching_12_prompts_same_as_one_at_a_time(tiny_llama):
-    infer = atb.TransformerInfer(tiny_llama, max_seq_len=64, max_batch_size=4, block_size=4)
+@pytest.mark.parametrize("graph_mode", [True, False])
+def test_continuous_batching_12_prompts_same_as_one_at_a_time(tiny_llama, graph_mode):
+    infer = atb.TransformerInfer(tiny_llama, max_seq_len=64, max_batch_size=4, block_size=4, graph_mode=graph_mode)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (3, 9, 1, 14, 6, 5, 11, 2, 8, 4, 13, 7)]
     solo = [infer.generate([p], 12, eos_token_id=[])[0] for p in prompts]
@@ -275,12 +276,14 @@ FAMILIES = {
 }
 
 
+@pytest.mark.parametrize("graph_mode", [True, False])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_random_family_matches_hf(family):
+def test_random_family_matches_hf(family, graph_mode):
     model = tiny(family.split("_")[0], **FAMILIES[family])
     if family == "qwen2":
         assert model.model.layers[0].self_attn.q_proj.bias is not None
-    infer = atb.TransformerInfer(model, max_seq_len=64, max_batch_size=2, block_size=4)
+    infer = atb.TransformerInfer(model, max_seq_len=64, max_batch_size=2, block_size=4, graph_mode=graph_mode)
+    assert infer.graph_mode == graph_mode
     prompts = [[1, 5, 9, 11, 20, 7, 7, 3, 44], [3, 4, 8]]  # longer than the mistral window
     out = infer.generate(prompts, 8, eos_token_id=[])
     for p, o in zip(prompts, out):
@@ -295,8 +298,8 @@ def test_random_family_matches_hf(family):
 def test_wide_batch_decode_matches_narrow(tiny_llama):
     # 34 sequences decode through the GEMM path (batch >= the linear crossover), 4 through the fused kernels.
     prompts = [[1 + i % 7, 5 + i, 9, 2 * i % 100] for i in range(34)]
-    wide = atb.TransformerInfer(tiny_llama, max_seq_len=16, max_batch_size=34, block_size=4)
-    narrow = atb.TransformerInfer(tiny_llama, max_seq_len=16, max_batch_size=4, block_size=4)
+    wide = atb.TransformerInfer(tiny_llama, max_seq_len=16, max_batch_size=34, block_size=4, graph_mode=False)
+    narrow = atb.TransformerInfer(tiny_llama, max_seq_len=16, max_batch_size=4, block_size=4, graph_mode=False)
     assert wide.generate(prompts, 5, eos_token_id=[]) == narrow.generate(prompts, 5, eos_token_id=[])
     assert full(wide) and full(narrow)
 

@@ -43,26 +43,31 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(17, vocab, (batch, length), generator=g).tolist()
 
 
-def bench_one(model, prompts, new: int, repeats: int, graph_mode: bool) -> dict:
+def bench_one(model, prompts, new: int, repeats: int, modes: list[str]) -> dict:
+    """Prefill/decode rates of TransformerInfer in each mode ("graph", "python") and of HF generate."""
     import atb
 
     batch = len(prompts)
-    infer = atb.TransformerInfer(model, max_seq_len=len(prompts[0]) + new, max_batch_size=batch, block_size=128,
-                                 graph_mode=graph_mode)
     ids = torch.tensor(prompts)
     mask = torch.ones_like(ids)
+    runners = {}
+    for mode in modes:
+        infer = atb.TransformerInfer(model, max_seq_len=len(prompts[0]) + new, max_batch_size=batch,
+                                     block_size=128, graph_mode=mode == "graph")
 
-    def ours(n):
-        out = infer.generate(prompts, n, eos_token_id=[])
-        assert all(len(o) == n for o in out)
+        def ours(n, infer=infer):
+            out = infer.generate(prompts, n, eos_token_id=[])
+            assert all(len(o) == n for o in out)
+
+        runners[mode] = ours
 
     def hf(n):
         model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
 
-    ours(2)  # warm-up: kernels, allocator, page faults in the KV pool
-    hf(2)
-    res = {"batch": batch, "graph_mode": infer.graph_mode}
-    for name, fn in (("atb", ours), ("hf", hf)):
+    runners["hf"] = hf
+    res = {"batch": batch, "weights_bytes": infer.memory_summary()["weights_bytes"]}
+    for name, fn in runners.items():
+        fn(2)  # warm-up: kernels, allocator, first touch of the KV pool
         t_prefill = _median_time(lambda: fn(1), repeats)
         t_total = _median_time(lambda: fn(new), repeats)
         decode_s = max(t_total - t_prefill, 1e-9)
@@ -72,9 +77,6 @@ def bench_one(model, prompts, new: int, repeats: int, graph_mode: bool) -> dict:
             "step_ms": 1e3 * decode_s / (new - 1),
             "throughput_tok_s": batch * new / t_total,
         }
-    res["decode_vs_hf"] = res["atb"]["decode_tok_s"] / res["hf"]["decode_tok_s"]
-    res["prefill_vs_hf"] = res["atb"]["prefill_tok_s"] / res["hf"]["prefill_tok_s"]
-    res["weights_bytes"] = infer.memory_summary()["weights_bytes"]
     return res
 
 
@@ -84,47 +86,55 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--modes", default="graph,python", help="TransformerInfer decode paths: graph, python")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--no-graph", action="store_true", help="graph_mode=False (the Python decode step)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    modes = args.modes.split(",")
 
     results = []
     for dname in args.dtypes.split(","):
         model, _ = load_model(dtype=_DTYPES[dname])
-        vocab = model.config.vocab_size
         per_batch = {}
         for b in (int(x) for x in args.batches.split(",")):
-            r = bench_one(model, _prompts(b, args.prompt, vocab, seed=b), args.new, args.repeats, not args.no_graph)
+            r = bench_one(model, _prompts(b, args.prompt, model.config.vocab_size, seed=b), args.new, args.repeats,
+                          modes)
             r["dtype"] = dname
             per_batch[b] = r
             results.append(r)
         bw = measure_bandwidth(next(iter(per_batch.values()))["weights_bytes"])
         for b, r in per_batch.items():
             r["bandwidth_GB_s"] = bw / 1e9
-            r["roofline_fraction"] = r["atb"]["decode_tok_s"] / b * r["weights_bytes"] / bw
-            if 1 in per_batch and b != 1:
-                r["throughput_vs_batch1"] = r["atb"]["throughput_tok_s"] / per_batch[1]["atb"]["throughput_tok_s"]
+            for mode in modes:
+                m = r[mode]
+                m["decode_vs_hf"] = m["decode_tok_s"] / r["hf"]["decode_tok_s"]
+                m["prefill_vs_hf"] = m["prefill_tok_s"] / r["hf"]["prefill_tok_s"]
+                # One decode step streams every weight once, whatever the batch.
+                m["roofline_fraction"] = m["decode_tok_s"] / b * r["weights_bytes"] / bw
+                if 1 in per_batch and b != 1:
+                    m["throughput_vs_batch1"] = m["throughput_tok_s"] / per_batch[1][mode]["throughput_tok_s"]
         del model
     if args.json:
         print(json.dumps(results, indent=1))
-    else:
-        print(f"SmolLM2-135M, {args.prompt}-token prompts, {args.new} new tokens, median of {args.repeats}, "
-              f"threads={torch.get_num_threads()}")
-        hdr = (f"{'dtype':9} {'batch':>5} {'graph':>5} | {'prefill tok/s atb':>17} {'hf':>8} {'x':>5} | "
-               f"{'decode tok/s atb':>16} {'hf':>7} {'x':>5} | {'step ms':>7} {'roofline':>8} {'thr/b1':>6}")
-        print(hdr)
-        print("-" * len(hdr))
-        for r in results:
-            a, h = r["atb"], r["hf"]
-            thr = f"{r['throughput_vs_batch1']:.1f}" if "throughput_vs_batch1" in r else "-"
-            print(f"{r['dtype']:9} {r['batch']:>5} {str(r['graph_mode']):>5} | {a['prefill_tok_s']:17.0f} "
-                  f"{h['prefill_tok_s']:8.0f} {r['prefill_vs_hf']:5.2f} | {a['decode_tok_s']:16.1f} "
-                  f"{h['decode_tok_s']:7.1f} {r['decode_vs_hf']:5.2f} | {a['step_ms']:7.1f} "
-                  f"{r['roofline_fraction']:8.0%} {thr:>6}")
-        print(f"bandwidth (streaming read, this run): {results[0]['bandwidth_GB_s']:.1f} GB/s")
+        return results
+    print(f"SmolLM2-135M, {args.prompt}-token prompts, {args.new} new tokens, median of {args.repeats}, "
+          f"threads={torch.get_num_threads()}")
+    hdr = (f"{'dtype':9} {'batch':>5} {'path':>6} | {'prefill tok/s':>13} {'x HF':>5} | {'decode tok/s':>12} "
+           f"{'x HF':>5} | {'step ms':>7} {'roofline':>8} | {'thru tok/s':>10} {'x b1':>5}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in results:
+        for name in modes + ["hf"]:
+            m = r[name]
+            ratio = lambda k: f"{m[k]:5.2f}" if k in m else f"{'':5}"  # noqa: E731
+            roof = f"{m['roofline_fraction']:8.0%}" if "roofline_fraction" in m else f"{'':8}"
+            thr = f"{m['throughput_vs_batch1']:5.1f}" if "throughput_vs_batch1" in m else f"{'':5}"
+            print(f"{r['dtype']:9} {r['batch']:>5} {name:>6} | {m['prefill_tok_s']:13.0f} {ratio('prefill_vs_hf')} | "
+                  f"{m['decode_tok_s']:12.1f} {ratio('decode_vs_hf')} | {m['step_ms']:7.1f} {roof} | "
+                  f"{m['throughput_tok_s']:10.1f} {thr}")
+    print(f"bandwidth (streaming read, this run): {results[0]['bandwidth_GB_s']:.1f} GB/s")
     return results
 
 
