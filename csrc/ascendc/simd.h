@@ -76,6 +76,24 @@ struct SimdOps {
                             int64_t N, int64_t K, bool accumulate);
   void (*mmad_nt_lanes_bf16)(float* lanes, const float* A, int64_t lda, const uint16_t* B, int64_t ldb, int64_t M,
                              int64_t N, int64_t K, bool accumulate);
+  // NT Mmad for a few A rows (decode attention: the query heads that share one
+  // KV head, M <= 8 per pass): each B row is loaded and widened once for all
+  // M rows instead of once per row pair. Same result per element as mmad_nt.
+  void (*mmad_nt_rows_f32)(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb,
+                           int64_t M, int64_t N, int64_t K, bool accumulate);
+  void (*mmad_nt_rows_f16)(float* C, int64_t ldc, const float* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                           int64_t M, int64_t N, int64_t K, bool accumulate);
+  void (*mmad_nt_rows_bf16)(float* C, int64_t ldc, const float* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                            int64_t M, int64_t N, int64_t K, bool accumulate);
+  // NN Mmad for a few A rows (decode attention's P x V, M <= 8 per pass): per k,
+  // a panel of B is widened once and feeds all M rows' register accumulators.
+  // Every element is one fma chain over k in order, whatever M or N.
+  void (*mmad_nn_rows_f32)(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb,
+                           int64_t M, int64_t N, int64_t K, bool accumulate);
+  void (*mmad_nn_rows_f16)(float* C, int64_t ldc, const float* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                           int64_t M, int64_t N, int64_t K, bool accumulate);
+  void (*mmad_nn_rows_bf16)(float* C, int64_t ldc, const float* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                            int64_t M, int64_t N, int64_t K, bool accumulate);
 };
 
 // The active table (selected on first use; never null).

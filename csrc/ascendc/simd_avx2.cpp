@@ -447,6 +447,89 @@ void MmadNTLanes(float* lanes, const float* A, int64_t lda, const TB* B, int64_t
       LanesRows<TB, L8, 1>(lanes + n * 8, N, A + k, lda, B + n * ldb + k, ldb, M, std::min(kb, K - k), acc || k > 0);
 }
 
+// Few-row NT Mmad: all R (<= 8) A rows against CN B rows per block, so a B
+// row is widened once; CN keeps R*CN + CN + 1 <= 16 ymm registers. BlockNT
+// computes every element the same way whatever R and CN are, so this matches
+// MmadNT bit for bit.
+template <typename TB, __m256 (*L8)(const TB*), float (*L1)(const TB*), int R, int CN>
+void RowsNT(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t N, int64_t K,
+            bool acc) {
+  int64_t n = 0;
+  for (; n + CN <= N; n += CN) BlockNT<TB, L8, L1, R, CN>(C + n, ldc, A, lda, B + n * ldb, ldb, K, acc);
+  for (; n < N; ++n) BlockNT<TB, L8, L1, R, 1>(C + n, ldc, A, lda, B + n * ldb, ldb, K, acc);
+}
+
+template <typename TB, __m256 (*L8)(const TB*), float (*L1)(const TB*)>
+void MmadNTRows(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N,
+                int64_t K, bool acc) {
+  for (int64_t m = 0; m < M; m += 8) {
+    float* c = C + m * ldc;
+    const float* a = A + m * lda;
+    switch (std::min<int64_t>(8, M - m)) {
+      case 1: RowsNT<TB, L8, L1, 1, 4>(c, ldc, a, lda, B, ldb, N, K, acc); break;
+      case 2: RowsNT<TB, L8, L1, 2, 4>(c, ldc, a, lda, B, ldb, N, K, acc); break;
+      case 3: RowsNT<TB, L8, L1, 3, 3>(c, ldc, a, lda, B, ldb, N, K, acc); break;
+      case 4: RowsNT<TB, L8, L1, 4, 2>(c, ldc, a, lda, B, ldb, N, K, acc); break;
+      case 5: RowsNT<TB, L8, L1, 5, 2>(c, ldc, a, lda, B, ldb, N, K, acc); break;
+      case 6: RowsNT<TB, L8, L1, 6, 2>(c, ldc, a, lda, B, ldb, N, K, acc); break;
+      case 7: RowsNT<TB, L8, L1, 7, 1>(c, ldc, a, lda, B, ldb, N, K, acc); break;
+      default: RowsNT<TB, L8, L1, 8, 1>(c, ldc, a, lda, B, ldb, N, K, acc); break;
+    }
+  }
+}
+
+// Few-row NN Mmad: R rows x 8*NV columns of C in R*NV accumulators; per k the
+// B panel (NV vectors) is widened once and each A element is one broadcast.
+template <typename TB, __m256 (*L8)(const TB*), int R, int NV>
+void PanelNN(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t K, bool acc) {
+  __m256 c[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) c[r][v] = acc ? _mm256_loadu_ps(C + r * ldc + 8 * v) : _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = L8(B + k * ldb + 8 * v);
+    for (int r = 0; r < R; ++r) {
+      __m256 a = _mm256_broadcast_ss(A + r * lda + k);
+      for (int v = 0; v < NV; ++v) c[r][v] = _mm256_fmadd_ps(a, b[v], c[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(C + r * ldc + 8 * v, c[r][v]);
+}
+
+template <typename TB, __m256 (*L8)(const TB*), float (*L1)(const TB*), int R, int NV>
+void RowsNN(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t N, int64_t K,
+            bool acc) {
+  int64_t n = 0;
+  for (; n + 8 * NV <= N; n += 8 * NV) PanelNN<TB, L8, R, NV>(C + n, ldc, A, lda, B + n, ldb, K, acc);
+  for (; n + 8 <= N; n += 8) PanelNN<TB, L8, R, 1>(C + n, ldc, A, lda, B + n, ldb, K, acc);
+  for (; n < N; ++n)  // fmaf: the same single rounding per step as a vector lane
+    for (int r = 0; r < R; ++r) {
+      float v = acc ? C[r * ldc + n] : 0.0f;
+      for (int64_t k = 0; k < K; ++k) v = std::fmaf(A[r * lda + k], L1(B + k * ldb + n), v);
+      C[r * ldc + n] = v;
+    }
+}
+
+template <typename TB, __m256 (*L8)(const TB*), float (*L1)(const TB*)>
+void MmadNNRows(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N,
+                int64_t K, bool acc) {
+  for (int64_t m = 0; m < M; m += 8) {
+    float* c = C + m * ldc;
+    const float* a = A + m * lda;
+    switch (std::min<int64_t>(8, M - m)) {
+      case 1: RowsNN<TB, L8, L1, 1, 4>(c, ldc, a, lda, B, ldb, N, K, acc); break;
+      case 2: RowsNN<TB, L8, L1, 2, 4>(c, ldc, a, lda, B, ldb, N, K, acc); break;
+      case 3: RowsNN<TB, L8, L1, 3, 3>(c, ldc, a, lda, B, ldb, N, K, acc); break;
+      case 4: RowsNN<TB, L8, L1, 4, 2>(c, ldc, a, lda, B, ldb, N, K, acc); break;
+      case 5: RowsNN<TB, L8, L1, 5, 2>(c, ldc, a, lda, B, ldb, N, K, acc); break;
+      case 6: RowsNN<TB, L8, L1, 6, 2>(c, ldc, a, lda, B, ldb, N, K, acc); break;
+      case 7: RowsNN<TB, L8, L1, 7, 1>(c, ldc, a, lda, B, ldb, N, K, acc); break;
+      default: RowsNN<TB, L8, L1, 8, 1>(c, ldc, a, lda, B, ldb, N, K, acc); break;
+    }
+  }
+}
+
 const SimdOps kAvx2 = {
     "avx2", Add, Sub, Mul, Max, Muls, Adds, Axpy, Exp, Silu, SiluMul, Duplicate,
     ReduceSum, ReduceMax, SumSquares, Dot, F16ToF32, Bf16ToF32, F32ToF16, F32ToBf16,
@@ -454,6 +537,8 @@ const SimdOps kAvx2 = {
     MmadNN<float, Load8, Load1>, MmadNN<uint16_t, Load8H, Load1H>, MmadNN<uint16_t, Load8B, Load1B>,
     Rope<F32S>, Rope<F16S>, Rope<Bf16S>, SiluMulT<F16S>, SiluMulT<Bf16S>,
     MmadNTLanes<float, Load8>, MmadNTLanes<uint16_t, Load8H>, MmadNTLanes<uint16_t, Load8B>,
+    MmadNTRows<float, Load8, Load1>, MmadNTRows<uint16_t, Load8H, Load1H>, MmadNTRows<uint16_t, Load8B, Load1B>,
+    MmadNNRows<float, Load8, Load1>, MmadNNRows<uint16_t, Load8H, Load1H>, MmadNNRows<uint16_t, Load8B, Load1B>,
 };
 
 }  // namespace

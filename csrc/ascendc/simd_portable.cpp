@@ -159,6 +159,8 @@ const SimdOps kPortable = {
     MmadNN<float, Load>, MmadNN<uint16_t, LoadH>, MmadNN<uint16_t, LoadB>,
     Rope<F32S>, Rope<F16S>, Rope<Bf16S>, SiluMulT<F16S>, SiluMulT<Bf16S>,
     MmadNTLanes<float, Load>, MmadNTLanes<uint16_t, LoadH>, MmadNTLanes<uint16_t, LoadB>,
+    MmadNT<float, Load>, MmadNT<uint16_t, LoadH>, MmadNT<uint16_t, LoadB>,  // mmad_nt_rows: one row at a time already
+    MmadNN<float, Load>, MmadNN<uint16_t, LoadH>, MmadNN<uint16_t, LoadB>,  // mmad_nn_rows
 };
 
 }  // namespace

@@ -74,14 +74,20 @@ template <typename T> struct MmadTable;
 template <> struct MmadTable<float> {
   static auto NT() { return Simd().mmad_nt_f32; }
   static auto NN() { return Simd().mmad_nn_f32; }
+  static auto NTRows() { return Simd().mmad_nt_rows_f32; }
+  static auto NNRows() { return Simd().mmad_nn_rows_f32; }
 };
 template <> struct MmadTable<half> {
   static auto NT() { return Simd().mmad_nt_f16; }
   static auto NN() { return Simd().mmad_nn_f16; }
+  static auto NTRows() { return Simd().mmad_nt_rows_f16; }
+  static auto NNRows() { return Simd().mmad_nn_rows_f16; }
 };
 template <> struct MmadTable<bfloat16_t> {
   static auto NT() { return Simd().mmad_nt_bf16; }
   static auto NN() { return Simd().mmad_nn_bf16; }
+  static auto NTRows() { return Simd().mmad_nt_rows_bf16; }
+  static auto NNRows() { return Simd().mmad_nn_rows_bf16; }
 };
 template <typename T> inline auto StorageBits(const T* p) { return p; }
 inline auto StorageBits(const half* p) { return reinterpret_cast<const uint16_t*>(p); }
@@ -97,6 +103,16 @@ struct MmadParams {
 template <typename T>
 inline void MmadNT(float* C, const float* A, const T* B, const MmadParams& p) {
   MmadTable<T>::NT()(C, p.ldc, A, p.lda, StorageBits(B), p.ldb, p.m, p.n, p.k, p.accumulate);
+}
+// MmadNT for few A rows (<= 8 per pass): each B row is widened once for all of them.
+template <typename T>
+inline void MmadNTRows(float* C, const float* A, const T* B, const MmadParams& p) {
+  MmadTable<T>::NTRows()(C, p.ldc, A, p.lda, StorageBits(B), p.ldb, p.m, p.n, p.k, p.accumulate);
+}
+// MmadNN for few A rows (<= 8 per pass): each B panel is widened once for all of them.
+template <typename T>
+inline void MmadNNRows(float* C, const float* A, const T* B, const MmadParams& p) {
+  MmadTable<T>::NNRows()(C, p.ldc, A, p.lda, StorageBits(B), p.ldb, p.m, p.n, p.k, p.accumulate);
 }
 // C[m][n] (+)= sum_k A[m][k] * B[k][n].
 template <typename T>

@@ -59,8 +59,9 @@ class KernelPagedAttention {
   }
 
   void Process() {
-    int64_t n = int64_t(t_->items.size());
-    for (int64_t i = GetBlockIdx(); i < n; i += GetBlockNum()) ProcessItem(t_->items[size_t(i)]);
+    int64_t first = GetBlockIdx() * t_->blockFactor;
+    int64_t last = std::min<int64_t>(int64_t(t_->items.size()), first + t_->blockFactor);
+    for (int64_t i = first; i < last; ++i) ProcessItem(t_->items[size_t(i)]);
   }
 
  private:
@@ -78,6 +79,7 @@ class KernelPagedAttention {
     for (int64_t t0 = it.kvStart; t0 < it.kvEnd;) {
       int64_t t1 = std::min<int64_t>(it.kvEnd, (t0 / tn + 1) * tn);
       CopyInKv(it, t0, t1);
+      PrefetchKv(it, t1, std::min<int64_t>(it.kvEnd, t1 + tn));
       Compute(it, t0, t1);
       t0 = t1;
     }
@@ -135,6 +137,25 @@ class KernelPagedAttention {
     }
   }
 
+  // The ping-pong half of the copy engine: while tile i is computed, tile i+1's
+  // K/V rows are requested. One head's rows are head_dim * elt bytes (128 to
+  // 512) every kv_heads * head_dim elements, a pattern the CPU's stream
+  // prefetchers do not follow across pages; without this the cube would stall
+  // on every row it reads from DRAM.
+  void PrefetchKv(const PagedAttentionItem& it, int64_t t0, int64_t t1) {
+    const int64_t bs = t_->blockSize, kh = t_->kvHeads, rowBytes = d_ * int64_t(sizeof(T));
+    const int32_t* table = bt_ + int64_t(it.batch) * t_->maxBlocks;
+    for (int64_t pos = t0; pos < t1; ++pos) {
+      int64_t base = ((int64_t(table[pos / bs]) * bs + pos % bs) * kh + it.kvHead) * d_;
+      const char* k = reinterpret_cast<const char*>(kGm_.GetPhyAddr(base));
+      const char* v = reinterpret_cast<const char*>(vGm_.GetPhyAddr(base));
+      for (int64_t b = 0; b < rowBytes; b += 64) {
+        __builtin_prefetch(k + b, 0, 2);
+        __builtin_prefetch(v + b, 0, 2);
+      }
+    }
+  }
+
   // n rows of head_dim elements, kv_heads * head_dim apart in the cache, packed in UB.
   void GatherRows(const LocalTensor<T>& dst, const GlobalTensor<T>& src, int64_t n) {
     int64_t rowBytes = d_ * int64_t(sizeof(T));
@@ -162,7 +183,7 @@ class KernelPagedAttention {
     float* acc = accBuf_.Get<float>().GetPhyAddr();
     float* m = statBuf_.Get<float>().GetPhyAddr();
     float* l = m + rows_;
-    for (const auto& r : runs_) MmadNT<T>(s + r.col, q, r.k, {rows_, r.n, d_, d_, r.ld, tn, false});
+    for (const auto& r : runs_) MmadNTRows<T>(s + r.col, q, r.k, {rows_, r.n, d_, d_, r.ld, tn, false});
     for (int64_t tp = 0; tp < it.qn; ++tp) {
       // Keys this token may see inside the tile (causal end, sliding-window start).
       int64_t c0 = std::clamp<int64_t>(lo_[tp] - t0, 0, n), c1 = std::clamp<int64_t>(hi_[tp] - t0, 0, n);
@@ -188,7 +209,7 @@ class KernelPagedAttention {
         l[r] += sum;
       }
     }
-    for (const auto& r : runs_) MmadNN<T>(acc, s + r.col, r.v, {rows_, d_, r.n, tn, r.ld, d_, true});
+    for (const auto& r : runs_) MmadNNRows<T>(acc, s + r.col, r.v, {rows_, d_, r.n, tn, r.ld, d_, true});
     if (gather_) {
       inK_.FreeTensor(k);
       inV_.FreeTensor(v);

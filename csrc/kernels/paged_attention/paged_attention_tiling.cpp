@@ -39,9 +39,15 @@ int64_t MergeUb(int64_t d, int64_t elt) {
   return AscendC::BUFFER_NUM * UbSlot(d * 4) + UbSlot(d * 4) + UbSlot(d * elt);
 }
 
+// On the host, 4 logical cores per thread: the pool hands blocks out as
+// threads come free, so a thread that the (shared) machine preempts, or that
+// drew shorter items, does not hold up the whole launch.
+constexpr int64_t kHostBlocksPerThread = 4;
+
 int64_t CoreCap(const AscendC::SocInfo& soc, int64_t units, int64_t bytes) {
   int64_t cores = std::max<int64_t>(1, soc.cube_core_num);
-  if (soc.is_host) cores = std::min(cores, std::max<int64_t>(1, bytes / kMinBytesPerHostCore));
+  if (soc.is_host)
+    cores = std::min(cores * kHostBlocksPerThread, std::max<int64_t>(1, bytes / kMinBytesPerHostCore));
   return std::max<int64_t>(1, std::min(cores, units));
 }
 }  // namespace
@@ -114,43 +120,45 @@ PagedAttentionTilingData PagedAttentionTiling(int64_t batch, int64_t numHeads, i
   t.mergeUbBytes = MergeUb(headDim, elt);
   t.tilingKey = int64_t(dtype) * 10 + (gather ? PA_GATHER : PA_DIRECT);
 
-  // Work items: q tiles x the fixed chunk grid over each tile's key range.
+  // Work items: q tiles x the fixed chunk grid over each tile's key range x
+  // KV heads, heads innermost. Cores take contiguous runs of items, so one core
+  // reads a chunk for every KV head in turn: the chunk's cache rows (a row holds
+  // all heads) come in whole pages and cache lines instead of one head's
+  // 128..512-byte slice per page, which would cost a TLB walk per row.
   int64_t ws = 0, kvBytes = 0, mergeBytes = 0;
   for (int64_t b = 0; b < batch; ++b) {
     int64_t ctx = t.contextLens[b], ql = t.qLens[b];
-    for (int64_t kvh = 0; kvh < kvHeads; ++kvh) {
-      for (int64_t g0 = 0; g0 < t.groupSize; g0 += t.headsPerTile) {
-        int64_t gn = std::min(t.headsPerTile, t.groupSize - g0);
-        int64_t qp = std::max<int64_t>(1, m / gn);
-        for (int64_t q0 = 0; q0 < ql; q0 += qp) {
-          int64_t qn = std::min(qp, ql - q0);
-          int64_t pFirst = ctx - ql + q0, pLast = pFirst + qn - 1;
-          int64_t lo = t.window ? std::max<int64_t>(0, pFirst - t.window + 1) : 0, hi = pLast + 1;
-          int64_t c0 = lo / kChunk, c1 = (hi - 1) / kChunk;
-          int64_t rows = qn * gn;
-          kvBytes += (hi - lo) * 2 * headDim * elt;
-          PagedAttentionItem it{int32_t(b), int32_t(kvh), int32_t(g0), int32_t(gn), int32_t(q0), int32_t(qn),
-                                int32_t(lo), int32_t(hi), -1};
-          if (c0 == c1) {
-            t.items.push_back(it);
-            continue;
-          }
-          t.groups.push_back({int32_t(b), int32_t(kvh), int32_t(g0), int32_t(gn), int32_t(q0), int32_t(qn),
-                              int32_t(c1 - c0 + 1), ws});
-          for (int64_t c = c0; c <= c1; ++c) {
-            it.kvStart = int32_t(std::max(lo, c * kChunk));
-            it.kvEnd = int32_t(std::min(hi, (c + 1) * kChunk));
-            it.partial = ws;
-            ws += rows * (headDim + 2);
-            t.items.push_back(it);
-          }
-          mergeBytes += (c1 - c0 + 1) * rows * (headDim + 2) * 4;
+    for (int64_t g0 = 0; g0 < t.groupSize; g0 += t.headsPerTile) {
+      int64_t gn = std::min(t.headsPerTile, t.groupSize - g0);
+      int64_t qp = std::max<int64_t>(1, m / gn);
+      for (int64_t q0 = 0; q0 < ql; q0 += qp) {
+        int64_t qn = std::min(qp, ql - q0);
+        int64_t pFirst = ctx - ql + q0, pLast = pFirst + qn - 1;
+        int64_t lo = t.window ? std::max<int64_t>(0, pFirst - t.window + 1) : 0, hi = pLast + 1;
+        int64_t c0 = lo / kChunk, c1 = (hi - 1) / kChunk, splits = c1 - c0 + 1;
+        int64_t partialFloats = qn * gn * (headDim + 2);
+        kvBytes += kvHeads * (hi - lo) * 2 * headDim * elt;
+        int64_t base = ws;
+        if (splits > 1) {
+          for (int64_t kvh = 0; kvh < kvHeads; ++kvh)
+            t.groups.push_back({int32_t(b), int32_t(kvh), int32_t(g0), int32_t(gn), int32_t(q0), int32_t(qn),
+                                int32_t(splits), base + kvh * splits * partialFloats});
+          ws += kvHeads * splits * partialFloats;
+          mergeBytes += kvHeads * splits * partialFloats * 4;
         }
+        for (int64_t c = c0; c <= c1; ++c)
+          for (int64_t kvh = 0; kvh < kvHeads; ++kvh)
+            t.items.push_back({int32_t(b), int32_t(kvh), int32_t(g0), int32_t(gn), int32_t(q0), int32_t(qn),
+                               int32_t(std::max(lo, c * kChunk)), int32_t(std::min(hi, (c + 1) * kChunk)),
+                               splits > 1 ? base + (kvh * splits + c - c0) * partialFloats : -1});
       }
     }
   }
   t.workspaceFloats = ws;
-  t.blockDim = CoreCap(soc, int64_t(t.items.size()), kvBytes);
+  int64_t n = int64_t(t.items.size());
+  t.blockDim = CoreCap(soc, n, kvBytes);
+  t.blockFactor = CeilDiv(n, t.blockDim);
+  t.blockDim = CeilDiv(n, t.blockFactor);  // no core without items
   t.mergeBlockDim = t.groups.empty() ? 0 : CoreCap(soc, int64_t(t.groups.size()), mergeBytes);
   return t;
 }

@@ -42,6 +42,7 @@ struct PagedAttentionTilingData {
   int64_t kvTile = 0;           // keys per score tile (TN)
   int64_t chunk = 0;            // keys per split (CH), a multiple of kvTile
   int64_t blockDim = 1, mergeBlockDim = 0;
+  int64_t blockFactor = 0;      // items per core (a contiguous run); the last core takes the remainder
   int64_t ubBytes = 0, mergeUbBytes = 0;
   int64_t workspaceFloats = 0;  // partials: rows * (headDim + 2) floats per split item
   int64_t tilingKey = 0;
