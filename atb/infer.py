@@ -17,7 +17,8 @@ so either can run beneath the same scheduler.
 Stop reasons (``infer.last_stop_reasons``, one per prompt): ``"eos"`` (the EOS
 token was produced and is included), ``"length"`` (``max_new_tokens`` reached),
 ``"max_seq_len"`` (prompt + generated tokens reached ``max_seq_len``: the
-sequence stops there and the others carry on).
+sequence stops there and the others carry on). When several hold at once the
+first in that order is reported.
 """
 from __future__ import annotations
 
@@ -119,6 +120,8 @@ class TransformerInfer:
             self.decode_graph = DecodeGraph.from_infer(self)
             self._decode_step = self.decode_graph.step
             self.graph_mode = True
+            self._logits_buf = torch.empty(max_batch_size, self.lm_head.shape[0], dtype=self.dtype)
+            self._argmax_buf = torch.empty(max_batch_size, dtype=torch.int32)
 
     # ---- construction -------------------------------------------------------
     def _resolve_dtype(self, model, dtype):
@@ -202,14 +205,17 @@ class TransformerInfer:
             if key not in seen:
                 seen.add(key)
                 weights += t.nbytes
-        item = torch.empty((), dtype=self.dtype).element_size()
-        hidden = self.embed.shape[1]
-        inter = self.layers[0][12].shape[0]
-        qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        # Per decode step at full batch: residual, normed input, q/k/v, attention out, gate/up/act, logits (fp32).
-        activations = self.max_batch_size * ((3 * hidden + qkv + self.num_heads * self.head_dim + 3 * inter) * item
-                                             + 4 * self.vocab_size)
-        tables = self.cos.nbytes + self.sin.nbytes + self._block_tables.nbytes
+        scratch = self.cos.nbytes + self.sin.nbytes + self._block_tables.nbytes
+        if self.decode_graph is not None:
+            scratch += self.decode_graph.scratch_bytes + self._logits_buf.nbytes + self._argmax_buf.nbytes
+        else:
+            # Python decode step at full batch: residual, normed input, q/k/v, attention out, gate/up/act,
+            # logits (allocated per step by the kernels).
+            item = self.embed.element_size()
+            hidden, inter = self.embed.shape[1], self.layers[0][12].shape[0]
+            qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+            scratch += self.max_batch_size * item * (3 * hidden + qkv + self.num_heads * self.head_dim + 3 * inter
+                                                     + self.vocab_size)
         return {
             "dtype": str(self.dtype).replace("torch.", ""),
             "weights_bytes": weights,
@@ -217,8 +223,8 @@ class TransformerInfer:
             "kv_cache_bytes": self.cache.nbytes,
             "kv_bytes_per_token": self.cache.nbytes // (self.cache.num_blocks * self.block_size),
             "kv_blocks": self.cache.num_blocks,
-            "scratch_bytes": tables + activations,
-            "total_bytes": weights + self.cache.nbytes + tables + activations,
+            "scratch_bytes": scratch,
+            "total_bytes": weights + self.cache.nbytes + scratch,
         }
 
     # ---- the model, in two shapes -------------------------------------------
@@ -453,7 +459,7 @@ class TransformerInfer:
     def _run(self, todo: list[_Seq], max_new: int, params: SamplingParams, eos: set, stream) -> None:
         waiting = deque(todo)
         running: list[_Seq] = []
-        cache, bs, bt = self.cache, self.block_size, self._block_tables
+        cache, bs, bt, graph = self.cache, self.block_size, self._block_tables, self.decode_graph
         rows_dirty = True
 
         def emit(s: _Seq, tok: int) -> bool:
@@ -499,8 +505,16 @@ class TransformerInfer:
                     bt[i, :len(s.table)] = torch.tensor(s.table, dtype=torch.int32)
                 rows_dirty = False
             tok_ids, positions, ctx, slots = torch.tensor(meta, dtype=torch.int32).t().contiguous()
-            logits = self._decode_step(tok_ids, positions, bt[:n], ctx, slots)
-            toks = select(logits.float(), params, [s.seen for s in running], [s.gen for s in running])
+            if graph is not None:
+                # Logits land in a preallocated buffer (no per-step 100s-of-KiB allocation); greedy
+                # tokens come from the graph's native argmax.
+                am = self._argmax_buf[:n] if params.greedy_only else None
+                logits = graph.step(tok_ids, positions, bt[:n], ctx, slots, self._logits_buf[:n], argmax_out=am)
+                toks = am.tolist() if am is not None else None
+            else:
+                logits, toks = self._decode_step(tok_ids, positions, bt[:n], ctx, slots), None
+            if toks is None:
+                toks = select(logits.float(), params, [s.seen for s in running], [s.gen for s in running])
             still = []
             for s, t in zip(running, toks):
                 if emit(s, t):
