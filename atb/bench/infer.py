@@ -1,6 +1,7 @@
 """TransformerInfer vs HF generate on SmolLM2-135M: prefill and decode tokens/s, side by side.
 
-    python -m atb.bench.infer [--dtypes float32,bfloat16] [--batches 1,16] [--prompt 128] [--new 128] [--repeats 3]
+    python -m atb.bench.infer [--dtypes float32,bfloat16] [--batches 1,16] [--modes graph,python]
+                              [--prompt 128] [--new 128] [--repeats 3] [--threads N]
 
 For each dtype and batch size: prefill tok/s (generate with one new token),
 decode tok/s ((new - 1) tokens per sequence over the time beyond prefill),
@@ -90,9 +91,15 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch and atb thread count (default: as set)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
+    if args.threads:
+        import atb
+
+        torch.set_num_threads(args.threads)
+        atb.set_num_threads(args.threads)
 
     results = []
     for dname in args.dtypes.split(","):
