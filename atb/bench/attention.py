@@ -1,6 +1,6 @@
 """Attention kernels vs torch SDPA.
 
-Run: ``python -m atb.bench.attention [--repeat N] [--quick] [--threads N]``.
+Run: ``python -m atb.bench.attention [--repeat N] [--quick] [--threads N] [--cpu-time]``.
 
 Decode (:func:`bench_decode`): ``atb.kernels.paged_attention``, one query per
 sequence over a paged KV cache (block_size 128, random non-monotonic block
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import time
 
 import torch
 
@@ -28,7 +29,7 @@ DECODE_SHAPES = ((32, 8, 128), (9, 3, 64))  # (heads, kv_heads, head_dim): Llama
 BLOCK_SIZE = 128
 
 
-def _decode_case(batch, ctx, heads, kv_heads, head_dim, dtype, working_set, repeat, sample_us):
+def _decode_case(batch, ctx, heads, kv_heads, head_dim, dtype, working_set, repeat, sample_us, clock):
     blocks_per_seq = (ctx + BLOCK_SIZE - 1) // BLOCK_SIZE
     kv_bytes = batch * ctx * kv_heads * head_dim * 2 * dtype.itemsize
     copies = max(1, working_set // kv_bytes)
@@ -58,7 +59,8 @@ def _decode_case(batch, ctx, heads, kv_heads, head_dim, dtype, working_set, repe
     out = atb.kernels.paged_attention(q, *paged[0], ctx_lens).float()
     ref = torch.nn.functional.scaled_dot_product_attention(q4, *dense[0], enable_gqa=True).squeeze(2).float()
     diff = (out - ref).abs().max().item()
-    t_sdpa, t_atb = (t / copies for t in time_us_many((run_sdpa, run_atb), repeat=repeat, min_sample_us=sample_us))
+    t_sdpa, t_atb = (t / copies for t in time_us_many((run_sdpa, run_atb), repeat=repeat, min_sample_us=sample_us,
+                                                                   clock=clock))
     return dict(dtype=str(dtype).removeprefix("torch."), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                 batch=batch, ctx=ctx, sdpa_us=t_sdpa, atb_us=t_atb, speedup=t_sdpa / t_atb, bytes=kv_bytes,
                 atb_gbps=achieved_gbps(kv_bytes, t_atb), sdpa_gbps=achieved_gbps(kv_bytes, t_sdpa), max_diff=diff)
@@ -66,12 +68,19 @@ def _decode_case(batch, ctx, heads, kv_heads, head_dim, dtype, working_set, repe
 
 def bench_decode(contexts=(512, 2048, 8192), batches=(1, 16), shapes=DECODE_SHAPES,
                  dtypes=(torch.float32, torch.bfloat16), *, repeat: int = 15, quick: bool = False,
-                 working_set: int = 96 << 20) -> list[dict]:
-    """paged_attention decode vs SDPA over the same K/V, one printed row per configuration."""
+                 cpu_time: bool = False, working_set: int = 96 << 20) -> list[dict]:
+    """paged_attention decode vs SDPA over the same K/V, one printed row per configuration.
+
+    cpu_time: time with the calling thread's CPU time (steadier on a busy machine; needs one thread
+    for torch and atb, since it misses work done on other threads).
+    """
+    if cpu_time and (torch.get_num_threads() != 1 or atb.get_num_threads() != 1):
+        raise SystemExit("--cpu-time needs --threads 1: thread CPU time misses work done on other threads")
+    clock = time.thread_time if cpu_time else time.perf_counter
     sample_us = 500.0 if quick else 2000.0
     bw = stream_read_gbps(repeat=3 if quick else 9)
     print(f"decode: paged_attention (block_size {BLOCK_SIZE}) vs SDPA(enable_gqa) over pre-gathered K/V | "
-          f"measured streaming read {bw:.1f} GB/s")
+          f"measured streaming read {bw:.1f} GB/s | clock: {'thread CPU time' if cpu_time else 'wall'}")
     head = (f"{'dtype':<9} {'H/KH/D':<9} {'batch':>5} {'ctx':>5} {'sdpa µs':>9} {'atb µs':>9} {'speedup':>8} "
             f"{'KV MB':>7} {'sdpa GB/s':>9} {'atb GB/s':>8} {'% bw':>5} {'max|diff|':>9}")
     print(head)
@@ -82,7 +91,8 @@ def bench_decode(contexts=(512, 2048, 8192), batches=(1, 16), shapes=DECODE_SHAP
             for heads, kv_heads, head_dim in shapes:
                 for batch in batches:
                     for ctx in contexts:
-                        r = _decode_case(batch, ctx, heads, kv_heads, head_dim, dtype, working_set, repeat, sample_us)
+                        r = _decode_case(batch, ctx, heads, kv_heads, head_dim, dtype, working_set, repeat, sample_us,
+                                         clock)
                         r["pct_bw"] = 100 * r["atb_gbps"] / bw
                         rows.append(r)
                         print(f"{r['dtype']:<9} {f'{heads}/{kv_heads}/{head_dim}':<9} {batch:>5} {ctx:>5} "
@@ -101,6 +111,8 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="shorter samples and bandwidth probe (smoke run)")
     p.add_argument("--threads", type=int, default=None,
                    help="threads for both torch and atb (default: as configured, torch's count)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time with thread CPU time (needs --threads 1); steadier ratios on a busy machine")
     args = p.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -110,7 +122,7 @@ def main(argv=None) -> None:
     info = atb.build_info()
     print(f"atb attention vs torch SDPA | isa {info['isa']} | {info['num_threads']} threads | "
           f"torch threads {torch.get_num_threads()} | freed memory kept for reuse: {'yes' if tuned else 'no'}")
-    bench_decode(repeat=args.repeat, quick=args.quick)
+    bench_decode(repeat=args.repeat, quick=args.quick, cpu_time=args.cpu_time)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,10 @@ def float_code(op: str, name: str, t) -> int:
 
 def int_tensor(op: str, name: str, t, *, ndim: int | None = None) -> torch.Tensor:
     """An int32 contiguous CPU tensor (int64 is converted: HF and vLLM hand out both)."""
+    # Fast path (block tables, lengths and slot mappings on every decode step): attribute reads only.
+    if (isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.is_cpu and (ndim is None or t.dim() == ndim)
+            and t.is_contiguous()):
+        return t
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in (torch.int32, torch.int64):

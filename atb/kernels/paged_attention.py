@@ -34,24 +34,28 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     launch (ValueError/TypeError naming the argument).
     """
     code = float_code(_OP, "q", q)
-    float_code(_OP, "key_cache", key_cache)
-    float_code(_OP, "value_cache", value_cache)
-    same_dtype(_OP, "key_cache", key_cache, "q", q)
-    same_dtype(_OP, "value_cache", value_cache, "q", q)
-    if key_cache.dim() != 4:
+    if not (isinstance(key_cache, torch.Tensor) and isinstance(value_cache, torch.Tensor)
+            and key_cache.dtype == q.dtype and value_cache.dtype == q.dtype and key_cache.is_cpu and value_cache.is_cpu):
+        float_code(_OP, "key_cache", key_cache)
+        float_code(_OP, "value_cache", value_cache)
+        same_dtype(_OP, "key_cache", key_cache, "q", q)
+        same_dtype(_OP, "value_cache", value_cache, "q", q)
+    cache_shape = key_cache.shape
+    if len(cache_shape) != 4:
         raise ValueError(f"{_OP}: key_cache must be 4-D [num_blocks, block_size, num_kv_heads, head_dim], "
-                         f"got shape {tuple(key_cache.shape)}")
-    if value_cache.shape != key_cache.shape:
+                         f"got shape {tuple(cache_shape)}")
+    if value_cache.shape != cache_shape:
         raise ValueError(f"{_OP}: value_cache has shape {tuple(value_cache.shape)}, key_cache has "
-                         f"{tuple(key_cache.shape)}; they must match")
+                         f"{tuple(cache_shape)}; they must match")
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError(f"{_OP}: key_cache and value_cache must be contiguous")
-    if key_cache.numel() == 0:
-        raise ValueError(f"{_OP}: the cache is empty (shape {tuple(key_cache.shape)})")
-    num_blocks, block_size, kv_heads, head_dim = key_cache.shape
-    if q.dim() != 3:
-        raise ValueError(f"{_OP}: q must be 3-D [tokens, num_heads, head_dim], got shape {tuple(q.shape)}")
-    rows, num_heads, q_dim = q.shape
+    num_blocks, block_size, kv_heads, head_dim = cache_shape
+    if not (num_blocks and block_size and kv_heads and head_dim):
+        raise ValueError(f"{_OP}: the cache is empty (shape {tuple(cache_shape)})")
+    q_shape = q.shape
+    if len(q_shape) != 3:
+        raise ValueError(f"{_OP}: q must be 3-D [tokens, num_heads, head_dim], got shape {tuple(q_shape)}")
+    rows, num_heads, q_dim = q_shape
     if q_dim != head_dim:
         raise ValueError(f"{_OP}: q's head_dim is {q_dim}, the cache's is {head_dim}; they must match")
     if num_heads % kv_heads:
@@ -77,10 +81,12 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         raise ValueError(f"{_OP}: window must be None or an int >= 1, got {window!r}")
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    if rows and (q.stride(2) != 1 or (num_heads > 1 and q.stride(1) != head_dim) or q.stride(0) < num_heads * head_dim):
+    q_stride = q.stride()
+    if rows and (q_stride[2] != 1 or (num_heads > 1 and q_stride[1] != head_dim) or q_stride[0] < num_heads * head_dim):
         q = q.contiguous()
+        q_stride = q.stride()
     out = torch.empty((rows, num_heads, head_dim), dtype=q.dtype)
-    _C.paged_attention(out.data_ptr(), q.data_ptr(), q.stride(0) if rows else num_heads * head_dim,
+    _C.paged_attention(out.data_ptr(), q.data_ptr(), q_stride[0] if rows else num_heads * head_dim,
                        key_cache.data_ptr(), value_cache.data_ptr(), bt.data_ptr(), ctx.data_ptr(),
                        0 if ql is None else ql.data_ptr(), batch, num_heads, kv_heads, head_dim, num_blocks,
                        block_size, bt.shape[1], rows, float(scale), 0 if window is None else window, code,

@@ -78,7 +78,8 @@ struct SimdOps {
                              int64_t N, int64_t K, bool accumulate);
   // NT Mmad for a few A rows (decode attention: the query heads that share one
   // KV head, M <= 8 per pass): each B row is loaded and widened once for all
-  // M rows instead of once per row pair. Same result per element as mmad_nt.
+  // M rows instead of once per row pair. Each element: 8 fp32 lanes over k,
+  // a fixed reduction tree, then the k tail; independent of M, N and blocking.
   void (*mmad_nt_rows_f32)(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb,
                            int64_t M, int64_t N, int64_t K, bool accumulate);
   void (*mmad_nt_rows_f16)(float* C, int64_t ldc, const float* A, int64_t lda, const uint16_t* B, int64_t ldb,
