@@ -10,9 +10,11 @@ paged cache with ``reshape_and_cache``; decode batches every live sequence
 through ``paged_attention``. A sequence that finishes returns its blocks at
 once and a waiting prompt is prefilled into the running batch.
 
-The decode step has the signature of the native decode graph,
-``step(token_ids, positions, block_tables, context_lens, slot_mapping) -> logits``,
-so either can run beneath the same scheduler.
+Decode runs either as one native call per step (``graph_mode=True``:
+``atb.graph.DecodeGraph`` over the engine's own weights, cache and rope
+tables) or kernel by kernel from Python (``graph_mode=False``); both take
+``(token_ids, positions, block_tables, context_lens, slot_mapping)`` and return
+logits, so the scheduler is the same for both.
 
 Stop reasons (``infer.last_stop_reasons``, one per prompt): ``"eos"`` (the EOS
 token was produced and is included), ``"length"`` (``max_new_tokens`` reached),
@@ -110,7 +112,6 @@ class TransformerInfer:
         self._block_tables = torch.zeros(max_batch_size, self.max_blocks_per_seq, dtype=torch.int32)
         self.last_stop_reasons: list[str] | None = None
         self.graph_mode = False
-        self._decode_step = self._python_decode_step
         # The native decode graph over the same weights, cache and rope tables (shared, not copied);
         # ``decode_graph.profiling = True`` gives per-node decode timings.
         self.decode_graph = None
@@ -118,7 +119,6 @@ class TransformerInfer:
             from atb.graph import DecodeGraph
 
             self.decode_graph = DecodeGraph.from_infer(self)
-            self._decode_step = self.decode_graph.step
             self.graph_mode = True
             self._logits_buf = torch.empty(max_batch_size, self.lm_head.shape[0], dtype=self.dtype)
             self._argmax_buf = torch.empty(max_batch_size, dtype=torch.int32)
@@ -512,7 +512,7 @@ class TransformerInfer:
                 logits = graph.step(tok_ids, positions, bt[:n], ctx, slots, self._logits_buf[:n], argmax_out=am)
                 toks = am.tolist() if am is not None else None
             else:
-                logits, toks = self._decode_step(tok_ids, positions, bt[:n], ctx, slots), None
+                logits, toks = self._python_decode_step(tok_ids, positions, bt[:n], ctx, slots), None
             if toks is None:
                 toks = select(logits.float(), params, [s.seen for s in running], [s.gen for s in running])
             still = []

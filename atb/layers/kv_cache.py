@@ -80,7 +80,10 @@ class PagedKVCache:
 
     # ---- allocation ---------------------------------------------------------
     def allocate(self, seq_id, num_tokens: int) -> list[int]:
-        """Creates the block table of a new sequence with room for ``num_tokens`` tokens."""
+        """Creates the block table of a new sequence with room for ``num_tokens`` tokens.
+
+        Returns the live table: the same list grows in place on :meth:`extend`.
+        """
         if seq_id in self._tables:
             raise ValueError(f"PagedKVCache.allocate: sequence {seq_id!r} already has blocks")
         if num_tokens < 0:
