@@ -18,6 +18,7 @@
 #include "kernels/common/ub_probe.h"
 #include "kernels/reshape_and_cache/reshape_and_cache_tiling.h"
 #include "kernels/paged_attention/paged_attention_tiling.h"
+#include "kernels/flash_attention/flash_attention_tiling.h"
 
 namespace py = pybind11;
 using AscendC::DataType;
@@ -98,6 +99,21 @@ py::dict PagedAttentionTilingDict(const atb::PagedAttentionTilingData& t) {
   for (const auto& it : t.items)
     items.append(py::make_tuple(it.batch, it.kvHead, it.g0, it.gn, it.q0, it.qn, it.kvStart, it.kvEnd, it.partial));
   d["items"] = items;
+  return d;
+}
+
+py::dict FlashAttentionTilingDict(const atb::FlashAttentionTilingData& t) {
+  py::dict d;
+  d["group_size"] = t.groupSize;
+  d["group_split"] = t.groupSplit;
+  d["block_q"] = t.blockQ;
+  d["block_kv"] = t.blockKv;
+  d["max_rows"] = t.maxRows;
+  d["ub_bytes"] = t.ubBytes;
+  d["block_dim"] = t.blockDim;
+  d["tiling_key"] = t.tilingKey;
+  d["num_units"] = int64_t(t.units.size());
+  d["core_cost"] = t.coreCost;
   return d;
 }
 
@@ -339,4 +355,30 @@ PYBIND11_MODULE(_C, m) {
              return py::make_tuple(d, g.ProfiledSteps());
            })
       .def_property_readonly("scratch_bytes", &atb::DecodeGraph::ScratchBytes);
+
+  // ---- flash_attention -----------------------------------------------------
+  m.def("flash_attention_tiling",
+        [](const std::vector<int32_t>& cu_seqlens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int dtype,
+           const SocInfo& soc, bool causal, int64_t window) {
+          if (cu_seqlens.empty()) AscendC::ThrowError("flash_attention: cu_seqlens must have at least one entry");
+          int64_t batch = int64_t(cu_seqlens.size()) - 1;
+          return FlashAttentionTilingDict(atb::FlashAttentionTiling(cu_seqlens.data(), batch, cu_seqlens.back(),
+                                                                    num_heads, num_kv_heads, head_dim, Dt(dtype),
+                                                                    1.0f, causal, window, soc));
+        },
+        py::arg("cu_seqlens"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("dtype"),
+        py::arg("soc"), py::arg("causal") = true, py::arg("window") = 0);
+  m.def("flash_attention",
+        [](uintptr_t out, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t cu_seqlens, int64_t batch, int64_t tokens,
+           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const std::vector<int64_t>& strides, int dtype,
+           float scale, bool causal, int64_t window, const SocInfo& soc) {
+          if (strides.size() != 6) AscendC::ThrowError("flash_attention: strides must be (q_token, q_head, k_token, k_head, v_token, v_head)");
+          atb::FlashAttentionStrides st{strides[0], strides[1], strides[2], strides[3], strides[4], strides[5]};
+          py::gil_scoped_release release;
+          atb::FlashAttention(Ptr(out), Ptr(q), Ptr(k), Ptr(v), static_cast<const int32_t*>(Ptr(cu_seqlens)), batch,
+                              tokens, num_heads, num_kv_heads, head_dim, st, Dt(dtype), scale, causal, window, soc);
+        },
+        py::arg("out"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cu_seqlens"), py::arg("batch"),
+        py::arg("tokens"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("strides"),
+        py::arg("dtype"), py::arg("scale"), py::arg("causal"), py::arg("window"), py::arg("soc"));
 }

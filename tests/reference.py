@@ -128,3 +128,37 @@ def paged_attention_ref(q, key_cache, value_cache, block_tables, context_lens, s
         out[start:start + ql] = torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)
         start += ql
     return out
+
+
+def flash_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens, scale: float | None = None,
+                        causal: bool = True, window: int | None = None) -> torch.Tensor:
+    """Attention per packed sequence in float64: q [T, H, D], k/v [T, KH, D], GQA by repeating kv heads.
+
+    Query i of a sequence sees key j when (not causal or j <= i) and, with a window,
+    i - window < j (and j < i + window when not causal).
+    """
+    heads, head_dim = q.shape[1], q.shape[2]
+    group = heads // k.shape[1]
+    scale = head_dim ** -0.5 if scale is None else scale
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    cu = [int(x) for x in cu_seqlens]
+    for b in range(len(cu) - 1):
+        s, e = cu[b], cu[b + 1]
+        if e == s:
+            continue
+        qs = q[s:e].double().transpose(0, 1)                                    # [H, L, D]
+        ks = k[s:e].double().transpose(0, 1).repeat_interleave(group, 0)        # [H, L, D]
+        vs = v[s:e].double().transpose(0, 1).repeat_interleave(group, 0)
+        scores = qs @ ks.transpose(1, 2) * scale                                # [H, L, L]
+        i = torch.arange(e - s).view(-1, 1)
+        j = torch.arange(e - s).view(1, -1)
+        visible = torch.ones(e - s, e - s, dtype=torch.bool)
+        if causal:
+            visible &= j <= i
+        if window is not None:
+            visible &= i - window < j
+            if not causal:
+                visible &= j < i + window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[s:e] = (torch.softmax(scores, -1) @ vs).transpose(0, 1)
+    return out

@@ -95,6 +95,12 @@ struct SimdOps {
                            int64_t M, int64_t N, int64_t K, bool accumulate);
   void (*mmad_nn_rows_bf16)(float* C, int64_t ldc, const float* A, int64_t lda, const uint16_t* B, int64_t ldb,
                             int64_t M, int64_t N, int64_t K, bool accumulate);
+  // Cube analogue with A stored transposed (attention's P^T tile), all fp32:
+  //   tn: C[m][n] (+)= sum_k A[k][m] * B[k][n]
+  void (*mmad_tn_f32)(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb,
+                      int64_t M, int64_t N, int64_t K, bool accumulate);
+  // Online-softmax step, fp32: dst = exp(a - b); sum += dst (all elementwise; dst may alias a).
+  void (*exp_sub_acc)(float* dst, const float* a, const float* b, float* sum, int64_t n);
 };
 
 // The active table (selected on first use; never null).

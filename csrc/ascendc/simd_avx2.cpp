@@ -248,40 +248,89 @@ void MmadNT(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int
     for (int64_t m = 0; m < M; ++m) BlockNT<TB, L8, L1, 1, 1>(C + m * ldc + n, ldc, A + m * lda, lda, B + n * ldb, ldb, K, acc);
 }
 
+// Register-blocked cube tile for C (+)= A x B with B rows N-contiguous: R rows
+// of C by 8*NV columns live in R*NV accumulators; per k-step B is loaded once
+// (NV vectors) for all R rows and each A element is one broadcast. 6 x 16 uses
+// 12 accumulators + 2 B + 1 broadcast = 15 of the 16 ymm registers and needs
+// 8 loads per 12 FMAs, so the FMA ports, not the loads, set the pace.
+// TA selects A's layout: A[m][k] at A + m*lda + k (NN) or A + k*lda + m (TN).
+// Every element of C is the same fma chain over k in order whatever block it
+// falls in, so results never depend on M, N or the blocking.
+template <typename TB, __m256 (*L8)(const TB*), bool TA, int R, int NV>
+inline void TileNN(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t K, bool acc) {
+  __m256 c[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) c[r][v] = acc ? _mm256_loadu_ps(C + r * ldc + 8 * v) : _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const TB* b = B + k * ldb;
+    __m256 bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = L8(b + 8 * v);
+    for (int r = 0; r < R; ++r) {
+      __m256 a = _mm256_broadcast_ss(TA ? A + k * lda + r : A + r * lda + k);
+      for (int v = 0; v < NV; ++v) c[r][v] = _mm256_fmadd_ps(a, bv[v], c[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(C + r * ldc + 8 * v, c[r][v]);
+}
+
+template <typename TB, __m256 (*L8)(const TB*), bool TA, int NV>
+inline void RowsNN(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t K,
+                   bool acc) {
+  constexpr int kRows = 6;
+  int64_t m = 0;
+  auto a = [&](int64_t row) { return TA ? A + row : A + row * lda; };
+  for (; m + kRows <= M; m += kRows) TileNN<TB, L8, TA, kRows, NV>(C + m * ldc, ldc, a(m), lda, B, ldb, K, acc);
+  switch (M - m) {
+    case 5: return TileNN<TB, L8, TA, 5, NV>(C + m * ldc, ldc, a(m), lda, B, ldb, K, acc);
+    case 4: return TileNN<TB, L8, TA, 4, NV>(C + m * ldc, ldc, a(m), lda, B, ldb, K, acc);
+    case 3: return TileNN<TB, L8, TA, 3, NV>(C + m * ldc, ldc, a(m), lda, B, ldb, K, acc);
+    case 2: return TileNN<TB, L8, TA, 2, NV>(C + m * ldc, ldc, a(m), lda, B, ldb, K, acc);
+    case 1: return TileNN<TB, L8, TA, 1, NV>(C + m * ldc, ldc, a(m), lda, B, ldb, K, acc);
+    default: return;
+  }
+}
+
+// Column panels of 16, then 8, then a scalar tail (fmaf: the same single
+// rounding per step as a vector lane, so a column's value does not depend on N).
+template <typename TB, __m256 (*L8)(const TB*), float (*L1)(const TB*), bool TA>
+void MmadBlocked(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N,
+                 int64_t K, bool acc) {
+  int64_t n = 0;
+  for (; n + 16 <= N; n += 16) RowsNN<TB, L8, TA, 2>(C + n, ldc, A, lda, B + n, ldb, M, K, acc);
+  for (; n + 8 <= N; n += 8) RowsNN<TB, L8, TA, 1>(C + n, ldc, A, lda, B + n, ldb, M, K, acc);
+  for (; n < N; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      float v = acc ? C[m * ldc + n] : 0.0f;
+      for (int64_t k = 0; k < K; ++k) v = std::fmaf(TA ? A[k * lda + m] : A[m * lda + k], L1(B + k * ldb + n), v);
+      C[m * ldc + n] = v;
+    }
+}
+
 template <typename TB, __m256 (*L8)(const TB*), float (*L1)(const TB*)>
 void MmadNN(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N,
             int64_t K, bool acc) {
-  for (int64_t m = 0; m < M; ++m) {
-    float* c = C + m * ldc;
-    const float* a = A + m * lda;
-    int64_t n = 0;
-    for (; n + 32 <= N; n += 32) {
-      __m256 s0 = acc ? _mm256_loadu_ps(c + n) : _mm256_setzero_ps();
-      __m256 s1 = acc ? _mm256_loadu_ps(c + n + 8) : _mm256_setzero_ps();
-      __m256 s2 = acc ? _mm256_loadu_ps(c + n + 16) : _mm256_setzero_ps();
-      __m256 s3 = acc ? _mm256_loadu_ps(c + n + 24) : _mm256_setzero_ps();
-      for (int64_t k = 0; k < K; ++k) {
-        __m256 av = _mm256_set1_ps(a[k]);
-        const TB* b = B + k * ldb + n;
-        s0 = _mm256_fmadd_ps(av, L8(b), s0);
-        s1 = _mm256_fmadd_ps(av, L8(b + 8), s1);
-        s2 = _mm256_fmadd_ps(av, L8(b + 16), s2);
-        s3 = _mm256_fmadd_ps(av, L8(b + 24), s3);
-      }
-      _mm256_storeu_ps(c + n, s0);
-      _mm256_storeu_ps(c + n + 8, s1);
-      _mm256_storeu_ps(c + n + 16, s2);
-      _mm256_storeu_ps(c + n + 24, s3);
-    }
-    for (; n + 8 <= N; n += 8) {
-      __m256 s0 = acc ? _mm256_loadu_ps(c + n) : _mm256_setzero_ps();
-      for (int64_t k = 0; k < K; ++k) s0 = _mm256_fmadd_ps(_mm256_set1_ps(a[k]), L8(B + k * ldb + n), s0);
-      _mm256_storeu_ps(c + n, s0);
-    }
-    for (; n < N; ++n) {
-      float v = acc ? c[n] : 0.0f;
-      for (int64_t k = 0; k < K; ++k) v += a[k] * L1(B + k * ldb + n);
-      c[n] = v;
+  MmadBlocked<TB, L8, L1, false>(C, ldc, A, lda, B, ldb, M, N, K, acc);
+}
+void MmadTN(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb, int64_t M, int64_t N,
+            int64_t K, bool acc) {
+  MmadBlocked<float, Load8, Load1, true>(C, ldc, A, lda, B, ldb, M, N, K, acc);
+}
+
+void ExpSubAcc(float* d, const float* a, const float* b, float* sum, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+    _mm256_storeu_ps(d + i, e);
+    _mm256_storeu_ps(sum + i, _mm256_add_ps(_mm256_loadu_ps(sum + i), e));
+  }
+  if (i < n) {  // tail through the same polynomial, as Exp does
+    alignas(32) float buf[8] = {0};
+    for (int64_t j = i; j < n; ++j) buf[j - i] = a[j] - b[j];
+    _mm256_store_ps(buf, Exp8(_mm256_load_ps(buf)));
+    for (int64_t j = i; j < n; ++j) {
+      d[j] = buf[j - i];
+      sum[j] += buf[j - i];
     }
   }
 }
@@ -585,6 +634,7 @@ const SimdOps kAvx2 = {
     MmadNTLanes<float, Load8>, MmadNTLanes<uint16_t, Load8H>, MmadNTLanes<uint16_t, Load8B>,
     MmadNTRows<float, Load8, Load1>, MmadNTRows<uint16_t, Load8H, Load1H>, MmadNTRows<uint16_t, Load8B, Load1B>,
     MmadNNRows<float, Load8, Load1>, MmadNNRows<uint16_t, Load8H, Load1H>, MmadNNRows<uint16_t, Load8B, Load1B>,
+    MmadTN, ExpSubAcc,
 };
 
 }  // namespace

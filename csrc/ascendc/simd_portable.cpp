@@ -152,6 +152,26 @@ void MmadNTLanes(float* lanes, const float* A, int64_t lda, const TB* B, int64_t
     }
 }
 
+void MmadTN(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb, int64_t M, int64_t N,
+            int64_t K, bool acc) {
+  for (int64_t m = 0; m < M; ++m) {
+    float* c = C + m * ldc;
+    if (!acc) Duplicate(c, 0.0f, N);
+    for (int64_t k = 0; k < K; ++k) {
+      float a = A[k * lda + m];
+      const float* b = B + k * ldb;
+      for (int64_t n = 0; n < N; ++n) c[n] += a * b[n];
+    }
+  }
+}
+
+void ExpSubAcc(float* d, const float* a, const float* b, float* sum, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    d[i] = std::exp(a[i] - b[i]);
+    sum[i] += d[i];
+  }
+}
+
 const SimdOps kPortable = {
     "portable", Add, Sub, Mul, Max, Muls, Adds, Axpy, Exp, Silu, SiluMul, Duplicate,
     ReduceSum, ReduceMax, SumSquares, Dot, F16ToF32, Bf16ToF32, F32ToF16, F32ToBf16,
@@ -161,6 +181,7 @@ const SimdOps kPortable = {
     MmadNTLanes<float, Load>, MmadNTLanes<uint16_t, LoadH>, MmadNTLanes<uint16_t, LoadB>,
     MmadNT<float, Load>, MmadNT<uint16_t, LoadH>, MmadNT<uint16_t, LoadB>,  // mmad_nt_rows: one row at a time already
     MmadNN<float, Load>, MmadNN<uint16_t, LoadH>, MmadNN<uint16_t, LoadB>,  // mmad_nn_rows
+    MmadTN, ExpSubAcc,
 };
 
 }  // namespace

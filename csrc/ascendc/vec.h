@@ -26,6 +26,10 @@ inline float ReduceMax(const LocalF& a, int64_t n) { return Simd().reduce_max(a.
 // sum(a*a): Mul + ReduceSum fused, as AscendC kernels get from one vector pass.
 inline float SumSquares(const LocalF& a, int64_t n) { return Simd().sum_squares(a.GetPhyAddr(), n); }
 inline float Dot(const LocalF& a, const LocalF& b, int64_t n) { return Simd().dot(a.GetPhyAddr(), b.GetPhyAddr(), n); }
+// d = exp(a - b); sum += d: one pass of an online softmax over a row of scores.
+inline void ExpSubAcc(const LocalF& d, const LocalF& a, const LocalF& b, const LocalF& sum, int64_t n) {
+  Simd().exp_sub_acc(d.GetPhyAddr(), a.GetPhyAddr(), b.GetPhyAddr(), sum.GetPhyAddr(), n);
+}
 
 // Cast between fp32 and the storage types (round-to-nearest-even, CAST_RINT).
 enum class RoundMode { CAST_NONE, CAST_RINT };
@@ -118,6 +122,10 @@ inline void MmadNNRows(float* C, const float* A, const T* B, const MmadParams& p
 template <typename T>
 inline void MmadNN(float* C, const float* A, const T* B, const MmadParams& p) {
   MmadTable<T>::NN()(C, p.ldc, A, p.lda, StorageBits(B), p.ldb, p.m, p.n, p.k, p.accumulate);
+}
+// C[m][n] (+)= sum_k A[k][m] * B[k][n], all fp32 (A is held transposed in UB).
+inline void MmadTN(float* C, const float* A, const float* B, const MmadParams& p) {
+  Simd().mmad_tn_f32(C, p.ldc, A, p.lda, B, p.ldb, p.m, p.n, p.k, p.accumulate);
 }
 
 }  // namespace AscendC

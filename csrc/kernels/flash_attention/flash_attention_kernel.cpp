@@ -1,0 +1,270 @@
+// Flash attention on the AscendC-style CPU core.
+//
+// A unit is `rows` = positions x heads query rows of one sequence that share
+// one kv head. Per unit:
+//   CopyInQ    Q rows -> UB, scaled by `scale` in fp32 and stored transposed
+//              (qT [D][rows]): the cube's B operand, loaded once with its
+//              transpose as LoadData does into L0B, then reused by every K tile.
+//   per K/V tile of blockKv keys (tiles nobody in the unit can see are skipped):
+//     CopyInKV   K, V rows -> UB (widened to fp32 once per tile for fp16/bf16)
+//     Scores     S^T [keys][rows] = K . Q^T          (Mmad, K as the A operand)
+//     Softmax    masked entries = -inf; running max m, sum l in fp32:
+//                m' = max(m, max_k S), P = exp(S - m'), l = l e^(m-m') + sum_k P
+//                Keys run down S^T's rows and query rows along them, so every
+//                reduction over keys is a vertical SIMD op over `rows` lanes.
+//     PV         acc = acc e^(m-m') + P . V           (Mmad TN: P^T as stored)
+//   CopyOut    out = acc / l, cast to T.
+// Only the tiles are ever in memory: UB use is O(rows x (D + blockKv)).
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+#include "ascendc/kernel_operator.h"
+#include "flash_attention_tiling.h"
+
+using namespace AscendC;
+
+namespace atb {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+template <typename T>
+class KernelFlashAttention {
+ public:
+  void Init(GM_ADDR out, GM_ADDR q, GM_ADDR k, GM_ADDR v, const int32_t* cuSeqlens,
+            const FlashAttentionStrides& strides, const FlashAttentionTilingData& t) {
+    t_ = &t;
+    st_ = strides;
+    cu_ = cuSeqlens;
+    outGm_.SetGlobalBuffer(reinterpret_cast<T*>(out));
+    qGm_.SetGlobalBuffer(reinterpret_cast<T*>(q));
+    kGm_.SetGlobalBuffer(reinterpret_cast<T*>(k));
+    vGm_.SetGlobalBuffer(reinterpret_cast<T*>(v));
+    int64_t rows = t.maxRows, d = t.headDim, ld = t.ubRowElems, bk = t.blockKv;
+    // One slot per K/V queue: on the CPU the copy engine is this same thread,
+    // so a ping-pong slot would overlap nothing; its UB goes to taller units.
+    pipe_.InitBuffer(qT_, rows * d * sizeof(float));
+    pipe_.InitBuffer(acc_, rows * d * sizeof(float));
+    pipe_.InitBuffer(io_, rows * ld * sizeof(T));
+    pipe_.InitBuffer(s_, bk * rows * sizeof(float));
+    pipe_.InitBuffer(inK_, 1, bk * ld * sizeof(T));
+    pipe_.InitBuffer(inV_, 1, bk * ld * sizeof(T));
+    if constexpr (!std::is_same<T, float>::value) {
+      pipe_.InitBuffer(kF_, bk * ld * sizeof(float));
+      pipe_.InitBuffer(vF_, bk * ld * sizeof(float));
+    }
+    pipe_.InitBuffer(stats_, 6 * rows * sizeof(float));
+  }
+
+  void Process() {
+    int64_t core = GetBlockIdx();
+    for (int64_t i = t_->coreStart[core]; i < t_->coreStart[core + 1]; ++i) ProcessUnit(t_->units[i]);
+  }
+
+ private:
+  void ProcessUnit(const FlashAttentionUnit& u) {
+    int64_t seqStart = cu_[u.seq], seqLen = cu_[u.seq + 1] - seqStart;
+    rows_ = u.qLen * t_->groupSplit;
+    firstHead_ = u.kvHead * t_->groupSize + u.headOffset;
+    CopyInQ(seqStart + u.qStart);
+    ComputeQ();
+    Duplicate(stats_.Get<float>(), kNegInf, rows_);              // m
+    Duplicate(stats_.Get<float>()[4 * rows_], 0.0f, rows_);      // l
+    Duplicate(acc_.Get<float>(), 0.0f, rows_ * t_->headDim);
+    int64_t first, last;
+    FlashAttentionKvTiles(u.qStart, u.qLen, seqLen, t_->blockKv, t_->causal, t_->window, &first, &last);
+    for (int64_t j = first; j < last; ++j) {
+      int64_t kvStart = j * t_->blockKv, nk = std::min(t_->blockKv, seqLen - kvStart);
+      CopyInKV(seqStart + kvStart, u.kvHead, nk);
+      const float* kf;
+      const float* vf;
+      WidenKV(nk, &kf, &vf);
+      Scores(kf, nk);
+      Mask(u.qStart, kvStart, nk);
+      Softmax(nk);
+      PV(vf, nk);
+      inK_.FreeTensor(kIn_);
+      inV_.FreeTensor(vIn_);
+    }
+    CopyOut(seqStart + u.qStart, u.qLen);
+  }
+
+  // The unit's Q rows, position-major (row m = position m / gs, head m % gs),
+  // into io; each row is D contiguous elements at its token and head stride.
+  void CopyInQ(int64_t token0) {
+    LocalTensor<T> io = io_.Get<T>();
+    int64_t gs = t_->groupSplit, elt = sizeof(T), ld = t_->ubRowElems;
+    DataCopyParams p{gs, t_->headDim * elt, (st_.qHead - t_->headDim) * elt, 0};
+    for (int64_t pos = 0; pos * gs < rows_; ++pos)
+      DataCopyPad(io[pos * gs * ld], qGm_[(token0 + pos) * st_.qToken + firstHead_ * st_.qHead], p);
+  }
+
+  // qT[d][m] = scale * q[m][d] in fp32; acc is free until the first P.V, so the
+  // widened rows pass through it on their way to the transpose.
+  void ComputeQ() {
+    int64_t d = t_->headDim, ld = t_->ubRowElems;
+    LocalTensor<T> io = io_.Get<T>();
+    LocalTensor<float> tmp = acc_.Get<float>();
+    float* qt = qT_.Get<float>().GetPhyAddr();
+    for (int64_t m = 0; m < rows_; ++m) {
+      LocalTensor<float> row = tmp[m * d];
+      if constexpr (std::is_same<T, float>::value) {
+        Muls(row, io[m * ld], t_->scale, d);
+      } else {
+        Cast(row, io[m * ld], RoundMode::CAST_NONE, d);
+        Muls(row, row, t_->scale, d);
+      }
+    }
+    const float* src = tmp.GetPhyAddr();
+    for (int64_t m = 0; m < rows_; ++m)
+      for (int64_t i = 0; i < d; ++i) qt[i * rows_ + m] = src[m * d + i];
+  }
+
+  void CopyInKV(int64_t token0, int64_t kvHead, int64_t nk) {
+    int64_t elt = sizeof(T), d = t_->headDim;
+    kIn_ = inK_.AllocTensor<T>();
+    DataCopyPad(kIn_, kGm_[token0 * st_.kToken + kvHead * st_.kHead], DataCopyParams{nk, d * elt, (st_.kToken - d) * elt, 0});
+    inK_.EnQue(kIn_);
+    vIn_ = inV_.AllocTensor<T>();
+    DataCopyPad(vIn_, vGm_[token0 * st_.vToken + kvHead * st_.vHead], DataCopyParams{nk, d * elt, (st_.vToken - d) * elt, 0});
+    inV_.EnQue(vIn_);
+  }
+
+  // fp32 views of the K and V tiles: the copied tiles themselves for fp32,
+  // otherwise widened once here so the cube products read fp32 only.
+  void WidenKV(int64_t nk, const float** kf, const float** vf) {
+    kIn_ = inK_.DeQue<T>();
+    vIn_ = inV_.DeQue<T>();
+    if constexpr (std::is_same<T, float>::value) {
+      *kf = kIn_.GetPhyAddr();
+      *vf = vIn_.GetPhyAddr();
+    } else {
+      int64_t ld = t_->ubRowElems, d = t_->headDim;
+      LocalTensor<float> k32 = kF_.Get<float>(), v32 = vF_.Get<float>();
+      for (int64_t n = 0; n < nk; ++n) {
+        Cast(k32[n * ld], kIn_[n * ld], RoundMode::CAST_NONE, d);
+        Cast(v32[n * ld], vIn_[n * ld], RoundMode::CAST_NONE, d);
+      }
+      *kf = k32.GetPhyAddr();
+      *vf = v32.GetPhyAddr();
+    }
+  }
+
+  // S^T[n][m] = sum_d K[n][d] * qT[d][m].
+  void Scores(const float* kf, int64_t nk) {
+    MmadParams p{nk, rows_, t_->headDim, t_->ubRowElems, rows_, rows_, false};
+    MmadNN<float>(s_.Get<float>().GetPhyAddr(), kf, qT_.Get<float>().GetPhyAddr(), p);
+  }
+
+  // Key n (position kvStart + n) is visible to rows [lo, hi): causal hides it
+  // from earlier positions, a window from positions window or more after it
+  // (and, without causal, window or more before it). Rows are position-major,
+  // so both bounds are contiguous ranges of S^T's row n.
+  void Mask(int64_t qStart, int64_t kvStart, int64_t nk) {
+    bool causal = t_->causal;
+    int64_t w = t_->window, gs = t_->groupSplit;
+    if (!causal && w == 0) return;
+    LocalTensor<float> s = s_.Get<float>();
+    auto clampRows = [&](int64_t pos) { return std::min<int64_t>(rows_, std::max<int64_t>(0, pos * gs)); };
+    for (int64_t n = 0; n < nk; ++n) {
+      int64_t kp = kvStart + n - qStart;  // key position relative to the unit's first query
+      int64_t lo = 0, hi = rows_;
+      if (causal) lo = clampRows(kp);
+      if (w > 0) {
+        hi = clampRows(kp + w);
+        if (!causal) lo = clampRows(kp - w + 1);
+      }
+      if (lo >= hi) {
+        Duplicate(s[n * rows_], kNegInf, rows_);
+        continue;
+      }
+      if (lo > 0) Duplicate(s[n * rows_], kNegInf, lo);
+      if (hi < rows_) Duplicate(s[n * rows_ + hi], kNegInf, rows_ - hi);
+    }
+  }
+
+  // Online softmax over this tile's keys, vertical over the rows. A row that
+  // has seen no visible key yet has m' = -inf; it subtracts 0 instead (the
+  // "safe" max), so its P and alpha are exp(-inf) = 0 exactly, never NaN.
+  void Softmax(int64_t nk) {
+    LocalTensor<float> stats = stats_.Get<float>(), s = s_.Get<float>();
+    LocalTensor<float> m = stats, mNew = stats[rows_], mSafe = stats[2 * rows_], alpha = stats[3 * rows_];
+    LocalTensor<float> l = stats[4 * rows_], lTile = stats[5 * rows_];
+    DataCopy(mNew, m, rows_);
+    for (int64_t n = 0; n < nk; ++n) Max(mNew, mNew, s[n * rows_], rows_);
+    for (int64_t r = 0; r < rows_; ++r) mSafe(r) = mNew(r) == kNegInf ? 0.0f : mNew(r);
+    Sub(alpha, m, mSafe, rows_);
+    Exp(alpha, alpha, rows_);
+    Duplicate(lTile, 0.0f, rows_);
+    for (int64_t n = 0; n < nk; ++n) ExpSubAcc(s[n * rows_], s[n * rows_], mSafe, lTile, rows_);
+    Mul(l, l, alpha, rows_);
+    Add(l, l, lTile, rows_);
+    DataCopy(m, mNew, rows_);
+    // acc *= alpha, skipped for the (most) rows whose max did not move: alpha is exactly 1 there.
+    LocalTensor<float> acc = acc_.Get<float>();
+    int64_t d = t_->headDim;
+    for (int64_t r = 0; r < rows_; ++r)
+      if (alpha(r) != 1.0f) Muls(acc[r * d], acc[r * d], alpha(r), d);
+  }
+
+  // acc[m][d] += sum_n P^T[n][m] * V[n][d].
+  void PV(const float* vf, int64_t nk) {
+    MmadParams p{rows_, t_->headDim, nk, rows_, t_->ubRowElems, t_->headDim, true};
+    MmadTN(acc_.Get<float>().GetPhyAddr(), s_.Get<float>().GetPhyAddr(), vf, p);
+  }
+
+  void CopyOut(int64_t token0, int64_t qLen) {
+    int64_t d = t_->headDim, ld = t_->ubRowElems, gs = t_->groupSplit, elt = sizeof(T);
+    LocalTensor<float> acc = acc_.Get<float>(), l = stats_.Get<float>()[4 * rows_];
+    LocalTensor<T> io = io_.Get<T>();
+    for (int64_t r = 0; r < rows_; ++r) {
+      Muls(acc[r * d], acc[r * d], 1.0f / l(r), d);
+      Cast(io[r * ld], acc[r * d], RoundMode::CAST_RINT, d);
+    }
+    DataCopyParams p{gs, d * elt, 0, 0};
+    for (int64_t pos = 0; pos < qLen; ++pos)
+      DataCopyPad(outGm_[((token0 + pos) * t_->numHeads + firstHead_) * d], io[pos * gs * ld], p);
+  }
+
+  const FlashAttentionTilingData* t_ = nullptr;
+  FlashAttentionStrides st_{};
+  const int32_t* cu_ = nullptr;
+  int64_t rows_ = 0, firstHead_ = 0;
+  TPipe pipe_;
+  TQue<QuePosition::VECIN, 1> inK_, inV_;
+  LocalTensor<T> kIn_, vIn_;
+  TBuf<TPosition::VECCALC> qT_, acc_, io_, s_, kF_, vF_, stats_;
+  GlobalTensor<T> outGm_, qGm_, kGm_, vGm_;
+};
+
+template <typename T>
+void RunFlashAttention(GM_ADDR out, GM_ADDR q, GM_ADDR k, GM_ADDR v, const int32_t* cu,
+                       const FlashAttentionStrides& strides, const FlashAttentionTilingData& t) {
+  KernelFlashAttention<T> op;
+  op.Init(out, q, k, v, cu, strides, t);
+  op.Process();
+}
+
+}  // namespace
+
+void FlashAttention(void* out, const void* q, const void* k, const void* v, const int32_t* cuSeqlens, int64_t batch,
+                    int64_t numTokens, int64_t numHeads, int64_t numKvHeads, int64_t headDim,
+                    const FlashAttentionStrides& strides, DataType dtype, float scale, bool causal, int64_t window,
+                    const SocInfo& soc) {
+  FlashAttentionTilingData t = FlashAttentionTiling(cuSeqlens, batch, numTokens, numHeads, numKvHeads, headDim, dtype,
+                                                    scale, causal, window, soc);
+  if (t.units.empty()) return;
+  auto gm = [](const void* p) { return reinterpret_cast<GM_ADDR>(const_cast<void*>(p)); };
+  auto kernel = [&]() {
+    switch (DataType(t.tilingKey)) {
+      case DataType::FLOAT32: return RunFlashAttention<float>(gm(out), gm(q), gm(k), gm(v), cuSeqlens, strides, t);
+      case DataType::FLOAT16: return RunFlashAttention<half>(gm(out), gm(q), gm(k), gm(v), cuSeqlens, strides, t);
+      case DataType::BFLOAT16: return RunFlashAttention<bfloat16_t>(gm(out), gm(q), gm(k), gm(v), cuSeqlens, strides, t);
+    }
+  };
+  KernelLaunch(t.blockDim, soc.ub_size, kernel);
+}
+
+}  // namespace atb

@@ -1,0 +1,153 @@
+#include "flash_attention_tiling.h"
+
+#include <numeric>
+
+#include "ascendc/error.h"
+#include "kernels/common/tiling_utils.h"
+
+namespace atb {
+
+using AscendC::AlignUp;
+using AscendC::CeilDiv;
+
+namespace {
+
+constexpr int64_t kMaxHeadDim = 256;
+// Rows (query positions x heads) per unit the tiling aims for. Each K/V tile
+// is copied, widened to fp32 and pulled through L1 once per unit, so taller
+// units amortize that better; past ~128 rows the S^T tile (64 keys x rows x 4 B)
+// outgrows L1 (32-64 KiB) and the causal waste on the diagonal grows.
+constexpr int64_t kTargetRows = 128;
+
+int64_t UbRowElems(int64_t headDim, int64_t elt) { return AlignUp(headDim * elt, AscendC::ONE_BLK_SIZE) / elt; }
+
+// Keys per K/V tile. It sets where the online softmax rescales, i.e. the
+// rounding of every output, so it depends on head_dim only, never on the SoC:
+// every SoC then produces bit-identical results. 64 keys make the two cube
+// products 64-deep/-wide; at head_dim > 128 the fp32 K and V tiles (2 x 64 x
+// 256 x 4 B = 128 KiB) would crowd a 192 KiB UB, so 32.
+int64_t BlockKv(int64_t headDim) { return headDim <= 128 ? 64 : 32; }
+
+// UB carved by the kernel for a unit of `rows` rows (see KernelFlashAttention::Init).
+int64_t UbBytes(int64_t rows, int64_t headDim, int64_t blockKv, int64_t elt) {
+  int64_t ld = UbRowElems(headDim, elt);
+  int64_t b = 0;
+  b += 2 * UbSlot(rows * headDim * 4);  // qT (scaled Q, transposed) and acc (fp32 output)
+  b += UbSlot(rows * ld * elt);         // io: Q block as copied in, later the output block
+  b += UbSlot(blockKv * rows * 4);      // S^T / P^T tile
+  b += 2 * UbSlot(blockKv * ld * elt);  // K and V tiles as copied in
+  if (elt != 4) b += 2 * UbSlot(blockKv * ld * 4);  // K and V widened to fp32
+  b += UbSlot(6 * rows * 4);            // row statistics: max, new max, safe max, alpha, sum, tile sum
+  return b;
+}
+
+}  // namespace
+
+FlashAttentionTilingData FlashAttentionTiling(const int32_t* cuSeqlens, int64_t batch, int64_t numTokens,
+                                              int64_t numHeads, int64_t numKvHeads, int64_t headDim,
+                                              AscendC::DataType dtype, float scale, bool causal, int64_t window,
+                                              const AscendC::SocInfo& soc) {
+  ATB_CHECK(numHeads >= 1 && numKvHeads >= 1, "flash_attention: num_heads and num_kv_heads must be >= 1, got ",
+            numHeads, " and ", numKvHeads);
+  ATB_CHECK(numHeads % numKvHeads == 0, "flash_attention: num_heads (", numHeads,
+            ") must be a multiple of num_kv_heads (", numKvHeads, ")");
+  ATB_CHECK(headDim >= 1 && headDim <= kMaxHeadDim, "flash_attention: head_dim must be in [1, ", kMaxHeadDim,
+            "], got ", headDim);
+  ATB_CHECK(dtype != AscendC::DataType::BFLOAT16 || soc.supports_bf16, "flash_attention: bfloat16 is not supported on ",
+            soc.name, " (no bf16 vector unit); use float16 or float32");
+  ATB_CHECK(window >= 0, "flash_attention: window must be >= 1 (or 0 for none), got ", window);
+  ATB_CHECK(batch >= 0 && numTokens >= 0, "flash_attention: batch and token count must be >= 0");
+  ATB_CHECK(numTokens <= INT32_MAX, "flash_attention: ", numTokens, " tokens exceed int32 positions");
+  ATB_CHECK(cuSeqlens[0] == 0, "flash_attention: cu_seqlens[0] must be 0, got ", cuSeqlens[0]);
+  int64_t maxLen = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    ATB_CHECK(cuSeqlens[b + 1] >= cuSeqlens[b], "flash_attention: cu_seqlens must be non-decreasing, got cu_seqlens[",
+              b + 1, "]=", cuSeqlens[b + 1], " < cu_seqlens[", b, "]=", cuSeqlens[b]);
+    maxLen = std::max<int64_t>(maxLen, cuSeqlens[b + 1] - cuSeqlens[b]);
+  }
+  ATB_CHECK(cuSeqlens[batch] == numTokens, "flash_attention: cu_seqlens[-1] must equal the number of tokens (",
+            numTokens, "), got ", cuSeqlens[batch]);
+
+  FlashAttentionTilingData t;
+  t.batch = batch;
+  t.numTokens = numTokens;
+  t.numHeads = numHeads;
+  t.numKvHeads = numKvHeads;
+  t.headDim = headDim;
+  t.groupSize = numHeads / numKvHeads;
+  t.causal = causal;
+  t.window = window;
+  t.scale = scale;
+  t.tilingKey = int64_t(dtype);
+  int64_t elt = AscendC::DataTypeSize(dtype);
+  t.ubRowElems = UbRowElems(headDim, elt);
+  t.blockKv = BlockKv(headDim);
+
+  // Heads per unit: the whole group, so each K/V tile is loaded once for all
+  // of its query heads; a smaller divisor only when one position of the whole
+  // group does not fit the UB (e.g. MQA with 64 heads of 256 on 192 KiB).
+  int64_t gs = t.groupSize;
+  while (gs > 1 && UbBytes(gs, headDim, t.blockKv, elt) > soc.ub_size) {
+    int64_t d = gs - 1;
+    while (t.groupSize % d) --d;
+    gs = d;
+  }
+  ATB_CHECK(UbBytes(gs, headDim, t.blockKv, elt) <= soc.ub_size, "flash_attention tiling: head_dim ", headDim,
+            " needs ", UbBytes(gs, headDim, t.blockKv, elt), " bytes of UB, ", soc.name, " has ", soc.ub_size);
+  t.groupSplit = gs;
+
+  // Positions per unit: about kTargetRows rows, a multiple of 16 / gcd(gs, 16)
+  // so the rows fill whole 16-wide panels of the score product, no more than
+  // the longest sequence, and within the UB.
+  int64_t step = 16 / std::gcd<int64_t>(gs, 16);
+  int64_t bq = std::max<int64_t>(1, kTargetRows / gs);
+  if (bq >= step) bq = bq / step * step;
+  bq = std::max<int64_t>(1, std::min(bq, maxLen));
+  while (bq > 1 && UbBytes(bq * gs, headDim, t.blockKv, elt) > soc.ub_size) bq -= (bq > step ? step : 1);
+  t.blockQ = bq;
+  t.maxRows = bq * gs;
+  t.ubBytes = UbBytes(t.maxRows, headDim, t.blockKv, elt);
+
+  // Units, and their cost in multiply-adds (Q.K^T and P.V over the K/V tiles
+  // they visit, plus loading Q and storing the output). Causal units near a
+  // sequence's end cost up to S/blockQ times more than those near its start,
+  // so they are spread by longest-processing-time-first: the costliest unit
+  // goes to the least loaded core.
+  struct Costed {
+    FlashAttentionUnit u;
+    int64_t cost;
+  };
+  std::vector<Costed> all;
+  for (int64_t b = 0; b < batch; ++b) {
+    int64_t len = cuSeqlens[b + 1] - cuSeqlens[b];
+    for (int64_t qs = 0; qs < len; qs += bq) {
+      int64_t ql = std::min(bq, len - qs), first, last;
+      FlashAttentionKvTiles(qs, ql, len, t.blockKv, causal, window, &first, &last);
+      int64_t keys = std::min(last * t.blockKv, len) - first * t.blockKv;
+      int64_t cost = ql * gs * headDim * (2 * keys + 1);
+      for (int64_t g = 0; g < numKvHeads; ++g)
+        for (int64_t h = 0; h < t.groupSize; h += gs)
+          all.push_back({{int32_t(b), int32_t(g), int32_t(h), int32_t(qs), int32_t(ql)}, cost});
+    }
+  }
+  std::stable_sort(all.begin(), all.end(), [](const Costed& a, const Costed& b) { return a.cost > b.cost; });
+  int64_t cores = std::max<int64_t>(1, soc.cube_core_num);
+  t.blockDim = std::max<int64_t>(1, std::min<int64_t>(cores, int64_t(all.size())));
+  std::vector<std::vector<FlashAttentionUnit>> perCore(t.blockDim);
+  t.coreCost.assign(t.blockDim, 0);
+  for (const Costed& c : all) {
+    int64_t best = std::min_element(t.coreCost.begin(), t.coreCost.end()) - t.coreCost.begin();
+    perCore[best].push_back(c.u);
+    t.coreCost[best] += c.cost;
+  }
+  t.coreStart.assign(1, 0);
+  for (const auto& list : perCore) {
+    t.units.insert(t.units.end(), list.begin(), list.end());
+    t.coreStart.push_back(int64_t(t.units.size()));
+  }
+  ATB_CHECK(t.ubBytes <= soc.ub_size, "flash_attention tiling: needs ", t.ubBytes, " bytes of UB, ", soc.name, " has ",
+            soc.ub_size);
+  return t;
+}
+
+}  // namespace atb
