@@ -102,18 +102,24 @@ def main(argv=None) -> list[dict]:
         atb.set_num_threads(args.threads)
 
     results = []
+    hdr = (f"{'dtype':9} {'batch':>5} {'path':>6} | {'prefill tok/s':>13} {'x HF':>5} | {'decode tok/s':>12} "
+           f"{'x HF':>5} | {'step ms':>7} {'roofline':>8} | {'thru tok/s':>10} {'x b1':>5}")
+    if not args.json:
+        print(f"SmolLM2-135M, {args.prompt}-token prompts, {args.new} new tokens, median of {args.repeats}, "
+              f"threads={torch.get_num_threads()}")
+        print(hdr)
+        print("-" * len(hdr), flush=True)
     for dname in args.dtypes.split(","):
         model, _ = load_model(dtype=_DTYPES[dname])
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        bw = measure_bandwidth(weights)
         per_batch = {}
         for b in (int(x) for x in args.batches.split(",")):
             r = bench_one(model, _prompts(b, args.prompt, model.config.vocab_size, seed=b), args.new, args.repeats,
                           modes)
-            r["dtype"] = dname
+            r.update(dtype=dname, bandwidth_GB_s=bw / 1e9)
             per_batch[b] = r
             results.append(r)
-        bw = measure_bandwidth(next(iter(per_batch.values()))["weights_bytes"])
-        for b, r in per_batch.items():
-            r["bandwidth_GB_s"] = bw / 1e9
             for mode in modes:
                 m = r[mode]
                 m["decode_vs_hf"] = m["decode_tok_s"] / r["hf"]["decode_tok_s"]
@@ -122,26 +128,20 @@ def main(argv=None) -> list[dict]:
                 m["roofline_fraction"] = m["decode_tok_s"] / b * r["weights_bytes"] / bw
                 if 1 in per_batch and b != 1:
                     m["throughput_vs_batch1"] = m["throughput_tok_s"] / per_batch[1][mode]["throughput_tok_s"]
+            if not args.json:
+                for name in modes + ["hf"]:
+                    m = r[name]
+                    ratio = lambda k: f"{m[k]:5.2f}" if k in m else f"{'':5}"  # noqa: E731
+                    roof = f"{m['roofline_fraction']:8.0%}" if "roofline_fraction" in m else f"{'':8}"
+                    thr = f"{m['throughput_vs_batch1']:5.1f}" if "throughput_vs_batch1" in m else f"{'':5}"
+                    print(f"{dname:9} {b:>5} {name:>6} | {m['prefill_tok_s']:13.0f} {ratio('prefill_vs_hf')} | "
+                          f"{m['decode_tok_s']:12.1f} {ratio('decode_vs_hf')} | {m['step_ms']:7.1f} {roof} | "
+                          f"{m['throughput_tok_s']:10.1f} {thr}", flush=True)
+        if not args.json:
+            print(f"{dname}: streaming-read bandwidth in this run {bw / 1e9:.1f} GB/s", flush=True)
         del model
     if args.json:
         print(json.dumps(results, indent=1))
-        return results
-    print(f"SmolLM2-135M, {args.prompt}-token prompts, {args.new} new tokens, median of {args.repeats}, "
-          f"threads={torch.get_num_threads()}")
-    hdr = (f"{'dtype':9} {'batch':>5} {'path':>6} | {'prefill tok/s':>13} {'x HF':>5} | {'decode tok/s':>12} "
-           f"{'x HF':>5} | {'step ms':>7} {'roofline':>8} | {'thru tok/s':>10} {'x b1':>5}")
-    print(hdr)
-    print("-" * len(hdr))
-    for r in results:
-        for name in modes + ["hf"]:
-            m = r[name]
-            ratio = lambda k: f"{m[k]:5.2f}" if k in m else f"{'':5}"  # noqa: E731
-            roof = f"{m['roofline_fraction']:8.0%}" if "roofline_fraction" in m else f"{'':8}"
-            thr = f"{m['throughput_vs_batch1']:5.1f}" if "throughput_vs_batch1" in m else f"{'':5}"
-            print(f"{r['dtype']:9} {r['batch']:>5} {name:>6} | {m['prefill_tok_s']:13.0f} {ratio('prefill_vs_hf')} | "
-                  f"{m['decode_tok_s']:12.1f} {ratio('decode_vs_hf')} | {m['step_ms']:7.1f} {roof} | "
-                  f"{m['throughput_tok_s']:10.1f} {thr}")
-    print(f"bandwidth (streaming read, this run): {results[0]['bandwidth_GB_s']:.1f} GB/s")
     return results
 
 
