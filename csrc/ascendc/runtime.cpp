@@ -83,6 +83,12 @@ class ThreadPool {
       cv_.notify_all();
     }
     RunBlocks();
+    // Every block is done or running. Helper slots no worker has claimed yet are
+    // withdrawn, so the launch does not wait for a sleeping or preempted thread
+    // to wake only to find nothing left (milliseconds on a loaded machine); a
+    // late worker's claim then fails and it goes back to waiting.
+    int64_t unclaimed = wanted_.exchange(0, std::memory_order_acq_rel);
+    if (unclaimed > 0) active_.fetch_sub(unclaimed, std::memory_order_acq_rel);
     while (active_.load(std::memory_order_acquire) > 0) ATB_CPU_RELAX();
     if (error_) std::rethrow_exception(error_);
   }
