@@ -12,10 +12,15 @@ import torch
 from atb import _C
 from atb.kernels._common import float_code, resolve_soc, same_dtype
 
-# Measured with atb/bench/linear.py on a 2-core AVX2 host (576x1536 and
-# 4096x4096, fp32 and bf16): the native kernel beats torch.matmul up to M = 16
-# (bf16: 2-4x, fp32: 1.1-1.5x at M = 1); by M = 32 oneDNN's blocked GEMM
-# reuses x from registers better and wins. Only ``linear_auto`` routes on it.
+# Routing threshold for ``linear_auto``. The native kernel keeps up to 32 rows
+# of x in UB per pass (tiling mTile), so up to M = 32 it reads each weight once;
+# past that it re-streams the weights per 32-row pass while oneDNN's blocked
+# GEMM reuses them from cache, so prefill shapes go to torch. In
+# atb.bench.linear.crossover runs on the shared 2-core AVX2 host (576x1536,
+# cache-warm weight) the native kernel was faster at every M <= 32 in fp32 and
+# bf16 (e.g. M=16: 0.9 ms vs 20-40 ms), but torch's multi-threaded GEMM was
+# starved by other load in those runs, so the true crossover on a quiet machine
+# may be lower; re-measure with ``python -m atb.bench.linear``.
 LINEAR_CROSSOVER_M = 32
 
 _PLAIN, _RESIDUAL, _SWIGLU = 0, 1, 2
