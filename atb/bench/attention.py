@@ -1,6 +1,12 @@
 """Attention kernels vs torch SDPA.
 
-Run: ``python -m atb.bench.attention [--repeat N] [--quick] [--threads N] [--cpu-time]``.
+Run: ``python -m atb.bench.attention [--repeat N] [--quick] [--threads N] [--cpu-time] [--section prefill|decode|all]``.
+
+Prefill (:func:`bench_prefill`): ``atb.kernels.flash_attention`` on one causal
+sequence of S tokens (``[S, H, D]``) against
+``torch.nn.functional.scaled_dot_product_attention(is_causal=True, enable_gqa=True)``
+on ``[1, H, S, D]``, each in its natural layout, samples taken in turns. GFLOP/s
+counts the products over the visible (causal) pairs only: 4 * D * H * S(S+1)/2.
 
 Decode (:func:`bench_decode`): ``atb.kernels.paged_attention``, one query per
 sequence over a paged KV cache (block_size 128, random non-monotonic block
@@ -25,6 +31,8 @@ import torch
 import atb
 from atb.bench.roofline import achieved_gbps, keep_freed_memory, stream_read_gbps, time_us_many
 
+PREFILL_SHAPES = ((9, 3, 64), (32, 8, 128))  # (heads, kv_heads, head_dim): SmolLM2-135M, Llama-8B-like
+PREFILL_SEQS = (512, 2048)
 DECODE_SHAPES = ((32, 8, 128), (9, 3, 64))  # (heads, kv_heads, head_dim): Llama-8B-like, SmolLM2-135M
 BLOCK_SIZE = 128
 
@@ -105,6 +113,55 @@ def bench_decode(contexts=(512, 2048, 8192), batches=(1, 16), shapes=DECODE_SHAP
     return rows
 
 
+def bench_prefill(seqs=PREFILL_SEQS, shapes=PREFILL_SHAPES, dtypes=(torch.float32, torch.bfloat16), *,
+                  repeat: int = 5, cpu_time: bool = False) -> list[dict]:
+    """flash_attention prefill vs SDPA(is_causal=True), one printed row per configuration.
+
+    cpu_time: as for :func:`bench_decode` (needs one thread for torch and atb).
+    """
+    if cpu_time and (torch.get_num_threads() != 1 or atb.get_num_threads() != 1):
+        raise SystemExit("--cpu-time needs --threads 1: thread CPU time misses work done on other threads")
+    clock = time.thread_time if cpu_time else time.perf_counter
+    print("prefill: flash_attention vs SDPA(is_causal=True, enable_gqa=True), one causal sequence of S tokens | "
+          f"clock: {'thread CPU time' if cpu_time else 'wall'}")
+    head = (f"{'dtype':<9} {'H/KH/D':<9} {'S':>5} {'sdpa ms':>9} {'atb ms':>9} {'speedup':>8} "
+            f"{'sdpa GF/s':>9} {'atb GF/s':>9} {'max|diff|':>9}")
+    print(head)
+    print("-" * len(head))
+    rows = []
+    with torch.inference_mode():
+        for dtype in dtypes:
+            for heads, kv_heads, head_dim in shapes:
+                for s in seqs:
+                    q = torch.randn(s, heads, head_dim).to(dtype)
+                    k = torch.randn(s, kv_heads, head_dim).to(dtype)
+                    v = torch.randn(s, kv_heads, head_dim).to(dtype)
+                    cu = torch.tensor([0, s], dtype=torch.int32)
+                    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v))
+
+                    def run_atb():
+                        return atb.kernels.flash_attention(q, k, v, cu)
+
+                    def run_sdpa():
+                        return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True,
+                                                                                enable_gqa=True)
+
+                    diff = (run_atb().float() - run_sdpa()[0].transpose(0, 1).float()).abs().max().item()
+                    t_sdpa, t_atb = time_us_many((run_sdpa, run_atb), repeat=repeat, warmup=1, min_sample_us=0.0,
+                                                 clock=clock)
+                    flops = 4 * head_dim * heads * s * (s + 1) / 2
+                    r = dict(dtype=str(dtype).removeprefix("torch."), heads=heads, kv_heads=kv_heads,
+                             head_dim=head_dim, seq=s, sdpa_ms=t_sdpa / 1e3, atb_ms=t_atb / 1e3,
+                             speedup=t_sdpa / t_atb, sdpa_gflops=flops / t_sdpa / 1e3,
+                             atb_gflops=flops / t_atb / 1e3, max_diff=diff)
+                    rows.append(r)
+                    print(f"{r['dtype']:<9} {f'{heads}/{kv_heads}/{head_dim}':<9} {s:>5} {r['sdpa_ms']:>9.2f} "
+                          f"{r['atb_ms']:>9.2f} {r['speedup']:>7.2f}x {r['sdpa_gflops']:>9.1f} "
+                          f"{r['atb_gflops']:>9.1f} {diff:>9.1e}", flush=True)
+                    gc.collect()
+    return rows
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m atb.bench.attention", description=__doc__.split("\n\n")[0])
     p.add_argument("--repeat", type=int, default=15, help="timed samples per measurement (median taken)")
@@ -113,6 +170,7 @@ def main(argv=None) -> None:
                    help="threads for both torch and atb (default: as configured, torch's count)")
     p.add_argument("--cpu-time", action="store_true",
                    help="time with thread CPU time (needs --threads 1); steadier ratios on a busy machine")
+    p.add_argument("--section", choices=("all", "prefill", "decode"), default="all", help="which benchmark to run")
     args = p.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -122,7 +180,11 @@ def main(argv=None) -> None:
     info = atb.build_info()
     print(f"atb attention vs torch SDPA | isa {info['isa']} | {info['num_threads']} threads | "
           f"torch threads {torch.get_num_threads()} | freed memory kept for reuse: {'yes' if tuned else 'no'}")
-    bench_decode(repeat=args.repeat, quick=args.quick, cpu_time=args.cpu_time)
+    if args.section in ("all", "prefill"):
+        bench_prefill(seqs=PREFILL_SEQS[:1] if args.quick else PREFILL_SEQS, repeat=3 if args.quick else 5,
+                      cpu_time=args.cpu_time)
+    if args.section in ("all", "decode"):
+        bench_decode(repeat=args.repeat, quick=args.quick, cpu_time=args.cpu_time)
 
 
 if __name__ == "__main__":

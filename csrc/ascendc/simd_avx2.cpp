@@ -258,20 +258,41 @@ void MmadNT(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int
 // falls in, so results never depend on M, N or the blocking.
 template <typename TB, __m256 (*L8)(const TB*), bool TA, int R, int NV>
 inline void TileNN(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t K, bool acc) {
-  __m256 c[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) c[r][v] = acc ? _mm256_loadu_ps(C + r * ldc + 8 * v) : _mm256_setzero_ps();
+  static_assert(R >= 1 && R <= 6 && (NV == 1 || NV == 2), "TileNN: up to 6 rows x 2 vectors");
+  // Named accumulators, not an array: GCC keeps an array's elements in memory
+  // and stores all 12 every k-step, which halves the kernel's speed.
+  const __m256 z = _mm256_setzero_ps();
+  __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
+#define ATB_TILE_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define ATB_TILE_LOAD(r)                                                   \
+  if constexpr (R > r) {                                                   \
+    if (acc) {                                                             \
+      c##r##0 = _mm256_loadu_ps(C + r * ldc);                              \
+      if constexpr (NV > 1) c##r##1 = _mm256_loadu_ps(C + r * ldc + 8);    \
+    }                                                                      \
+  }
+#define ATB_TILE_FMA(r)                                                                    \
+  if constexpr (R > r) {                                                                   \
+    __m256 a = _mm256_broadcast_ss(TA ? A + k * lda + r : A + r * lda + k);                \
+    c##r##0 = _mm256_fmadd_ps(a, b0, c##r##0);                                             \
+    if constexpr (NV > 1) c##r##1 = _mm256_fmadd_ps(a, b1, c##r##1);                       \
+  }
+#define ATB_TILE_STORE(r)                                                  \
+  if constexpr (R > r) {                                                   \
+    _mm256_storeu_ps(C + r * ldc, c##r##0);                                \
+    if constexpr (NV > 1) _mm256_storeu_ps(C + r * ldc + 8, c##r##1);      \
+  }
+  ATB_TILE_ROWS(ATB_TILE_LOAD)
   for (int64_t k = 0; k < K; ++k) {
     const TB* b = B + k * ldb;
-    __m256 bv[NV];
-    for (int v = 0; v < NV; ++v) bv[v] = L8(b + 8 * v);
-    for (int r = 0; r < R; ++r) {
-      __m256 a = _mm256_broadcast_ss(TA ? A + k * lda + r : A + r * lda + k);
-      for (int v = 0; v < NV; ++v) c[r][v] = _mm256_fmadd_ps(a, bv[v], c[r][v]);
-    }
+    __m256 b0 = L8(b), b1 = NV > 1 ? L8(b + 8) : z;
+    ATB_TILE_ROWS(ATB_TILE_FMA)
   }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(C + r * ldc + 8 * v, c[r][v]);
+  ATB_TILE_ROWS(ATB_TILE_STORE)
+#undef ATB_TILE_ROWS
+#undef ATB_TILE_LOAD
+#undef ATB_TILE_FMA
+#undef ATB_TILE_STORE
 }
 
 template <typename TB, __m256 (*L8)(const TB*), bool TA, int NV>
