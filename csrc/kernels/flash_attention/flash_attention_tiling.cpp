@@ -18,6 +18,7 @@ constexpr int64_t kMaxHeadDim = 256;
 // units amortize that better; past ~128 rows the S^T tile (64 keys x rows x 4 B)
 // outgrows L1 (32-64 KiB) and the causal waste on the diagonal grows.
 constexpr int64_t kTargetRows = 128;
+constexpr int64_t kHostBlocksPerThread = 4;
 
 int64_t UbRowElems(int64_t headDim, int64_t elt) { return AlignUp(headDim * elt, AscendC::ONE_BLK_SIZE) / elt; }
 
@@ -131,7 +132,10 @@ FlashAttentionTilingData FlashAttentionTiling(const int32_t* cuSeqlens, int64_t 
     }
   }
   std::stable_sort(all.begin(), all.end(), [](const Costed& a, const Costed& b) { return a.cost > b.cost; });
-  int64_t cores = std::max<int64_t>(1, soc.cube_core_num);
+  // On the host, 4 logical cores per thread, each LPT-balanced: the pool hands
+  // them out as threads come free, so a thread the shared machine preempts
+  // does not hold up the launch (its remaining blocks go to the other threads).
+  int64_t cores = std::max<int64_t>(1, soc.cube_core_num) * (soc.is_host ? kHostBlocksPerThread : 1);
   t.blockDim = std::max<int64_t>(1, std::min<int64_t>(cores, int64_t(all.size())));
   std::vector<std::vector<FlashAttentionUnit>> perCore(t.blockDim);
   t.coreCost.assign(t.blockDim, 0);
