@@ -6,6 +6,7 @@ run on this machine's cores. See README.md for the tour.
 """
 from atb import _C  # noqa: F401  (loads the native core first)
 from atb import kernels
+from atb.patch import PatchReport, check_model, patch_hf_model, unpatch_hf_model
 from atb.runtime import build_info, get_num_threads, set_isa, set_num_threads
 from atb.soc import default_soc, get_soc, set_soc, soc_names
 from atb.infer import TransformerInfer
@@ -15,4 +16,5 @@ __version__ = "0.1.0"
 __all__ = [
     "kernels", "build_info", "get_num_threads", "set_num_threads", "set_isa",
     "get_soc", "set_soc", "soc_names", "default_soc", "TransformerInfer",
+    "patch_hf_model", "unpatch_hf_model", "check_model", "PatchReport",
 ]

@@ -71,3 +71,131 @@ def test_rms_norm_layer_shares_the_hf_weight(dtype):
     ey, eh = add_rms_norm_ref(x, r, hf.weight, 1e-5)
     assert_close(y, ey)
     assert_close(h, eh)
+
+
+def _sdpa_reference(q, k, v, mask2d, scale, window, q_positions=None):
+    """float64 causal attention in HF layout: q [B,H,S,D] at the last S of L positions, k/v [B,KH,L,D]."""
+    B, H, S, D = q.shape
+    KH, L = k.shape[1], k.shape[2]
+    k = k.double().repeat_interleave(H // KH, 1)
+    v = v.double().repeat_interleave(H // KH, 1)
+    i = torch.arange(L - S, L)[:, None]
+    j = torch.arange(L)[None, :]
+    allowed = (j <= i) if window is None else (j <= i) & (j > i - window)
+    allowed = allowed[None].expand(B, S, L)
+    if mask2d is not None:
+        allowed = allowed & mask2d[:, None, :]
+    scores = torch.einsum("bhsd,bhld->bhsl", q.double(), k) * scale
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    out = torch.einsum("bhsl,bhld->bshd", scores.softmax(-1).nan_to_num(0.0), v)
+    return out
+
+
+@pytest.mark.parametrize("S,L,window,pad", [(9, 9, None, None), (9, 9, 4, "left"), (7, 7, None, "holes"),
+                                            (1, 13, None, None), (1, 13, 5, "left"), (1, 10, None, "holes"),
+                                            (3, 11, None, "left"), (3, 11, 4, None)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hf_attention_against_reference(S, L, window, pad, dtype):
+    from atb.layers.attention import hf_attention
+
+    B, H, KH, D = 3, 6, 2, 16
+    q = torch.randn(B, S, H, D, dtype=dtype).transpose(1, 2)    # token-major view, as the patched forward makes it
+    k, v = torch.randn(B, KH, L, D, dtype=dtype), torch.randn(B, KH, L, D, dtype=dtype)
+    mask = None
+    if pad == "left":
+        mask = torch.ones(B, L, dtype=torch.bool)
+        mask[1, :2] = False
+        mask[2, :L - S - 1 if L > S else 4] = False
+    elif pad == "holes":
+        mask = torch.ones(B, L, dtype=torch.bool)
+        mask[0, 2] = mask[2, 1:4] = False
+    out = hf_attention(q, k, v, padding_mask=mask, scale=D ** -0.5, window=window)
+    expect = _sdpa_reference(q, k, v, mask, D ** -0.5, window)
+    if mask is not None and S == L:
+        keep = mask[:, :, None, None].expand_as(expect)
+        out, expect = out[keep], expect[keep]      # padded query rows carry no meaning
+    assert_close(out, expect, dtype)
+
+
+def test_hf_attention_packed_positions_and_errors():
+    from atb.layers.attention import hf_attention
+
+    q, k, v = torch.randn(1, 4, 10, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]])
+    out = hf_attention(q, k, v, position_ids=pos, scale=8 ** -0.5)
+    for s, e in [(0, 4), (4, 7), (7, 10)]:
+        part = hf_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], scale=8 ** -0.5)
+        assert_close(out[:, s:e], part.double())
+    holes = torch.ones(1, 10, dtype=torch.bool)
+    holes[0, 4] = False
+    with pytest.raises(ValueError, match="holes inside a row"):
+        hf_attention(q, k, v, padding_mask=holes, window=3)
+    with pytest.raises(ValueError, match="padding mask must be bool"):
+        hf_attention(q, k, v, padding_mask=torch.ones(1, 1, 10, 10, dtype=torch.bool))
+    with pytest.raises(ValueError, match="do not fit"):
+        hf_attention(q, k[:, :, :5], v[:, :, :5])
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_swiglu_mlp_layer_matches_hf(rows, bias):
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from atb.layers.mlp import SwiGLUMLP
+
+    config = AutoConfig.for_model("llama", mlp_bias=bias, **BASE)
+    hf = LlamaMLP(config)
+    mlp = SwiGLUMLP.from_hf(hf)
+    assert mlp.gate is hf.gate_proj.weight and mlp.down is hf.down_proj.weight
+    x = torch.randn(rows, 96)
+    with torch.no_grad():
+        assert_close(mlp(x), hf(x).double(), torch.float32, scale=4.0)
+        assert_close(mlp(x.view(1, rows, 96)), hf(x).view(1, rows, -1).double(), torch.float32, scale=4.0)
+
+
+@pytest.mark.parametrize("model_type,extra", [("llama", {}), ("qwen3", dict(head_dim=16)), ("qwen2", {})])
+def test_paged_attention_layer_matches_hf(model_type, extra):
+    from transformers import DynamicCache
+
+    from atb.checkpoints import random_model
+    from atb.layers.attention import Attention, AttentionMetadata
+    from atb.layers.kv_cache import PagedKVCache
+    from atb.registry import get_adapter
+
+    model = random_model(dict(BASE, **extra), torch.float32, model_type=model_type)
+    adapter = get_adapter(model)
+    spec = adapter.spec
+    hf_attn = model.model.layers[0].self_attn
+    rotary = RotaryEmbedding.from_hf(model.model.rotary_emb)
+    layer = Attention(spec, adapter.layer_weights(model, 0), 0)
+    lens = [7, 4]
+    xs = [torch.randn(1, n, 96) for n in lens]
+    with torch.no_grad():
+        expect = []
+        for x in xs:
+            pos = torch.arange(x.shape[1])[None]
+            out, _ = hf_attn(x, position_embeddings=model.model.rotary_emb(x, pos), attention_mask=None,
+                             cache=DynamicCache(config=model.config))
+            expect.append(out[0])
+        cache = PagedKVCache(1, spec.num_kv_heads, spec.head_dim, num_blocks=8, block_size=2)
+        # Prefill both sequences but their last 2 tokens (flash), then one batched decode step per token (paged).
+        pre = [n - 2 for n in lens]
+        for i, n in enumerate(pre):
+            cache.allocate(i, n)
+        meta = AttentionMetadata.build(cache, [0, 1], [0, 0], pre)
+        x = torch.cat([xs[i][0, :n] for i, n in enumerate(pre)])
+        positions = torch.cat([torch.arange(n) for n in pre])
+        cos, sin = rotary.cos_sin(positions)
+        got = layer(x, cos, sin, meta, cache.key_caches[0], cache.value_caches[0]).split(pre)
+        outs = [[g] for g in got]
+        for step in range(2):
+            for i, n in enumerate(pre):
+                cache.extend(i, n + step + 1)
+            meta = AttentionMetadata.build(cache, [0, 1], [n + step for n in pre], [n + step + 1 for n in pre])
+            x = torch.stack([xs[i][0, n + step] for i, n in enumerate(pre)])
+            cos, sin = rotary.cos_sin(torch.tensor([n + step for n in pre]))
+            got = layer(x, cos, sin, meta, cache.key_caches[0], cache.value_caches[0])
+            for i in range(2):
+                outs[i].append(got[i:i + 1])
+    for i in range(2):
+        assert_close(torch.cat(outs[i]), expect[i].double(), torch.float32, scale=4.0)

@@ -1,0 +1,248 @@
+"""Attention over the fused kernels.
+
+``Attention`` is one decoder layer's attention for a paged-cache engine:
+q/k/v projections (``linear_multi`` for decode-sized inputs), optional q/k
+RMSNorm, rope in place, ``reshape_and_cache`` into the layer's
+``[num_blocks, block_size, KH, D]`` caches, then ``flash_attention`` for a
+prefill of fresh sequences or ``paged_attention`` (one or several new tokens
+per sequence, placed at the end of its context), and o_proj.
+
+``hf_attention`` is the attention core in HF's layout (q ``[B, H, S, D]``,
+k/v ``[B, KH, L, D]`` as a transformers Cache hands them over); it backs the
+``"atb"`` AttentionInterface function that ``atb.patch_hf_model`` registers.
+
+* No past (``S == L``): ``flash_attention`` over the tokens, varlen. Rows
+  with padding (a 2-D ``padding_mask``) are packed to their valid tokens
+  first; packed sequences in one row (position ids restarting, as HF detects
+  them) become separate varlen sequences.
+* With a past (``S < L``): ``paged_attention`` reading HF's contiguous cache
+  in place. Each (batch row, kv head) pair is one "sequence" whose cache is a
+  single block ``[L, 1 kv head, D]`` (the ``[B, KH, L, D]`` tensor viewed as
+  ``[B*KH, L, 1, D]``) and whose queries are that kv head's ``H/KH`` heads:
+  no copy of K/V, GQA kept. With padding, block size 1 and a block table
+  listing each row's valid positions skip the padding.
+
+Sliding windows follow HF/Mistral (query at p sees keys j, p - window < j <= p).
+Packing valid tokens keeps distances only when each row's valid tokens are
+contiguous (left or right padding); a windowed layer with holes in its
+padding mask is refused rather than computed wrongly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atb import kernels
+from atb.kernels.linear import LINEAR_CROSSOVER_M
+
+# Last block table / context lengths built, reused by every layer of one forward (and by later steps when the
+# shapes repeat). Keys hold the mask tensor itself, so its id cannot be recycled while cached.
+_memo: dict = {}
+
+
+def _uniform(n: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables ``[[0], [1], ...]`` and context lengths ``[length] * n`` (one block per sequence)."""
+    key = ("uniform", n, length)
+    hit = _memo.get("uniform")
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    value = (torch.arange(n, dtype=torch.int32).view(n, 1), torch.full((n,), length, dtype=torch.int32))
+    _memo["uniform"] = (key, value)
+    return value
+
+
+def _cu_seqlens(batch: int, seq: int) -> torch.Tensor:
+    key = ("cu", batch, seq)
+    hit = _memo.get("cu")
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    value = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32)
+    _memo["cu"] = (key, value)
+    return value
+
+
+def _contiguous_rows(mask: torch.Tensor) -> bool:
+    """True when every row's valid entries form one run (left or right padding)."""
+    m = mask.to(torch.int8)
+    starts = (m[:, 1:] > m[:, :-1]).sum(1) + m[:, 0]
+    return bool((starts <= 1).all())
+
+
+def _segments(position_ids: torch.Tensor, batch: int, seq: int) -> torch.Tensor | None:
+    """cu_seqlens of packed sequences (a position not following its predecessor starts one), None if unpacked."""
+    pos = position_ids.expand(batch, seq)
+    starts = torch.ones(batch, seq, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    if int(starts.sum()) == batch:
+        return None
+    idx = starts.reshape(-1).nonzero().squeeze(1).to(torch.int32)
+    return torch.cat([idx, torch.tensor([batch * seq], dtype=torch.int32)])
+
+
+def _prefill(query, key, value, mask, scale, window, position_ids, soc_type):
+    B, H, S, D = query.shape
+    KH = key.shape[1]
+    # [B, H, S, D] -> token-major [B*S, H, D]: a view when the caller produced token-major tensors.
+    q = query.transpose(1, 2).reshape(B * S, H, D)
+    k = key.transpose(1, 2).reshape(B * S, KH, D)
+    v = value.transpose(1, 2).reshape(B * S, KH, D)
+    if mask is None:
+        cu = _segments(position_ids, B, S) if (position_ids is not None and S > 1) else None
+        if cu is None:
+            cu = _cu_seqlens(B, S)
+        out = kernels.flash_attention(q, k, v, cu, scale=scale, causal=True, window=window, soc_type=soc_type)
+        return out.view(B, S, H, D)
+    if window is not None and not _contiguous_rows(mask):
+        raise ValueError("atb attention: a sliding-window layer got a padding mask with holes inside a row; "
+                         "only left/right padding keeps window distances (patch with attention=False for such masks)")
+    keep = mask.reshape(-1).nonzero().squeeze(1)
+    cu = torch.zeros(B + 1, dtype=torch.int32)
+    torch.cumsum(mask.sum(1, dtype=torch.int32), 0, out=cu[1:])
+    out = q.new_zeros(B * S, H, D)
+    if keep.numel():
+        out[keep] = kernels.flash_attention(q[keep], k[keep], v[keep], cu, scale=scale, causal=True, window=window,
+                                            soc_type=soc_type)
+    return out.view(B, S, H, D)
+
+
+def _padded_tables(mask: torch.Tensor, kv_heads: int, length: int):
+    """Block-size-1 tables listing each row's valid positions (ascending), repeated per kv head."""
+    hit = _memo.get("pad")
+    key = (mask, kv_heads, length)
+    if hit is not None and hit[0][0] is mask and hit[0][1:] == key[1:]:
+        return hit[1]
+    B = mask.shape[0]
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # valid positions first, in order
+    base = (torch.arange(B * kv_heads, dtype=torch.int64) * length).view(B, kv_heads, 1)
+    tables = (base + order.view(B, 1, length)).view(B * kv_heads, length).to(torch.int32)
+    ctx = mask.sum(1, dtype=torch.int32).repeat_interleave(kv_heads)
+    value = (tables, ctx)
+    _memo["pad"] = (key, value)
+    return value
+
+
+def _with_past(query, key, value, mask, scale, window, soc_type):
+    B, H, S, D = query.shape
+    KH, L = key.shape[1], key.shape[2]
+    rep = H // KH
+    kc, vc = key.contiguous(), value.contiguous()
+    q = query.reshape(B, KH, rep, S, D)
+    q = q.reshape(B * KH, rep, D) if S == 1 else q.permute(0, 1, 3, 2, 4).reshape(B * KH * S, rep, D)
+    if mask is None:
+        kc, vc = kc.view(B * KH, L, 1, D), vc.view(B * KH, L, 1, D)
+        tables, ctx = _uniform(B * KH, L)
+    else:
+        if window is not None and not _contiguous_rows(mask):
+            raise ValueError("atb attention: a sliding-window layer got a padding mask with holes inside a row; "
+                             "only left/right padding keeps window distances (patch with attention=False)")
+        if S > 1 and not bool(mask[:, -S:].all()):
+            raise ValueError("atb attention: with a cache, every new token must be unpadded (attention_mask 1 for "
+                             "the last q_len positions)")
+        kc, vc = kc.view(B * KH * L, 1, 1, D), vc.view(B * KH * L, 1, 1, D)
+        tables, ctx = _padded_tables(mask, KH, L)
+    q_lens = None if S == 1 else torch.full((B * KH,), S, dtype=torch.int32)
+    out = kernels.paged_attention(q, kc, vc, tables, ctx, scale=scale, q_lens=q_lens, window=window, soc_type=soc_type)
+    if S == 1:
+        return out.view(B, 1, H, D)
+    return out.view(B, KH, S, rep, D).permute(0, 2, 1, 3, 4).reshape(B, S, H, D)
+
+
+def hf_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                 padding_mask: torch.Tensor | None = None, scale: float | None = None, window: int | None = None,
+                 position_ids: torch.Tensor | None = None, soc_type: str | None = None) -> torch.Tensor:
+    """Causal attention in HF's layout; returns ``[B, S, H, D]``.
+
+    query ``[B, H, S, D]``, key/value ``[B, KH, L, D]`` (L >= S: the S queries are the last S positions),
+    padding_mask: None or bool ``[B, L]`` (True = real token), window: sliding window or None,
+    position_ids ``[B or 1, S]`` (only used to find packed sequences when there is no past and no mask).
+    """
+    B, H, S, D = query.shape
+    L = key.shape[2]
+    if key.shape[0] != B or key.shape[3] != D or value.shape != key.shape or H % key.shape[1] or L < S:
+        raise ValueError(f"atb attention: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+                         f"{tuple(value.shape)} do not fit [B, H, S, D] / [B, KH, L>=S, D] with H % KH == 0")
+    if padding_mask is not None:
+        if padding_mask.dim() != 2 or padding_mask.shape[0] != B or padding_mask.shape[1] != L:
+            raise ValueError(f"atb attention: the padding mask must be bool [batch={B}, kv_len={L}], got "
+                             f"{padding_mask.dim()}-D {tuple(padding_mask.shape)} (custom 4-D masks: patch with "
+                             "attention=False)")
+        if padding_mask.dtype != torch.bool:
+            padding_mask = padding_mask.bool()
+    if S == L:
+        return _prefill(query, key, value, padding_mask, scale, window, position_ids, soc_type)
+    return _with_past(query, key, value, padding_mask, scale, window, soc_type)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where one step's tokens go in the paged cache and what they attend to.
+
+    slot_mapping int32 ``[T]``; block_tables int32 ``[B, max_blocks]``; context_lens int32 ``[B]`` (full
+    context incl. this step's tokens); q_lens int32 ``[B]`` (this step's tokens per sequence, None = one each);
+    cu_seqlens int32 ``[B+1]`` when every sequence starts at position 0 in this step (flash prefill), else None.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    q_lens: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, cache, seq_ids, starts, ends) -> "AttentionMetadata":
+        """From a ``PagedKVCache`` (blocks already allocated): sequence i's new tokens are ``[starts[i], ends[i])``."""
+        lens = [e - s for s, e in zip(starts, ends)]
+        prefill = all(s == 0 for s in starts)
+        cu = None
+        if prefill:
+            cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+            torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0, out=cu[1:])
+        return cls(slot_mapping=cache.slot_mapping(seq_ids, starts, ends), block_tables=cache.block_tables(seq_ids),
+                   context_lens=torch.tensor(list(ends), dtype=torch.int32),
+                   q_lens=None if all(n == 1 for n in lens) else torch.tensor(lens, dtype=torch.int32),
+                   cu_seqlens=cu)
+
+
+class Attention(nn.Module):
+    """One layer's attention over a paged KV cache, reading the HF weights in place (`LayerWeights`)."""
+
+    def __init__(self, spec, weights, layer_idx: int, *, soc_type: str | None = None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.w = weights
+        self.window = spec.sliding_windows[layer_idx]
+        self.eps = spec.rms_norm_eps
+        self.scale = spec.head_dim ** -0.5
+        self.layer_idx = layer_idx
+        self.soc_type = soc_type
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tensor:
+        """x ``[T, hidden]``, cos/sin ``[T, rotary_dim]`` (RotaryEmbedding.cos_sin of the positions) -> ``[T, hidden]``."""
+        w, soc = self.w, self.soc_type
+        T = x.shape[0]
+        if T < LINEAR_CROSSOVER_M:
+            q, k, v = kernels.linear_multi(x, (w.q, w.k, w.v), (w.q_bias, w.k_bias, w.v_bias), soc_type=soc)
+        else:
+            q, k, v = F.linear(x, w.q, w.q_bias), F.linear(x, w.k, w.k_bias), F.linear(x, w.v, w.v_bias)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if w.q_norm is not None:
+            q = kernels.rms_norm(q, w.q_norm, self.eps, soc_type=soc)
+            k = kernels.rms_norm(k, w.k_norm, self.eps, soc_type=soc)
+        kernels.rope(q, k, cos, sin, inplace=True, soc_type=soc)
+        kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        if meta.cu_seqlens is not None:
+            out = kernels.flash_attention(q, k, v, meta.cu_seqlens, scale=self.scale, window=self.window,
+                                          soc_type=soc)
+        else:
+            out = kernels.paged_attention(q, key_cache, value_cache, meta.block_tables, meta.context_lens,
+                                          scale=self.scale, q_lens=meta.q_lens, window=self.window, soc_type=soc)
+        out = out.view(T, -1)
+        if T < LINEAR_CROSSOVER_M:
+            return kernels.linear(out, w.o, w.o_bias, soc_type=soc)
+        return F.linear(out, w.o, w.o_bias)
