@@ -1,0 +1,5 @@
+import sys
+
+from atb.cli import main
+
+sys.exit(main())

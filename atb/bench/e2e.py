@@ -1,0 +1,114 @@
+"""End-to-end prefill and decode throughput: HF stock, patch_hf_model, TransformerInfer.
+
+Prefill time is a generate of one new token; decode tok/s is the remaining
+(new_tokens - 1) steps per sequence over the rest of the time. Everything runs
+side by side in one process on the same prompts; medians over repeats.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class E2ERow:
+    engine: str
+    batch: int
+    prompt_len: int
+    new_tokens: int
+    prefill_tok_s: float
+    decode_tok_s: float
+    decode_vs_stock: float
+    roofline: float  # decode tok/s over (bandwidth / bytes read per decode step)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _timed(fn, repeat: int) -> float:
+    fn()  # warm-up (allocations, caches, lazy tables)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _prompts(vocab: int, batch: int, prompt_len: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1234)
+    # Ids from the middle of the vocabulary: ordinary tokens, no specials.
+    return torch.randint(100, vocab - 100, (batch, prompt_len), generator=g).tolist()
+
+
+def _hf_generate(model, prompts, n):
+    ids = torch.tensor(prompts)
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0)
+
+
+def _rates(t1: float, tn: float, batch: int, prompt_len: int, n: int) -> tuple[float, float]:
+    prefill = batch * prompt_len / t1
+    decode = batch * (n - 1) / max(tn - t1, 1e-9)
+    return prefill, decode
+
+
+def end_to_end(model, *, prompt_len: int, new_tokens: int, batch: int, repeat: int, soc_type: str, machine,
+               progress=None) -> list[E2ERow]:
+    import atb
+
+    n = max(2, new_tokens)
+    vocab = model.config.vocab_size
+    one = _prompts(vocab, 1, prompt_len)
+    many = _prompts(vocab, batch, prompt_len)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    results = []
+
+    def add(engine, b, t1, tn):
+        pre, dec = _rates(t1, tn, b, prompt_len, n)
+        # Bytes per decode step: every weight once, plus the batch's K/V history.
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        esz = next(model.parameters()).element_size()
+        kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * esz * b * (prompt_len + n // 2)
+        limit = b * machine.bandwidth / (weight_bytes + kv)
+        results.append(E2ERow(engine, b, prompt_len, n, pre, dec, 0.0, dec / limit))
+
+    steps = [("HF stock", 1), ("patch_hf_model", 1), ("TransformerInfer", 1), ("TransformerInfer", batch)]
+    for i, (engine, b) in enumerate(steps):
+        if progress:
+            progress(f"end to end: {engine} batch {b}", i, len(steps))
+        prompts = one if b == 1 else many
+        if engine == "HF stock":
+            t1 = _timed(lambda: _hf_generate(model, prompts, 1), repeat)
+            tn = _timed(lambda: _hf_generate(model, prompts, n), repeat)
+        elif engine == "patch_hf_model":
+            atb.patch_hf_model(model, soc_type=soc_type)
+            try:
+                t1 = _timed(lambda: _hf_generate(model, prompts, 1), repeat)
+                tn = _timed(lambda: _hf_generate(model, prompts, n), repeat)
+            finally:
+                atb.unpatch_hf_model(model)
+        else:
+            infer = atb.TransformerInfer(model, max_seq_len=prompt_len + n, soc_type=soc_type, max_batch_size=b)
+            gen = lambda k: infer.generate(prompts, max_new_tokens=k, eos_token_id=[])  # noqa: E731
+            t1 = _timed(lambda: gen(1), repeat)
+            tn = _timed(lambda: gen(n), repeat)
+        add(engine if b == 1 else f"{engine}", b, t1, tn)
+    stock = results[0].decode_tok_s
+    for r in results:
+        r.decode_vs_stock = r.decode_tok_s / stock
+    return results
+
+
+def format_table(rows: list[E2ERow]) -> str:
+    head = f"{'engine':<20}{'batch':>6}{'prefill tok/s':>15}{'decode tok/s':>14}{'vs HF':>8}{'roofline':>10}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.engine:<20}{r.batch:>6}{r.prefill_tok_s:>15.0f}{r.decode_tok_s:>14.1f}"
+                     f"{r.decode_vs_stock:>7.2f}x{r.roofline * 100:>9.0f}%")
+    return "\n".join(lines)
