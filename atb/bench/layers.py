@@ -71,14 +71,14 @@ def layer_table(model, *, phase: str, batch: int, tokens: int, context: int, mac
 
     cfg = model.config
     adapter = get_adapter(cfg)
-    spec = adapter.spec(model)
+    spec = adapter.spec
     lw = adapter.layer_weights(model, 0)
     dtype = next(model.parameters()).dtype
     esz = torch.finfo(dtype).bits // 8
     hf_layer = model.model.layers[0]
     attn = hf_layer.self_attn
-    H, KH, D, hid = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
-    inter = spec.intermediate_size
+    H, KH, D, hid = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden
+    inter = spec.intermediate
     q_len = 1 if phase == "decode" else tokens
     ctx = context if phase == "decode" else tokens
     T = batch * q_len  # new tokens this step
@@ -88,7 +88,7 @@ def layer_table(model, *, phase: str, batch: int, tokens: int, context: int, mac
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g) * scale).to(dtype)
 
-    ids = torch.randint(0, spec.vocab_size, (batch, q_len), generator=g)
+    ids = torch.randint(0, spec.vocab, (batch, q_len), generator=g)
     x = rnd(batch, q_len, hid)
     x2 = x.view(T, hid)
     positions = torch.arange(ctx - q_len, ctx).repeat(batch, 1)
@@ -123,9 +123,11 @@ def layer_table(model, *, phase: str, batch: int, tokens: int, context: int, mac
     gate, up = rnd(T, inter), rnd(T, inter)
     mlp_mid = rnd(T, inter)
     last = x[:, -1:, :]
-    qkv_w = torch.cat([lw.q_proj, lw.k_proj, lw.v_proj])  # what TransformerInfer builds once
-    gate_up_w = torch.cat([lw.gate_proj, lw.up_proj])
-    lm_w = adapter.lm_head_weight(model)
+    qkv_w = torch.cat([lw.q, lw.k, lw.v])  # what TransformerInfer builds once
+    gate_up_w = torch.cat([lw.gate, lw.up])
+    lm_w = adapter.lm_head(model)
+    embed_w = adapter.embed_tokens(model)
+    final_w = adapter.final_norm(model)
     eps = spec.rms_norm_eps
     decode = phase == "decode"
 
@@ -142,7 +144,7 @@ def layer_table(model, *, phase: str, batch: int, tokens: int, context: int, mac
     W = lambda *ws: sum(w.numel() for w in ws) * esz  # noqa: E731
     rows = [
         # name, stock fn, atb fn, bytes, flops
-        ("embedding", lambda: model.model.embed_tokens(ids), lambda: F.embedding(ids, lw_embed(model, adapter)),
+        ("embedding", lambda: model.model.embed_tokens(ids), lambda: F.embedding(ids, embed_w),
          2 * T * hid * esz, 0),
         ("input_norm", lambda: hf_layer.input_layernorm(x), lambda: atb.kernels.rms_norm(x2, lw.input_norm, eps, soc_type=soc_type),
          2 * T * hid * esz + hid * esz, 0),
@@ -155,21 +157,21 @@ def layer_table(model, *, phase: str, batch: int, tokens: int, context: int, mac
          2 * T * KH * D * esz * 2, 0),
         ("attention", lambda: sdpa(attn, q4, k_full, v_full, stock_mask, scaling=attn.scaling, is_causal=not decode),
          attention_atb, kv_bytes + 2 * T * H * D * esz, 4 * batch * H * D * (q_len * ctx if decode else q_len * (q_len + 1) // 2)),
-        ("o_proj", lambda: attn.o_proj(attn_out), lambda: lin(attn_out.view(T, -1), lw.o_proj),
-         W(lw.o_proj) + T * (H * D + hid) * esz, 2 * T * H * D * hid),
+        ("o_proj", lambda: attn.o_proj(attn_out), lambda: lin(attn_out.view(T, -1), lw.o),
+         W(lw.o) + T * (H * D + hid) * esz, 2 * T * H * D * hid),
         ("residual_add_post_norm", lambda: hf_layer.post_attention_layernorm(residual + x),
-         lambda: atb.kernels.add_rms_norm(x2, residual.view(T, hid), lw.post_norm, eps, soc_type=soc_type),
+         lambda: atb.kernels.add_rms_norm(x2, residual.view(T, hid), lw.post_attention_norm, eps, soc_type=soc_type),
          4 * T * hid * esz + hid * esz, 0),
         ("mlp_gate_up", lambda: (hf_layer.mlp.gate_proj(x), hf_layer.mlp.up_proj(x)), lambda: lin(x2, gate_up_w),
          W(gate_up_w) + T * (hid + 2 * inter) * esz, 4 * T * hid * inter),
         ("mlp_swiglu", lambda: hf_layer.mlp.act_fn(gate) * up, lambda: atb.kernels.silu_mul(gate, up, soc_type=soc_type),
          3 * T * inter * esz, 0),
-        ("mlp_down", lambda: hf_layer.mlp.down_proj(mlp_mid), lambda: lin(mlp_mid, lw.down_proj),
-         W(lw.down_proj) + T * (inter + hid) * esz, 2 * T * inter * hid),
-        ("final_norm", lambda: model.model.norm(x), lambda: atb.kernels.rms_norm(x2, adapter.final_norm_weight(model), eps, soc_type=soc_type),
+        ("mlp_down", lambda: hf_layer.mlp.down_proj(mlp_mid), lambda: lin(mlp_mid, lw.down),
+         W(lw.down) + T * (inter + hid) * esz, 2 * T * inter * hid),
+        ("final_norm", lambda: model.model.norm(x), lambda: atb.kernels.rms_norm(x2, final_w, eps, soc_type=soc_type),
          2 * T * hid * esz + hid * esz, 0),
         ("lm_head", lambda: model.lm_head(last), lambda: lin(last.reshape(batch, hid), lm_w),
-         W(lm_w) + batch * (hid + spec.vocab_size) * esz, 2 * batch * hid * spec.vocab_size),
+         W(lm_w) + batch * (hid + spec.vocab) * esz, 2 * batch * hid * spec.vocab),
     ]
     out = []
     with torch.inference_mode():
@@ -184,10 +186,6 @@ def layer_table(model, *, phase: str, batch: int, tokens: int, context: int, mac
             out.append(LayerRow(phase, name, shape, t_stock * 1e6, t_atb * 1e6, int(nbytes), int(flops),
                                 nbytes / t_atb / 1e9, flops / t_atb / 1e9, t_floor / t_atb, bound))
     return out
-
-
-def lw_embed(model, adapter):
-    return adapter.embed_weight(model)
 
 
 def format_table(rows: list[LayerRow]) -> str:
