@@ -176,21 +176,22 @@ def cmd_bench(args) -> int:
     progress = Progress(not args.quiet)
     model, tok, label = _load(args, dtype, progress)
     progress("measuring memory bandwidth and GEMM peak")
-    machine = roofline.Machine.measure(dtype=dtype, weight_bytes=roofline.model_bytes(model))
+    roofline.keep_freed_memory()
+    machine = roofline.Machine.measure(dtype)
     info = atb.build_info()
     rows = []
     for phase, batch, tokens, context in (("decode", 1, 1, args.prompt_len), ("prefill", 1, args.prompt_len, args.prompt_len)):
         rows += layers.layer_table(model, phase=phase, batch=batch, tokens=tokens, context=context, machine=machine,
                                    repeat=args.repeat, soc_type=args.soc_type, progress=progress)
     e2e_rows = e2e.end_to_end(model, prompt_len=args.prompt_len, new_tokens=args.new_tokens, batch=args.batch,
-                              repeat=max(1, args.repeat // 10), soc_type=args.soc_type, machine=machine,
+                              repeat=2 if args.repeat > 1 else 1, soc_type=args.soc_type, machine=machine,
                               progress=progress)
     progress.done()
 
     print(f"atb {atb.__version__} | model {label} | dtype {args.dtype} | soc_type {args.soc_type} | "
           f"threads {info['num_threads']} | {info['processor']} ({info['isa']})")
     print(f"machine: streaming read {machine.bandwidth / 1e9:.1f} GB/s, {args.dtype} GEMM "
-          f"{machine.gemm_flops(dtype) / 1e9:.0f} GFLOP/s (measured now)\n")
+          f"{machine.gemm_peak / 1e9:.0f} GFLOP/s (measured now)\n")
     for phase in ("decode", "prefill"):
         title = (f"one decoder layer, decode (1 new token, {args.prompt_len}-token context)" if phase == "decode"
                  else f"one decoder layer, prefill ({args.prompt_len} tokens)")
@@ -261,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt-len", type=int, default=128)
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--batch", type=int, default=16, help="batch size of the batched end-to-end run")
-    b.add_argument("--repeat", type=int, default=20, help="timed repeats per layer row (median reported)")
+    b.add_argument("--repeat", type=int, default=9, help="timed repeats per layer row (median reported)")
     b.add_argument("--json", metavar="PATH")
     b.add_argument("--csv", metavar="PATH")
     b.add_argument("--plot", metavar="PATH.png")

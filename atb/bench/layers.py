@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import atb
-from atb.bench.roofline import Machine, median_time
+from atb.bench.roofline import Machine, time_us
 
 ROW_NAMES = [
     "embedding", "input_norm", "qkv_proj", "rope", "kv_cache_write", "attention", "o_proj",
@@ -134,6 +134,9 @@ def layer_table(model, *, phase: str, batch: int, tokens: int, context: int, mac
     def lin(t, w):  # atb's policy: native GEMV for decode rows, oneDNN GEMM for prefill
         return atb.kernels.linear(t, w) if decode else F.linear(t, w)
 
+    def qkv_atb():  # decode: one native launch over the three weights; prefill: one GEMM on the fused weight
+        return atb.kernels.linear_multi(x2, [lw.q, lw.k, lw.v]) if decode else F.linear(x2, qkv_w)
+
     def attention_atb():
         if decode:
             return atb.kernels.paged_attention(q3, key_cache, value_cache, block_tables, context_lens, soc_type=soc_type)
@@ -148,7 +151,7 @@ def layer_table(model, *, phase: str, batch: int, tokens: int, context: int, mac
          2 * T * hid * esz, 0),
         ("input_norm", lambda: hf_layer.input_layernorm(x), lambda: atb.kernels.rms_norm(x2, lw.input_norm, eps, soc_type=soc_type),
          2 * T * hid * esz + hid * esz, 0),
-        ("qkv_proj", lambda: (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)), lambda: lin(x2, qkv_w),
+        ("qkv_proj", lambda: (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)), qkv_atb,
          W(qkv_w) + T * (hid + (H + 2 * KH) * D) * esz, 2 * T * hid * (H + 2 * KH) * D),
         ("rope", lambda: apply_rope(q4, k4, cos, sin), lambda: atb.kernels.rope(q3, k3, cos2, sin2, soc_type=soc_type),
          2 * T * (H + KH) * D * esz + 2 * cos2.numel() * esz, 0),
@@ -178,10 +181,10 @@ def layer_table(model, *, phase: str, batch: int, tokens: int, context: int, mac
         for i, (name, stock, fused, nbytes, flops) in enumerate(rows):
             if progress:
                 progress(f"{phase}: {name}", i, len(rows))
-            t_stock = median_time(stock, repeat=repeat)
-            t_atb = median_time(fused, repeat=repeat)
-            t_floor = max(nbytes / machine.bandwidth, flops / machine.gemm_flops(dtype))
-            bound = "compute" if flops / machine.gemm_flops(dtype) > nbytes / machine.bandwidth else "memory"
+            t_stock = time_us(stock, repeat=repeat) * 1e-6
+            t_atb = time_us(fused, repeat=repeat) * 1e-6
+            t_floor = machine.floor_seconds(nbytes, flops)
+            bound = machine.bound(nbytes, flops)
             shape = f"B={batch} T={T} ctx={ctx}" if decode else f"B={batch} S={q_len}"
             out.append(LayerRow(phase, name, shape, t_stock * 1e6, t_atb * 1e6, int(nbytes), int(flops),
                                 nbytes / t_atb / 1e9, flops / t_atb / 1e9, t_floor / t_atb, bound))

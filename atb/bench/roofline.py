@@ -97,3 +97,30 @@ def keep_freed_memory() -> bool:
         return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 1 << 40))
     except (OSError, AttributeError, TypeError):  # not glibc: nothing to tune
         return False
+
+
+def gemm_gflops(dtype: torch.dtype = torch.float32, n: int = 1024, *, repeat: int = 5) -> float:
+    """Peak GEMM throughput of torch.matmul (oneDNN) in GFLOP/s for ``dtype``, measured now on n x n x n."""
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    us = time_us(lambda: torch.matmul(a, b), repeat=repeat, warmup=1, min_sample_us=0.0)
+    return 2 * n**3 / (us * 1e-6) / 1e9
+
+
+class Machine:
+    """This machine's limits, measured in the run that uses them: streaming-read bandwidth
+    (bytes/s) and GEMM peak (FLOP/s) for one dtype. A kernel's roofline time is
+    ``max(bytes / bandwidth, flops / gemm_peak)``."""
+
+    def __init__(self, bandwidth: float, gemm_peak: float, dtype: torch.dtype):
+        self.bandwidth, self.gemm_peak, self.dtype = bandwidth, gemm_peak, dtype
+
+    @classmethod
+    def measure(cls, dtype: torch.dtype) -> "Machine":
+        return cls(stream_read_gbps() * 1e9, gemm_gflops(dtype) * 1e9, dtype)
+
+    def floor_seconds(self, nbytes: float, flops: float) -> float:
+        return max(nbytes / self.bandwidth, flops / self.gemm_peak)
+
+    def bound(self, nbytes: float, flops: float) -> str:
+        return "compute" if flops / self.gemm_peak > nbytes / self.bandwidth else "memory"
