@@ -106,7 +106,7 @@ def cmd_check(args) -> int:
     report = atb.check_model(model)
     print(f"model: {label}")
     print(report)
-    return 0 if report.can_run else 1
+    return 0 if report.supported else 1
 
 
 # ---------------------------------------------------------------- generate
