@@ -73,5 +73,8 @@ def test_check_supported_and_unsupported(tmp_path):
 def test_user_errors_are_one_line(args, words):
     r = run(*args)
     assert r.returncode == 2
+    # Progress lines may precede it (stderr is not a terminal here); the error is one line, last, no traceback.
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("atb: error:") and words in lines[0], r.stderr
+    errors = [ln for ln in lines if ln.startswith("atb: error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0] and words in errors[0], r.stderr
+    assert "Traceback" not in r.stderr
