@@ -6,11 +6,11 @@ side by side in one process on the same prompts; medians over repeats.
 """
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+from atb.bench.roofline import median_seconds
 
 
 @dataclass
@@ -26,16 +26,6 @@ class E2ERow:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def _timed(fn, repeat: int) -> float:
-    fn()  # warm-up (allocations, caches, lazy tables)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _prompts(vocab: int, batch: int, prompt_len: int) -> list[list[int]]:
@@ -85,20 +75,20 @@ def end_to_end(model, *, prompt_len: int, new_tokens: int, batch: int, repeat: i
             progress(f"end to end: {engine} batch {b}", i, len(steps))
         prompts = one if b == 1 else many
         if engine == "HF stock":
-            t1 = _timed(lambda: _hf_generate(model, prompts, 1), repeat)
-            tn = _timed(lambda: _hf_generate(model, prompts, n), repeat)
+            t1 = median_seconds(lambda: _hf_generate(model, prompts, 1), repeat)
+            tn = median_seconds(lambda: _hf_generate(model, prompts, n), repeat)
         elif engine == "patch_hf_model":
             atb.patch_hf_model(model, soc_type=soc_type)
             try:
-                t1 = _timed(lambda: _hf_generate(model, prompts, 1), repeat)
-                tn = _timed(lambda: _hf_generate(model, prompts, n), repeat)
+                t1 = median_seconds(lambda: _hf_generate(model, prompts, 1), repeat)
+                tn = median_seconds(lambda: _hf_generate(model, prompts, n), repeat)
             finally:
                 atb.unpatch_hf_model(model)
         else:
             infer = atb.TransformerInfer(model, max_seq_len=prompt_len + n, soc_type=soc_type, max_batch_size=b)
             gen = lambda k: infer.generate(prompts, max_new_tokens=k, eos_token_id=[])  # noqa: E731
-            t1 = _timed(lambda: gen(1), repeat)
-            tn = _timed(lambda: gen(n), repeat)
+            t1 = median_seconds(lambda: gen(1), repeat)
+            tn = median_seconds(lambda: gen(n), repeat)
         add(engine, b, t1, tn)
     stock = results[0].decode_tok_s
     for r in results:

@@ -14,28 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
+from atb.bench.roofline import median_seconds, stream_read_gbps
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def measure_bandwidth(nbytes: int, repeats: int = 5) -> float:
-    """Streaming-read bandwidth (bytes/s) over a buffer of ``nbytes`` (a sum reads each byte once)."""
-    buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
-    buf.sum()
-    return buf.nbytes / _median_time(buf.sum, repeats)
 
 
 def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -69,8 +53,8 @@ def bench_one(model, prompts, new: int, repeats: int, modes: list[str]) -> dict:
     res = {"batch": batch, "weights_bytes": infer.memory_summary()["weights_bytes"]}
     for name, fn in runners.items():
         fn(2)  # warm-up: kernels, allocator, first touch of the KV pool
-        t_prefill = _median_time(lambda: fn(1), repeats)
-        t_total = _median_time(lambda: fn(new), repeats)
+        t_prefill = median_seconds(lambda: fn(1), repeats)
+        t_total = median_seconds(lambda: fn(new), repeats)
         decode_s = max(t_total - t_prefill, 1e-9)
         res[name] = {
             "prefill_tok_s": batch * len(prompts[0]) / t_prefill,
@@ -112,7 +96,7 @@ def main(argv=None) -> list[dict]:
     for dname in args.dtypes.split(","):
         model, _ = load_model(dtype=_DTYPES[dname])
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        bw = measure_bandwidth(weights)
+        bw = stream_read_gbps(weights) * 1e9
         per_batch = {}
         for b in (int(x) for x in args.batches.split(",")):
             r = bench_one(model, _prompts(b, args.prompt, model.config.vocab_size, seed=b), args.new, args.repeats,

@@ -8,28 +8,12 @@ working set (>= 96 MiB) exceeds the L3 and every call reads from DRAM.
 """
 from __future__ import annotations
 
-import statistics
-import time
 
 import torch
 
+from atb.bench.roofline import median_seconds, stream_read_gbps
+
 import atb
-
-
-def _median_time(fn, repeats: int = 15) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def measure_bandwidth(nbytes: int, repeats: int = 10) -> float:
-    """Streaming-read bandwidth (bytes/s): ``torch.sum`` over an fp32 buffer of ``nbytes``."""
-    buf = torch.ones(max(1, nbytes // 4))
-    return buf.numel() * 4 / _median_time(lambda: buf.sum(), repeats)
 
 
 def bench_linear(shapes=((4096, 4096), (1536, 576)), ms=(1, 16), dtypes=(torch.float32, torch.bfloat16),
@@ -40,7 +24,7 @@ def bench_linear(shapes=((4096, 4096), (1536, 576)), ms=(1, 16), dtypes=(torch.f
             copies = max(1, working_set // (n * k * dtype.itemsize))
             weights = [torch.randn(n, k).to(dtype) for _ in range(copies)]
             nbytes = copies * n * k * dtype.itemsize
-            bw = measure_bandwidth(nbytes)
+            bw = stream_read_gbps(nbytes) * 1e9
             for m in ms:
                 x = torch.randn(m, k).to(dtype)
 
@@ -52,8 +36,8 @@ def bench_linear(shapes=((4096, 4096), (1536, 576)), ms=(1, 16), dtypes=(torch.f
                     for w in weights:
                         torch.nn.functional.linear(x, w)
 
-                t_atb = _median_time(run_atb, repeats)
-                t_torch = _median_time(run_torch, repeats)
+                t_atb = median_seconds(run_atb, repeats)
+                t_torch = median_seconds(run_torch, repeats)
                 rows.append({
                     "dtype": str(dtype).replace("torch.", ""), "n": n, "k": k, "m": m,
                     "atb_gbs": nbytes / t_atb / 1e9, "torch_gbs": nbytes / t_torch / 1e9,
@@ -69,8 +53,8 @@ def crossover(k: int = 576, n: int = 1536, dtype=torch.float32, ms=(1, 2, 4, 8, 
     out = []
     for m in ms:
         x = torch.randn(m, k).to(dtype)
-        t_atb = _median_time(lambda: atb.kernels.linear(x, w), 30)
-        t_torch = _median_time(lambda: torch.nn.functional.linear(x, w), 30)
+        t_atb = median_seconds(lambda: atb.kernels.linear(x, w), 30)
+        t_torch = median_seconds(lambda: torch.nn.functional.linear(x, w), 30)
         out.append({"m": m, "atb_us": t_atb * 1e6, "torch_us": t_torch * 1e6, "native_wins": t_atb < t_torch})
     return out
 

@@ -68,6 +68,19 @@ def time_us_many(fns, *, repeat: int = 15, warmup: int = 3, min_sample_us: float
     return [statistics.median(s) * 1e6 for s in samples]
 
 
+def median_seconds(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> float:
+    """Median wall seconds of single ``fn()`` calls after ``warmup`` calls: for long calls (a whole
+    ``generate``) where batching calls as :func:`time_us` does is not needed."""
+    for _ in range(max(0, warmup)):
+        fn()
+    samples = []
+    for _ in range(max(1, repeat)):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
 def stream_read_gbps(nbytes: int = _BANDWIDTH_BUFFER_BYTES, *, repeat: int = 9) -> float:
     """Streaming-read bandwidth in GB/s (1e9 bytes/s): median over ``repeat`` full reads of ``nbytes``."""
     buf = torch.ones(max(1, nbytes // 8), dtype=torch.int64)  # written once, so every page is resident
