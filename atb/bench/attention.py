@@ -74,6 +74,13 @@ def _decode_case(batch, ctx, heads, kv_heads, head_dim, dtype, working_set, repe
                 atb_gbps=achieved_gbps(kv_bytes, t_atb), sdpa_gbps=achieved_gbps(kv_bytes, t_sdpa), max_diff=diff)
 
 
+def _clock(cpu_time: bool):
+    """Thread CPU time (steadier on a busy machine, needs one thread everywhere) or wall time."""
+    if cpu_time and (torch.get_num_threads() != 1 or atb.get_num_threads() != 1):
+        raise SystemExit("--cpu-time needs --threads 1: thread CPU time misses work done on other threads")
+    return time.thread_time if cpu_time else time.perf_counter
+
+
 def bench_decode(contexts=(512, 2048, 8192), batches=(1, 16), shapes=DECODE_SHAPES,
                  dtypes=(torch.float32, torch.bfloat16), *, repeat: int = 15, quick: bool = False,
                  cpu_time: bool = False, working_set: int = 96 << 20) -> list[dict]:
@@ -82,9 +89,7 @@ def bench_decode(contexts=(512, 2048, 8192), batches=(1, 16), shapes=DECODE_SHAP
     cpu_time: time with the calling thread's CPU time (steadier on a busy machine; needs one thread
     for torch and atb, since it misses work done on other threads).
     """
-    if cpu_time and (torch.get_num_threads() != 1 or atb.get_num_threads() != 1):
-        raise SystemExit("--cpu-time needs --threads 1: thread CPU time misses work done on other threads")
-    clock = time.thread_time if cpu_time else time.perf_counter
+    clock = _clock(cpu_time)
     sample_us = 500.0 if quick else 2000.0
     bw = stream_read_gbps(repeat=3 if quick else 9)
     print(f"decode: paged_attention (block_size {BLOCK_SIZE}) vs SDPA(enable_gqa) over pre-gathered K/V | "
@@ -119,9 +124,7 @@ def bench_prefill(seqs=PREFILL_SEQS, shapes=PREFILL_SHAPES, dtypes=(torch.float3
 
     cpu_time: as for :func:`bench_decode` (needs one thread for torch and atb).
     """
-    if cpu_time and (torch.get_num_threads() != 1 or atb.get_num_threads() != 1):
-        raise SystemExit("--cpu-time needs --threads 1: thread CPU time misses work done on other threads")
-    clock = time.thread_time if cpu_time else time.perf_counter
+    clock = _clock(cpu_time)
     print("prefill: flash_attention vs SDPA(is_causal=True, enable_gqa=True), one causal sequence of S tokens | "
           f"clock: {'thread CPU time' if cpu_time else 'wall'}")
     head = (f"{'dtype':<9} {'H/KH/D':<9} {'S':>5} {'sdpa ms':>9} {'atb ms':>9} {'speedup':>8} "
