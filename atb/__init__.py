@@ -4,17 +4,19 @@ Kernels are written AscendC-style (host tiling per SoC, Kernel<Op><T> with
 Init/Process/CopyIn/Compute/CopyOut over a per-core Unified Buffer) in C++ and
 run on this machine's cores. See README.md for the tour.
 """
-from atb import _C  # noqa: F401  (loads the native core first)
+import torch  # noqa: F401  (first: kernel launches share the OpenMP runtime torch loads)
+
+from atb import _C  # noqa: F401  (the native core)
 from atb import kernels
 from atb.patch import PatchReport, check_model, patch_hf_model, unpatch_hf_model
-from atb.runtime import build_info, get_num_threads, set_isa, set_num_threads
+from atb.runtime import build_info, get_num_threads, set_isa, set_num_threads, set_threading
 from atb.soc import default_soc, get_soc, set_soc, soc_names
 from atb.infer import TransformerInfer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "kernels", "build_info", "get_num_threads", "set_num_threads", "set_isa",
+    "kernels", "build_info", "get_num_threads", "set_num_threads", "set_isa", "set_threading",
     "get_soc", "set_soc", "soc_names", "default_soc", "TransformerInfer",
     "patch_hf_model", "unpatch_hf_model", "check_model", "PatchReport",
 ]

@@ -26,6 +26,18 @@ def set_isa(isa: str) -> None:
     _C.set_isa(isa)
 
 
+def set_threading(backend: str) -> None:
+    """Where kernel launches get their threads.
+
+    ``"openmp"``: the OpenMP team torch already loaded, so torch ops and kernels share one set of threads
+    (two sets on the same cores make each other's workers spin on the cores the other needs);
+    ``"pool"``: a private persistent pool; ``"auto"`` (default): openmp when torch's runtime is loaded.
+    """
+    if backend not in ("auto", "openmp", "pool"):
+        raise ValueError(f"set_threading: backend must be 'auto', 'openmp' or 'pool', got {backend!r}")
+    _C.set_threading(backend)
+
+
 def build_info() -> dict:
     """Which SIMD path is active, what the CPU offers, and the pool size."""
     return {
@@ -34,6 +46,7 @@ def build_info() -> dict:
         "machine": platform.machine(),
         "processor": _cpu_model(),
         "num_threads": get_num_threads(),
+        "threading": _C.threading(),
         "torch": torch.__version__,
         "default_soc": soc.default_soc(),
     }

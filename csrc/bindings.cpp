@@ -140,11 +140,13 @@ PYBIND11_MODULE(_C, m) {
   m.def("soc_names", &AscendC::SocNames);
   m.def("get_num_threads", &AscendC::GetNumThreads);
   m.def("set_num_threads", &AscendC::SetNumThreads, py::arg("n"));
+  m.def("set_threading", &AscendC::SetThreading, py::arg("backend"));
+  m.def("threading", &AscendC::Threading);
   m.def("isa", [] { return std::string(AscendC::Simd().isa); });
   m.def("set_isa", [](const std::string& isa) { AscendC::SelectSimd(isa.c_str()); }, py::arg("isa"));
   m.def("cpu_features", [] { return std::string(AscendC::CpuFeatures()); });
   // Test hook: one block carving `bytes` of UB on `soc` (ValueError past its UB size).
-  m.def("_ub_carve_probe", &atb::UbCarveProbe, py::arg("bytes"), py::arg("soc"));
+  m.def("_ub_carve_probe", &atb::UbCarveProbe, py::arg("bytes"), py::arg("soc"), py::arg("block_dim") = 1);
   // Memory-bandwidth probe for the benchmarks: reads `nbytes` at `ptr` on every pool thread.
   m.def("stream_read", [](uintptr_t ptr, int64_t nbytes) { return atb::StreamRead(Ptr(ptr), nbytes); },
         py::arg("ptr"), py::arg("nbytes"));

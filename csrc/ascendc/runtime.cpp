@@ -5,6 +5,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
+#include <cstring>
+#include <dlfcn.h>
 #include <exception>
 #include <mutex>
 #include <thread>
@@ -159,6 +161,97 @@ std::mutex gPoolMu;
 ThreadPool* gPool = nullptr;
 int64_t gNumThreads = 1;
 
+// ---- the OpenMP backend: the host's OpenMP team, shared with torch -----------------------------
+// torch runs its own ops on an OpenMP team (libgomp.so.1, or Intel's runtime, which exports the
+// same GOMP entry points). A second, private pool on the same cores fights it: after every torch op
+// its workers spin on the cores our helpers need, and ours spin on the cores torch's team needs, so
+// launches lose their helpers and torch ops wait for a preempted team member. Driving launches
+// through the runtime torch already loaded gives one set of threads for both. The runtime is looked
+// up (never loaded) at first use; without one the private pool serves.
+using GompParallelFn = void (*)(void (*)(void*), void*, unsigned, unsigned);
+struct OmpApi {
+  GompParallelFn parallel = nullptr;
+  const char* library = nullptr;
+};
+
+OmpApi FindLoadedOpenMp() {
+  OmpApi api;
+  for (const char* lib : {"libgomp.so.1", "libiomp5.so", "libomp.so"}) {
+    void* h = dlopen(lib, RTLD_NOW | RTLD_NOLOAD);
+    if (!h) continue;
+    api.parallel = reinterpret_cast<GompParallelFn>(dlsym(h, "GOMP_parallel"));
+    if (api.parallel) {
+      api.library = lib;
+      return api;
+    }
+  }
+  return api;
+}
+
+enum class Backend { kAuto, kOpenMp, kPool };
+Backend gBackend = Backend::kAuto;
+OmpApi gOmp;
+bool gOmpProbed = false;
+
+const OmpApi& Omp() {
+  if (!gOmpProbed) {
+    gOmp = FindLoadedOpenMp();
+    gOmpProbed = true;
+  }
+  return gOmp;
+}
+
+bool UseOpenMp() {
+  if (gBackend == Backend::kPool) return false;
+  return Omp().parallel != nullptr;
+}
+
+struct OmpLaunch {
+  int64_t blockDim, ubSize;
+  BlockFn fn;
+  void* ctx;
+  std::atomic<int64_t> next{0};
+  std::mutex errMu;
+  std::exception_ptr error;
+};
+
+// Body of the parallel region, run by every team member (the caller included). Blocks are claimed
+// one at a time, so a late or preempted member only costs the blocks it did not take.
+void OmpBody(void* p) {
+  auto* L = static_cast<OmpLaunch*>(p);
+  bool wasIn = tInLaunch;
+  tInLaunch = true;  // a launch from inside a block runs inline
+  try {
+    EnsureArena(L->ubSize);
+    for (;;) {
+      int64_t b = L->next.fetch_add(1, std::memory_order_relaxed);
+      if (b >= L->blockDim) break;
+      tBlockIdx = b;
+      tBlockNum = L->blockDim;
+      tArena.used = 0;
+      L->fn(L->ctx);
+    }
+  } catch (...) {
+    std::lock_guard<std::mutex> lk(L->errMu);
+    if (!L->error) L->error = std::current_exception();
+    L->next.store(L->blockDim);
+  }
+  tBlockIdx = 0;
+  tBlockNum = 1;
+  tInLaunch = wasIn;
+}
+
+void LaunchOpenMp(int64_t blockDim, int64_t ubSize, BlockFn fn, void* ctx) {
+  OmpLaunch L;
+  L.blockDim = blockDim;
+  L.ubSize = ubSize;
+  L.fn = fn;
+  L.ctx = ctx;
+  unsigned team = static_cast<unsigned>(std::min<int64_t>(gNumThreads, blockDim));
+  Omp().parallel(OmpBody, &L, team, 0);
+  if (L.error) std::rethrow_exception(L.error);
+}
+
 }  // namespace
 
 UbArena& CurrentUb() { return tArena; }
@@ -177,6 +270,17 @@ void LaunchBlocks(int64_t blockDim, int64_t ubSize, BlockFn fn, void* ctx) {
     }
     tBlockIdx = savedIdx;
     tBlockNum = savedNum;
+    return;
+  }
+  if (UseOpenMp()) {
+    tInLaunch = true;
+    try {
+      LaunchOpenMp(blockDim, ubSize, fn, ctx);
+    } catch (...) {
+      tInLaunch = false;
+      throw;
+    }
+    tInLaunch = false;
     return;
   }
   std::lock_guard<std::mutex> lk(gPoolMu);  // one launch at a time (uncontended in practice)
@@ -199,6 +303,27 @@ void LaunchBlocks(int64_t blockDim, int64_t ubSize, BlockFn fn, void* ctx) {
 int64_t GetBlockIdx() { return detail::tBlockIdx; }
 int64_t GetBlockNum() { return detail::tBlockNum; }
 int64_t GetNumThreads() { return detail::gNumThreads; }
+
+void SetThreading(const std::string& backend) {
+  using detail::Backend;
+  if (backend == "auto") {
+    detail::gBackend = Backend::kAuto;
+  } else if (backend == "pool") {
+    detail::gBackend = Backend::kPool;
+  } else if (backend == "openmp") {
+    ATB_CHECK(detail::Omp().parallel != nullptr,
+              "set_threading: 'openmp' needs an OpenMP runtime already loaded by torch "
+              "(libgomp.so.1, libiomp5.so or libomp.so); none is");
+    detail::gBackend = Backend::kOpenMp;
+  } else {
+    ATB_CHECK(false, "set_threading: backend must be 'auto', 'openmp' or 'pool', got '", backend, "'");
+  }
+}
+
+std::string Threading() {
+  if (detail::UseOpenMp()) return std::string("openmp (") + detail::Omp().library + ", shared with torch)";
+  return "pool (private threads)";
+}
 void SetNumThreads(int64_t n) {
   ATB_CHECK(n >= 1 && n <= 1024, "set_num_threads: n must be in [1, 1024], got ", n);
   std::lock_guard<std::mutex> lk(detail::gPoolMu);

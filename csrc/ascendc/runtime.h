@@ -6,6 +6,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <utility>
 
 namespace AscendC {
@@ -17,6 +18,12 @@ int64_t GetBlockNum();
 // side passes at import (torch.get_num_threads()).
 int64_t GetNumThreads();
 void SetNumThreads(int64_t n);
+
+// How launches get their threads: "openmp" runs them on the OpenMP team torch
+// already loaded (one set of threads for torch ops and kernels), "pool" on a
+// private persistent pool, "auto" (default) picks openmp when it is there.
+void SetThreading(const std::string& backend);
+std::string Threading();   // the backend in use, in words
 
 namespace detail {
 struct UbArena {

@@ -6,7 +6,8 @@
 
 namespace atb {
 
-void UbCarveProbe(int64_t bytes, const AscendC::SocInfo& soc) {
+void UbCarveProbe(int64_t bytes, const AscendC::SocInfo& soc, int64_t blockDim) {
+  ATB_CHECK(blockDim >= 1, "_ub_carve_probe: block_dim must be >= 1, got ", blockDim);
   auto kernel = [&]() {
     AscendC::TPipe pipe;
     AscendC::TBuf<AscendC::TPosition::VECCALC> buf;
@@ -14,7 +15,7 @@ void UbCarveProbe(int64_t bytes, const AscendC::SocInfo& soc) {
     AscendC::LocalTensor<uint8_t> ub = buf.Get<uint8_t>();
     std::memset(ub.GetPhyAddr(), 0x5a, size_t(bytes));
   };
-  AscendC::KernelLaunch(1, soc.ub_size, kernel);
+  AscendC::KernelLaunch(blockDim, soc.ub_size, kernel);
 }
 
 }  // namespace atb
