@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from atb import kernels as K
 from atb import soc as _soc
-from atb.kernels.linear import LINEAR_CROSSOVER_M
+from atb.kernels.linear import native_linear_wins
 from atb.layers.kv_cache import PagedKVCache
 from atb.layers.rotary import RotaryEmbedding
 from atb.sampling import SamplingParams, select, sequence_generator
@@ -282,7 +282,7 @@ class TransformerInfer:
         o/down pass): 9 kernel calls per layer.
         """
         B = token_ids.shape[0]
-        if B >= LINEAR_CROSSOVER_M:
+        if not native_linear_wins(B, self.embed.dtype):
             return self._wide_decode_step(token_ids, positions, block_tables, context_lens, slot_mapping)
         soc, eps, scale = self.soc_type, self.eps, self.scale
         H, KH, D = self.num_heads, self.num_kv_heads, self.head_dim

@@ -26,10 +26,12 @@ everything done is undone by ``unpatch_hf_model``):
 * **RMSNorm / MLP** — per-instance ``forward`` rebinding onto the fused
   kernels (``rms_norm``; ``silu_mul`` between the gate/up and down
   projections), reading the module's own Parameters.
-* **Linear** — decode-sized projections (fewer than 32 rows) read the HF
-  weights through ``atb.kernels.linear_multi`` (q/k/v in one launch),
-  ``linear_swiglu`` (gate+up+silu*mul in one pass) and ``linear`` (o, down,
-  LM head); prefill-sized ones stay on torch's GEMM, which wins there.
+* **Linear** — projections read the HF weights through
+  ``atb.kernels.linear_multi`` (q/k/v in one launch), ``linear_swiglu``
+  (gate+up+silu*mul in one pass) and ``linear`` (o, down, LM head) wherever
+  ``native_linear_wins``: decode sizes (fewer than 32 rows) and, in fp16/bf16,
+  prefill too (the native GEMM is 4-6x torch's there); fp32 prefill stays on
+  torch's GEMM, which wins in fp32.
 
 Decoder layers (their residual adds), the model loop and the embedding stay
 on the stock path; the report lists every module and says why.
@@ -44,14 +46,14 @@ import torch
 import torch.nn.functional as F
 
 from atb import kernels
-from atb.kernels.linear import LINEAR_CROSSOVER_M
+from atb.kernels.linear import LINEAR_CROSSOVER_M, native_linear_wins
 from atb.layers.attention import hf_attention
 from atb.layers.rotary import RotaryEmbedding, SUPPORTED as ROPE_SUPPORTED
 from atb.registry import get_adapter, supported_model_types
 
 ATTN_NAME = "atb"
-# Rows below which projections run on atb.kernels.linear (decode); prefill-sized ones stay on torch's GEMM.
-_SMALL_M = LINEAR_CROSSOVER_M
+# How the report words the routing of projections (native_linear_wins decides it).
+_LINEAR_ROUTE = (f"below {LINEAR_CROSSOVER_M} rows and at every size in fp16/bf16; torch GEMM for fp32 prefill")
 # Oldest transformers this module is written and tested against (rope_parameters, the `cache` argument name,
 # AttentionMaskInterface signatures) and the newest tested.
 MIN_TRANSFORMERS = (5, 24)
@@ -177,13 +179,13 @@ def _mlp_forward(module, soc_type, use_linear):
     g, u, d = module.gate_proj, module.up_proj, module.down_proj
     gw, gb, uw, ub, dw, db = g.weight, g.bias, u.weight, u.bias, d.weight, d.bias
     silu_mul, linear = kernels.silu_mul, F.linear
-    small, linear_swiglu, atb_linear = _SMALL_M, kernels.linear_swiglu, kernels.linear
+    linear_swiglu, atb_linear = kernels.linear_swiglu, kernels.linear
 
     def forward(x):
         if use_linear and gb is None and ub is None:
             rows = x.numel() // x.shape[-1]
-            if rows < small:
-                # Decode: one pass over gate and up with silu(gate) * up fused in, then down.
+            if native_linear_wins(rows, x.dtype):
+                # One pass over gate and up with silu(gate) * up fused in, then down.
                 h = linear_swiglu(x.reshape(rows, -1), gw, uw, soc_type=soc_type)
                 return atb_linear(h, dw, db, soc_type=soc_type).view(*x.shape[:-1], -1)
         return linear(silu_mul(linear(x, gw, gb), linear(x, uw, ub), soc_type=soc_type), dw, db)
@@ -201,16 +203,16 @@ def _attention_forward(module, spec, layer_idx, soc_type, use_linear):
 
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
     rope, linear = kernels.rope, F.linear
-    small, linear_multi, atb_linear = _SMALL_M, kernels.linear_multi, kernels.linear
+    linear_multi, atb_linear = kernels.linear_multi, kernels.linear
 
     def forward(hidden_states, position_embeddings=None, attention_mask=None, cache=None, past_key_values=None,
                 **kwargs):
         if cache is None:
             cache = past_key_values
         B, S, hidden = hidden_states.shape
-        fast = use_linear and B * S < small
+        fast = use_linear and native_linear_wins(B * S, hidden_states.dtype)
         if fast:
-            # Decode: q/k/v in one launch over the three weights.
+            # q/k/v in one launch over the three weights.
             q, k, v = linear_multi(hidden_states.reshape(B * S, hidden), (qw, kw, vw), (qb, kb, vb),
                                    soc_type=soc_type)
         else:
@@ -359,18 +361,18 @@ def _plan(model, adapter, options: dict) -> list[ModuleStatus]:
             detail = "HF model loop, masks, cache handling and generate() kept"
         elif name == "lm_head":
             if options["linear"]:
-                status, detail = "fused", (f"atb.kernels.linear below {_SMALL_M} rows (decode), torch GEMM above")
+                status, detail = "fused", f"atb.kernels.linear {_LINEAR_ROUTE}"
             else:
                 detail = "linear=False"
         elif role == "linear":
             parent = name.rsplit(".", 1)[0]
             parent_role = roles.get(type(model.get_submodule(parent)).__name__, "")
             if parent_role == "attention" and options["linear"] and rope_fused:
-                status, detail = "fused", (f"weight read by the fused attention forward: atb.kernels.linear_multi "
-                                           f"(q/k/v) / linear (o) below {_SMALL_M} rows, torch GEMM above")
+                status, detail = "fused", ("weight read by the fused attention forward: atb.kernels.linear_multi "
+                                           f"(q/k/v) / linear (o) {_LINEAR_ROUTE}")
             elif parent_role == "mlp" and options["linear"] and _mlp_fused(options, config_reasons) and not mlp_bias:
-                status, detail = "fused", (f"weight read by the fused MLP: atb.kernels.linear_swiglu (gate+up) / "
-                                           f"linear (down) below {_SMALL_M} rows, torch GEMM above")
+                status, detail = "fused", ("weight read by the fused MLP: atb.kernels.linear_swiglu (gate+up) / "
+                                           f"linear (down) {_LINEAR_ROUTE}")
             else:
                 detail = "torch F.linear on the HF weight (no copy)"
         elif role == "embedding":
@@ -449,8 +451,8 @@ def patch_hf_model(model, *, soc_type: str | None = None, rms_norm: bool = True,
 
     Options (each part can be left on the stock path): ``rms_norm``, ``rope`` (fused rope + the patched
     attention forward), ``attention`` (the "atb" attention function), ``mlp`` (SwiGLU with silu_mul),
-    ``linear`` (decode-sized projections and the LM head through ``atb.kernels.linear*``; prefill-sized
-    ones, >= 32 rows, stay on torch's GEMM). ``soc_type`` is the SoC every kernel tiles for.
+    ``linear`` (projections and the LM head through ``atb.kernels.linear*`` where ``native_linear_wins``:
+    decode sizes, and prefill in fp16/bf16; fp32 prefill stays on torch's GEMM). ``soc_type`` is the SoC every kernel tiles for.
     """
     version = check_transformers_version()
     options = dict(rms_norm=bool(rms_norm), rope=bool(rope), attention=bool(attention), mlp=bool(mlp),

@@ -117,6 +117,63 @@ def test_linear_auto_routes_by_crossover():
         assert torch.equal(atb.kernels.linear_auto(x, w), atb.kernels.linear(x, w))
     x = torch.randn(3, LINEAR_CROSSOVER_M, 65)
     assert torch.equal(atb.kernels.linear_auto(x, w), torch.nn.functional.linear(x, w))
+    # fp16/bf16 prefill shapes stay native (torch has no fast half-precision GEMM on AVX2).
+    xb, wb = torch.randn(3 * LINEAR_CROSSOVER_M, 65).bfloat16(), w.bfloat16()
+    assert torch.equal(atb.kernels.linear_auto(xb, wb), atb.kernels.linear(xb, wb))
+
+
+# ---- the GEMM kernel (M >= 32 rows) ------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,n", [(32, 64, 8), (33, 577, 193), (97, 1030, 70), (500, 100, 77), (64, 7, 3),
+                                   (130, 2050, 33)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_matches_reference(dtype, m, k, n, bias):
+    x = torch.randn(m, k).to(dtype)
+    w = torch.randn(n, k).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    t = _C.linear_tiling(m, k, [n], 0, DTYPE_CODES[dtype], atb.get_soc("host"))
+    assert t["tiling_key"] // 100 == 1   # the GEMM kernel ran
+    assert_close(atb.kernels.linear(x, w, b), linear_ref(x, w, b), scale=_scale(k))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemm_fused_epilogues(dtype):
+    m, k = 101, 577
+    x = torch.randn(m, k).to(dtype)
+    ws = [(torch.randn(n, k) / k ** 0.5).to(dtype) for n in (576, 193, 41)]
+    bs = [torch.randn(w.shape[0]).to(dtype) for w in ws]
+    for out, w, b in zip(atb.kernels.linear_multi(x, ws, bs), ws, bs):
+        assert torch.equal(out, atb.kernels.linear(x, w, b))   # a segment's tiles are the same sums
+        assert_close(out, linear_ref(x, w, b))
+    r = torch.randn(m, 193).to(dtype)
+    assert_close(atb.kernels.linear_residual(x, ws[1], r, bs[1]), linear_residual_ref(x, ws[1], r, bs[1]))
+    g, u = ws[0][:300], ws[0][276:]
+    assert_close(atb.kernels.linear_swiglu(x, g, u), linear_swiglu_ref(x, g, u))
+
+
+def test_gemm_rows_do_not_depend_on_m():
+    # Each output element is one fma chain over K in order, whatever the M pass, tile or core.
+    x = torch.randn(700, 300).bfloat16()
+    w = torch.randn(90, 300).bfloat16()
+    full = atb.kernels.linear(x, w)
+    for lo, hi in [(0, 32), (5, 53), (333, 700)]:
+        assert torch.equal(atb.kernels.linear(x[lo:hi], w), full[lo:hi])
+
+
+@pytest.mark.parametrize("soc", ALL_SOCS)
+def test_gemm_every_soc_gives_the_same_bits_and_fits_ub(soc):
+    dtype = torch.bfloat16 if soc in BF16_SOCS else torch.float16
+    info = atb.get_soc(soc)
+    x = torch.randn(200, 1100).to(dtype)
+    w = torch.randn(301, 1100).to(dtype)
+    b = torch.randn(301).to(dtype)
+    assert torch.equal(atb.kernels.linear(x, w, b, soc_type=soc), atb.kernels.linear(x, w, b, soc_type="host"))
+    g, u = w[:150], w[150:300]
+    assert torch.equal(atb.kernels.linear_swiglu(x, g, u, soc_type=soc),
+                       atb.kernels.linear_swiglu(x, g, u, soc_type="host"))
+    for ep, segs in ((0, [4096, 1024, 1024]), (1, [4096]), (2, [11008, 11008])):
+        t = _C.linear_tiling(4096, 4096, segs, ep, DTYPE_CODES[dtype], info)
+        assert t["ub_bytes"] <= info.ub_size and t["m_tile"] % 6 == 0
 
 
 def test_portable_isa_agrees():

@@ -1,7 +1,7 @@
 """Attention over the fused kernels.
 
 ``Attention`` is one decoder layer's attention for a paged-cache engine:
-q/k/v projections (``linear_multi`` for decode-sized inputs), optional q/k
+q/k/v projections (``linear_multi`` where ``native_linear_wins``), optional q/k
 RMSNorm, rope in place, ``reshape_and_cache`` into the layer's
 ``[num_blocks, block_size, KH, D]`` caches, then ``flash_attention`` for a
 prefill of fresh sequences or ``paged_attention`` (one or several new tokens
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atb import kernels
-from atb.kernels.linear import LINEAR_CROSSOVER_M
+from atb.kernels.linear import native_linear_wins
 
 # Last block table / context lengths built, reused by every layer of one forward (and by later steps when the
 # shapes repeat). Keys hold the mask tensor itself, so its id cannot be recycled while cached.
@@ -224,7 +224,8 @@ class Attention(nn.Module):
         """x ``[T, hidden]``, cos/sin ``[T, rotary_dim]`` (RotaryEmbedding.cos_sin of the positions) -> ``[T, hidden]``."""
         w, soc = self.w, self.soc_type
         T = x.shape[0]
-        if T < LINEAR_CROSSOVER_M:
+        native = native_linear_wins(T, x.dtype)
+        if native:
             q, k, v = kernels.linear_multi(x, (w.q, w.k, w.v), (w.q_bias, w.k_bias, w.v_bias), soc_type=soc)
         else:
             q, k, v = F.linear(x, w.q, w.q_bias), F.linear(x, w.k, w.k_bias), F.linear(x, w.v, w.v_bias)
@@ -243,6 +244,6 @@ class Attention(nn.Module):
             out = kernels.paged_attention(q, key_cache, value_cache, meta.block_tables, meta.context_lens,
                                           scale=self.scale, q_lens=meta.q_lens, window=self.window, soc_type=soc)
         out = out.view(T, -1)
-        if T < LINEAR_CROSSOVER_M:
+        if native:
             return kernels.linear(out, w.o, w.o_bias, soc_type=soc)
         return F.linear(out, w.o, w.o_bias)

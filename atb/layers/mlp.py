@@ -2,9 +2,10 @@
 
 The three projections keep the HF weights (``[out, in]``) as they are: fusing
 gate and up into one matrix would need a copy of 2/3 of the MLP weights.
-Decode-sized inputs (fewer than ``LINEAR_CROSSOVER_M`` rows) take one pass
-over gate and up with ``silu(gate) * up`` fused in (``linear_swiglu``) and
-``linear`` for down; larger ones use torch's GEMM and the ``silu_mul`` kernel.
+Where the native linear kernels win (``native_linear_wins``: decode sizes,
+and every size in fp16/bf16) one pass over gate and up has ``silu(gate) * up``
+fused in (``linear_swiglu``) and ``linear`` does down; fp32 prefill uses
+torch's GEMM and the ``silu_mul`` kernel.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atb import kernels
-from atb.kernels.linear import LINEAR_CROSSOVER_M
+from atb.kernels.linear import native_linear_wins
 
 
 class SwiGLUMLP(nn.Module):
@@ -35,7 +36,7 @@ class SwiGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         soc = self.soc_type
         rows = x.numel() // x.shape[-1]
-        if rows < LINEAR_CROSSOVER_M and self.gate_bias is None and self.up_bias is None:
+        if native_linear_wins(rows, x.dtype) and self.gate_bias is None and self.up_bias is None:
             h = kernels.linear_swiglu(x.reshape(rows, -1), self.gate, self.up, soc_type=soc)
             return kernels.linear(h, self.down, self.down_bias, soc_type=soc).view(*x.shape[:-1], -1)
         h = kernels.silu_mul(F.linear(x, self.gate, self.gate_bias), F.linear(x, self.up, self.up_bias), soc_type=soc)

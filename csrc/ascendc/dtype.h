@@ -67,6 +67,10 @@ template <> inline half FromFloat<half>(float f) {
   return half{uint16_t(sign | h)};
 }
 
+// v rounded to T and back: the rounding a separate op storing T performs.
+template <typename T> inline float RoundTo(float v) { return ToFloat(FromFloat<T>(v)); }
+template <> inline float RoundTo<float>(float v) { return v; }
+
 template <typename T> struct DataTypeOf;
 template <> struct DataTypeOf<float> { static constexpr DataType value = DataType::FLOAT32; };
 template <> struct DataTypeOf<half> { static constexpr DataType value = DataType::FLOAT16; };

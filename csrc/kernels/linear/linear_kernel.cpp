@@ -1,4 +1,4 @@
-// Decode-shaped linear: y = x W^T (+ bias) with fused epilogues.
+// Decode-shaped linear (the STREAM kernel; linear_gemm_kernel.cpp has the prefill one): y = x W^T (+ bias) with fused epilogues.
 // Each core owns blockFactor consecutive weight rows (across the segments'
 // concatenation) and streams them from GM once per pass over x: the cube's B
 // operand is read where it lies (on the CPU the L1/L0B copy is the cache),
@@ -15,15 +15,6 @@ using namespace AscendC;
 
 namespace atb {
 namespace {
-
-template <typename T>
-inline float RoundT(float v) {
-  if constexpr (std::is_same<T, float>::value) {
-    return v;
-  } else {
-    return ToFloat(FromFloat<T>(v));
-  }
-}
 
 // Horizontal sum of 8 lanes in the order the AVX2 reduction uses.
 inline float SumLanes(const float* l) {
@@ -147,12 +138,12 @@ class KernelLinear {
     LocalTensor<T> y = outQue_.AllocTensor<T>();
     if (ep_ == LINEAR_SWIGLU) {
       const float* u = sums_[1].Get<float>().GetPhyAddr();
-      for (int64_t i = 0; i < len; ++i) a[i] = RoundT<T>(a[i]);  // HF: gate = T(linear)
+      for (int64_t i = 0; i < len; ++i) a[i] = RoundTo<T>(a[i]);  // HF: gate = T(linear)
       Simd().silu(a, a, len);
-      for (int64_t i = 0; i < len; ++i) a[i] = RoundT<T>(a[i]) * RoundT<T>(u[i]);
+      for (int64_t i = 0; i < len; ++i) a[i] = RoundTo<T>(a[i]) * RoundTo<T>(u[i]);
     } else if (ep_ == LINEAR_RESIDUAL) {
       LocalTensor<T> r = resQue_.DeQue<T>();
-      for (int64_t i = 0; i < len; ++i) a[i] = RoundT<T>(a[i]) + ToFloat(r.GetValue(i));
+      for (int64_t i = 0; i < len; ++i) a[i] = RoundTo<T>(a[i]) + ToFloat(r.GetValue(i));
       resQue_.FreeTensor(r);
     }
     CastRaw<T, float>(y.GetPhyAddr(), a, len);
@@ -192,9 +183,10 @@ void Linear(const void* x, int64_t m, int64_t k, const LinearSegment* segs, int6
   int64_t rows[kLinearMaxSegments] = {0, 0, 0};
   for (int64_t s = 0; s < numSegments && s < kLinearMaxSegments; ++s) rows[s] = segs[s].n;
   LinearTilingData t = LinearTiling(m, k, rows, numSegments, ep, dtype, soc);
+  if (t.tilingKey / 100 == LINEAR_GEMM) return LinearGemm(x, segs, residual, t, soc);
   auto gm = [](const void* p) { return reinterpret_cast<GM_ADDR>(const_cast<void*>(p)); };
   auto kernel = [&]() {
-    switch (DataType(t.tilingKey / 10)) {
+    switch (DataType(t.tilingKey / 10 % 10)) {
       case DataType::FLOAT32: return RunLinear<float>(gm(x), segs, gm(residual), t);
       case DataType::FLOAT16: return RunLinear<half>(gm(x), segs, gm(residual), t);
       case DataType::BFLOAT16: return RunLinear<bfloat16_t>(gm(x), segs, gm(residual), t);

@@ -30,6 +30,56 @@ int64_t TileUb(int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue e
 // hand-off costs ~2-5 us, 256 KiB of weight is ~10 us at one core's bandwidth.
 constexpr int64_t kHostMinBytesPerCore = 256 * 1024;
 
+// UB of one GEMM work unit:
+//   packed W   fp32 [kTile, nTile]  per stream        (the cube's B operand)
+//   C          fp32 [mPass, nTile]  per stream        (the accumulator, kept across K chunks)
+//   x          fp32 [mTile, kTile]  (fp16/bf16 only: fp32 x is read in place)
+//   out queue  BUFFER_NUM x T [mTile, nTile]; residual queue the same (RESIDUAL)
+int64_t GemmUb(int64_t mPass, int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep) {
+  int64_t streams = ep == LINEAR_SWIGLU ? 2 : 1;
+  int64_t ub = streams * (UbSlot(kt * nt * 4) + UbSlot(mPass * nt * 4)) + AscendC::BUFFER_NUM * UbSlot(mt * nt * elt);
+  if (elt != 4) ub += UbSlot(mt * kt * 4);
+  if (ep == LINEAR_RESIDUAL) ub += AscendC::BUFFER_NUM * UbSlot(mt * nt * elt);
+  return ub;
+}
+
+// Rows of x per cube tile pass: a multiple of the micro-kernel's 6 rows.
+constexpr int64_t kGemmMTile = 48;
+
+void GemmTiling(LinearTilingData& t, int64_t elt, LinearEpilogue ep, const AscendC::SocInfo& soc) {
+  int64_t minRows = t.segRows[0];
+  for (int64_t s = 1; s < t.numSegments; ++s) minRows = std::min(minRows, t.segRows[s]);
+  t.nTile = minRows >= 32 ? 32 : AlignUp(minRows, 8);
+  t.kTile = std::min<int64_t>(t.k, 256);
+  t.mTile = std::min(t.m, kGemmMTile);
+  // A packed weight tile is reused by mPass rows: the more, the cheaper its packing.
+  t.mPass = std::min<int64_t>(AlignUp(t.m, t.mTile), 8 * kGemmMTile);
+  while (GemmUb(t.mPass, t.mTile, t.nTile, t.kTile, elt, ep) > soc.ub_size) {
+    if (t.mPass > 2 * t.mTile) {
+      t.mPass = AlignUp(t.mPass / 2, t.mTile);
+    } else if (t.kTile > 64) {
+      t.kTile = AlignUp(CeilDiv(t.kTile, 2), 8);
+    } else if (t.nTile > 8) {
+      t.nTile /= 2;
+    } else if (t.mTile > 6) {
+      t.mTile = AlignUp(t.mTile / 2, 6);
+      t.mPass = t.mTile;
+    } else {
+      AscendC::ThrowError("linear tiling: UB of ", soc.ub_size, " bytes is too small");
+    }
+  }
+  t.nTiles = 0;
+  int64_t segs = ep == LINEAR_SWIGLU ? 1 : t.numSegments;
+  for (int64_t s = 0; s < segs; ++s) t.nTiles += CeilDiv(t.segRows[s], t.nTile);
+  t.mPasses = CeilDiv(t.m, t.mPass);
+  int64_t units = t.nTiles * t.mPasses;
+  int64_t cores = std::max<int64_t>(1, std::min(soc.cube_core_num, units));
+  t.unitsPerBlock = CeilDiv(units, cores);
+  t.blockDim = CeilDiv(units, t.unitsPerBlock);
+  t.blockFactor = t.unitsPerBlock;
+  t.ubBytes = GemmUb(t.mPass, t.mTile, t.nTile, t.kTile, elt, ep);
+}
+
 }  // namespace
 
 LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int64_t numSegments, LinearEpilogue ep,
@@ -53,6 +103,11 @@ LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int6
   }
   if (ep == LINEAR_SWIGLU) t.rows = segRows[0];
   int64_t elt = AscendC::DataTypeSize(dtype);
+  if (m >= kLinearGemmMinRows) {
+    GemmTiling(t, elt, ep, soc);
+    t.tilingKey = LINEAR_GEMM * 100 + int64_t(dtype) * 10 + ep;
+    return t;
+  }
   int64_t bytesPerRow = k * elt * (ep == LINEAR_SWIGLU ? 2 : 1);
 
   // A matmul runs on the cube cores; the host uses as many threads as the
@@ -84,7 +139,7 @@ LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int6
     }
   }
   t.ubBytes = TileUb(t.mTile, t.nTile, t.kTile, elt, ep);
-  t.tilingKey = int64_t(dtype) * 10 + ep;
+  t.tilingKey = LINEAR_STREAM * 100 + int64_t(dtype) * 10 + ep;
   return t;
 }
 

@@ -6,9 +6,14 @@
 
 namespace atb {
 
-// Decode-shaped linear y = x W^T (+ bias): x [M, K], W [N, K] (HF layout), fp32
-// accumulation, y in x's dtype. Weight-streaming: the N rows split over the
-// cores and every core reads each of its weight rows once for all M rows.
+// Linear y = x W^T (+ bias): x [M, K], W [N, K] (HF layout), fp32 accumulation,
+// y in x's dtype. Two kernels behind one entry, chosen by M:
+//   STREAM (M < kLinearGemmMinRows, decode): the N rows split over the cores and
+//     every core reads each of its weight rows once for all M rows;
+//   GEMM (prefill): a blocked GEMM over (row tile, M pass) work units; weight
+//     tiles are packed to fp32 in UB once per M pass and reused by every row of
+//     it through the 6x16 register-blocked cube tile. fp16/bf16 weights are
+//     widened while packing, so half-precision prefill runs at fp32 FMA speed.
 //
 // Epilogues (tilingKey = dtype * 10 + epilogue), fused so the output is
 // written once:
@@ -23,6 +28,10 @@ namespace atb {
 enum LinearEpilogue : int64_t { LINEAR_PLAIN = 0, LINEAR_RESIDUAL = 1, LINEAR_SWIGLU = 2 };
 
 constexpr int kLinearMaxSegments = 3;
+// From this many rows of x on, the GEMM kernel runs (the stream kernel keeps at
+// most 32 rows in UB per weight pass).
+constexpr int64_t kLinearGemmMinRows = 32;
+enum LinearMode : int64_t { LINEAR_STREAM = 0, LINEAR_GEMM = 1 };
 
 struct LinearSegment {
   const void* weight = nullptr;  // [n, K]
@@ -41,18 +50,26 @@ struct LinearTilingData {
   int64_t mTile = 0;        // x rows per pass (decode: all of M; more passes re-stream the weights)
   int64_t nTile = 0;        // weight rows per UB tile
   int64_t kTile = 0;        // K columns per UB tile (a multiple of 64, or all of K)
+  // GEMM mode only:
+  int64_t mPass = 0;        // x rows whose fp32 accumulators stay in UB while one weight tile is packed
+  int64_t nTiles = 0;       // row tiles over all segments (each inside one segment)
+  int64_t mPasses = 0;
+  int64_t unitsPerBlock = 0;  // (row tile, M pass) units per core
   int64_t ubBytes = 0;
-  int64_t tilingKey = 0;
+  int64_t tilingKey = 0;     // mode * 100 + dtype * 10 + epilogue
 };
 
 // Pure host function of (shapes, dtype, epilogue, SoC). segRows: n of each segment.
 LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int64_t numSegments, LinearEpilogue ep,
                               AscendC::DataType dtype, const AscendC::SocInfo& soc);
 
-// Host entry: tiles and launches. x [m, k] contiguous, every segment's weight
+// Host entry: tiles (STREAM or GEMM by M) and launches. x [m, k] contiguous, every segment's weight
 // [n, k] contiguous, out [m, n] contiguous, all of `dtype`; residual [m, n]
 // (RESIDUAL only). Pointers are trusted (validated by the caller).
 void Linear(const void* x, int64_t m, int64_t k, const LinearSegment* segs, int64_t numSegments,
             const void* residual, LinearEpilogue ep, AscendC::DataType dtype, const AscendC::SocInfo& soc);
+// The GEMM kernel's launch for a GEMM-mode tiling (called by Linear).
+void LinearGemm(const void* x, const LinearSegment* segs, const void* residual, const LinearTilingData& t,
+                const AscendC::SocInfo& soc);
 
 }  // namespace atb

@@ -1,0 +1,185 @@
+// Prefill-shaped linear (the GEMM kernel): y = x W^T (+ bias) for M >= kLinearGemmMinRows,
+// with the same fused epilogues as the STREAM kernel.
+//
+// Work units are (row tile of one segment, M pass). For each K chunk a unit packs
+// its weight tile W[rows, k0 : k0 + kTile] transposed and widened to fp32 into UB
+// (the cube's B operand in L0B), then every mTile rows of x of the pass run through
+// the 6x16 register-blocked cube tile (MmadNN) into fp32 accumulators that stay in
+// UB across the K chunks (L0C). A weight element is thus converted once per M pass
+// and used by up to mPass rows, which is what makes bf16/fp16 weights as fast as fp32.
+// Every output element is one fma chain over k in order, so the result does not
+// depend on the tiling: every SoC gives the same bits.
+#include <algorithm>
+#include <type_traits>
+
+#include "ascendc/kernel_operator.h"
+#include "linear_tiling.h"
+
+using namespace AscendC;
+
+namespace atb {
+namespace {
+
+template <typename T>
+class KernelLinearGemm {
+  static constexpr bool kFloat = std::is_same<T, float>::value;
+
+ public:
+  void Init(GM_ADDR x, const LinearSegment* segs, GM_ADDR residual, const LinearTilingData& t) {
+    t_ = t;
+    ep_ = LinearEpilogue(t.tilingKey % 10);
+    streams_ = ep_ == LINEAR_SWIGLU ? 2 : 1;
+    xGm_.SetGlobalBuffer(reinterpret_cast<T*>(x));
+    for (int64_t s = 0; s < t.numSegments; ++s) {
+      wGm_[s].SetGlobalBuffer(reinterpret_cast<T*>(const_cast<void*>(segs[s].weight)));
+      bias_[s] = reinterpret_cast<const T*>(segs[s].bias);
+      yGm_[s].SetGlobalBuffer(reinterpret_cast<T*>(segs[s].out));
+    }
+    if (ep_ == LINEAR_RESIDUAL) rGm_.SetGlobalBuffer(reinterpret_cast<T*>(residual));
+    for (int st = 0; st < streams_; ++st) {
+      pipe_.InitBuffer(bBuf_[st], t.kTile * t.nTile * sizeof(float));
+      pipe_.InitBuffer(cBuf_[st], t.mPass * t.nTile * sizeof(float));
+    }
+    if (!kFloat) pipe_.InitBuffer(aBuf_, t.mTile * t.kTile * sizeof(float));
+    pipe_.InitBuffer(outQue_, BUFFER_NUM, t.mTile * t.nTile * sizeof(T));
+    if (ep_ == LINEAR_RESIDUAL) pipe_.InitBuffer(resQue_, BUFFER_NUM, t.mTile * t.nTile * sizeof(T));
+  }
+
+  void Process() {
+    int64_t units = t_.nTiles * t_.mPasses;
+    int64_t first = GetBlockIdx() * t_.unitsPerBlock;
+    int64_t last = std::min(units, first + t_.unitsPerBlock);
+    for (int64_t u = first; u < last; ++u) ProcessUnit(u / t_.mPasses, u % t_.mPasses);
+  }
+
+ private:
+  void ProcessUnit(int64_t tile, int64_t pass) {
+    // Row tile -> (segment, first row, rows): tiles never cross a segment boundary.
+    int s = 0;
+    int64_t row = tile * t_.nTile;
+    if (ep_ != LINEAR_SWIGLU) {
+      while (row >= AlignUp(t_.segRows[s], t_.nTile)) {
+        row -= AlignUp(t_.segRows[s], t_.nTile);
+        ++s;
+      }
+    }
+    int64_t nt = std::min(t_.nTile, t_.segRows[s] - row);
+    int64_t m0 = pass * t_.mPass, mp = std::min(t_.mPass, t_.m - m0);
+    for (int64_t k0 = 0; k0 < t_.k; k0 += t_.kTile) {
+      int64_t kl = std::min(t_.kTile, t_.k - k0);
+      for (int st = 0; st < streams_; ++st) PackWeight(st, st == 1 ? 1 : s, row, nt, k0, kl);
+      for (int64_t mt0 = 0; mt0 < mp; mt0 += t_.mTile) {
+        int64_t mt = std::min(t_.mTile, mp - mt0);
+        Compute(m0 + mt0, mt0, mt, nt, k0, kl);
+      }
+    }
+    for (int64_t mt0 = 0; mt0 < mp; mt0 += t_.mTile) {
+      int64_t mt = std::min(t_.mTile, mp - mt0);
+      if (ep_ == LINEAR_RESIDUAL) CopyInResidual(row, m0 + mt0, mt, nt);
+      Epilogue(s, row, mt0, mt, nt);
+      CopyOut(s, row, m0 + mt0, mt, nt);
+    }
+  }
+
+  // B operand: packed[k][n] = fp32(W[row + n][k0 + k]), n < nt, k < kl (columns nt..nTile unused).
+  void PackWeight(int st, int seg, int64_t row, int64_t nt, int64_t k0, int64_t kl) {
+    float* b = bBuf_[st].Get<float>().GetPhyAddr();
+    int64_t ld = t_.nTile;
+    for (int64_t n = 0; n < nt; ++n) {
+      const T* w = wGm_[seg].GetPhyAddr((row + n) * t_.k + k0);
+      for (int64_t k = 0; k < kl; ++k) b[k * ld + n] = ToFloat(w[k]);
+    }
+  }
+
+  // C[mt0 : mt0 + mt, :nt] (+)= x[m : m + mt, k0 : k0 + kl] . packed, per stream.
+  void Compute(int64_t m, int64_t mt0, int64_t mt, int64_t nt, int64_t k0, int64_t kl) {
+    const float* a;
+    int64_t lda;
+    if constexpr (kFloat) {
+      a = xGm_.GetPhyAddr(m * t_.k + k0);  // fp32 x is the A operand where it lies
+      lda = t_.k;
+    } else {
+      float* ub = aBuf_.Get<float>().GetPhyAddr();
+      for (int64_t r = 0; r < mt; ++r) CastRaw<float, T>(ub + r * t_.kTile, xGm_.GetPhyAddr((m + r) * t_.k + k0), kl);
+      a = ub;
+      lda = t_.kTile;
+    }
+    MmadParams p{mt, nt, kl, lda, t_.nTile, t_.nTile, k0 > 0};
+    for (int st = 0; st < streams_; ++st)
+      MmadNN(cBuf_[st].Get<float>().GetPhyAddr(mt0 * t_.nTile), a, bBuf_[st].Get<float>().GetPhyAddr(), p);
+  }
+
+  void CopyInResidual(int64_t row, int64_t m, int64_t mt, int64_t nt) {
+    LocalTensor<T> r = resQue_.AllocTensor<T>();
+    int64_t n = t_.segRows[0];
+    for (int64_t i = 0; i < mt; ++i) DataCopy(r[i * nt], rGm_[(m + i) * n + row], nt);
+    resQue_.EnQue(r);
+  }
+
+  // The roundings HF performs between its separate ops (see linear_tiling.h), then T out.
+  void Epilogue(int s, int64_t row, int64_t mt0, int64_t mt, int64_t nt) {
+    float* c = cBuf_[0].Get<float>().GetPhyAddr(mt0 * t_.nTile);
+    const float* u = streams_ == 2 ? cBuf_[1].Get<float>().GetPhyAddr(mt0 * t_.nTile) : nullptr;
+    const T* bias = bias_[s];
+    LocalTensor<T> r;
+    if (ep_ == LINEAR_RESIDUAL) r = resQue_.DeQue<T>();
+    LocalTensor<T> y = outQue_.AllocTensor<T>();
+    for (int64_t i = 0; i < mt; ++i) {
+      float* ci = c + i * t_.nTile;
+      if (bias)
+        for (int64_t n = 0; n < nt; ++n) ci[n] += ToFloat(bias[row + n]);
+      if (ep_ == LINEAR_SWIGLU) {
+        const float* ui = u + i * t_.nTile;
+        for (int64_t n = 0; n < nt; ++n) ci[n] = RoundTo<T>(ci[n]);  // HF: gate = T(linear)
+        Simd().silu(ci, ci, nt);
+        for (int64_t n = 0; n < nt; ++n) ci[n] = RoundTo<T>(ci[n]) * RoundTo<T>(ui[n]);
+      } else if (ep_ == LINEAR_RESIDUAL) {
+        for (int64_t n = 0; n < nt; ++n) ci[n] = RoundTo<T>(ci[n]) + ToFloat(r.GetValue(i * nt + n));
+      }
+      CastRaw<T, float>(y.GetPhyAddr(i * nt), ci, nt);
+    }
+    if (ep_ == LINEAR_RESIDUAL) resQue_.FreeTensor(r);
+    outQue_.EnQue(y);
+  }
+
+  void CopyOut(int s, int64_t row, int64_t m, int64_t mt, int64_t nt) {
+    LocalTensor<T> y = outQue_.DeQue<T>();
+    int64_t n = t_.segRows[s];
+    for (int64_t i = 0; i < mt; ++i) DataCopy(yGm_[s][(m + i) * n + row], y[i * nt], nt);
+    outQue_.FreeTensor(y);
+  }
+
+  LinearTilingData t_;
+  LinearEpilogue ep_ = LINEAR_PLAIN;
+  int streams_ = 1;
+  TPipe pipe_;
+  TBuf<TPosition::VECCALC> aBuf_, bBuf_[2], cBuf_[2];
+  TQue<QuePosition::VECOUT, BUFFER_NUM> outQue_;
+  TQue<QuePosition::VECIN, BUFFER_NUM> resQue_;
+  GlobalTensor<T> xGm_, rGm_, wGm_[kLinearMaxSegments], yGm_[kLinearMaxSegments];
+  const T* bias_[kLinearMaxSegments] = {nullptr, nullptr, nullptr};
+};
+
+template <typename T>
+void RunLinearGemm(GM_ADDR x, const LinearSegment* segs, GM_ADDR residual, const LinearTilingData& t) {
+  KernelLinearGemm<T> op;
+  op.Init(x, segs, residual, t);
+  op.Process();
+}
+
+}  // namespace
+
+void LinearGemm(const void* x, const LinearSegment* segs, const void* residual, const LinearTilingData& t,
+                const SocInfo& soc) {
+  auto gm = [](const void* p) { return reinterpret_cast<GM_ADDR>(const_cast<void*>(p)); };
+  auto kernel = [&]() {
+    switch (DataType(t.tilingKey / 10 % 10)) {
+      case DataType::FLOAT32: return RunLinearGemm<float>(gm(x), segs, gm(residual), t);
+      case DataType::FLOAT16: return RunLinearGemm<half>(gm(x), segs, gm(residual), t);
+      case DataType::BFLOAT16: return RunLinearGemm<bfloat16_t>(gm(x), segs, gm(residual), t);
+    }
+  };
+  KernelLaunch(t.blockDim, soc.ub_size, kernel);
+}
+
+}  // namespace atb
