@@ -33,8 +33,13 @@ everything done is undone by ``unpatch_hf_model``):
   prefill too (the native GEMM is 4-6x torch's there); fp32 prefill stays on
   torch's GEMM, which wins in fp32.
 
-Decoder layers (their residual adds), the model loop and the embedding stay
-on the stock path; the report lists every module and says why.
+* **Decoder layer** — a per-instance ``forward`` in HF's order whose residual
+  adds are fused: the add after attention with the post-attention norm
+  (``add_rms_norm``), and at decode sizes the add after the MLP with down_proj
+  (``linear_residual``).
+
+The model loop and the embedding stay on the stock path; the report lists every
+module and says why.
 """
 from __future__ import annotations
 
@@ -238,6 +243,31 @@ def _attention_forward(module, spec, layer_idx, soc_type, use_linear):
     return forward
 
 
+def _decoder_layer_forward(layer, soc_type, mlp_native: bool):
+    """HF's decoder layer with its residual adds fused: ``add_rms_norm`` for the add after attention and the
+    post-attention norm, and (decode sizes, fused MLP) ``linear_residual`` for down_proj plus the add after
+    the MLP. The same roundings as HF's separate adds; attention and MLP run through their own (patched)
+    modules otherwise, so every other hook keeps working."""
+    attn, mlp, ln1, ln2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+    w2, eps2 = ln2.weight, float(ln2.variance_epsilon)
+    gw, uw, dw, db = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, mlp.down_proj.bias
+    add_rms_norm, linear_swiglu, linear_residual = kernels.add_rms_norm, kernels.linear_swiglu, kernels.linear_residual
+
+    def forward(hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                position_embeddings=None, past_key_values=None, **kwargs):
+        if cache is None:
+            cache = past_key_values
+        attn_out, _ = attn(hidden_states=ln1(hidden_states), attention_mask=attention_mask, position_ids=position_ids,
+                           cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        normed, residual = add_rms_norm(attn_out, hidden_states, w2, eps2, soc_type=soc_type)
+        rows = normed.numel() // normed.shape[-1]
+        if mlp_native and native_linear_wins(rows, normed.dtype):
+            h = linear_swiglu(normed.reshape(rows, -1), gw, uw, soc_type=soc_type)
+            return linear_residual(h, dw, residual.reshape(rows, -1), db, soc_type=soc_type).view(residual.shape)
+        return residual + mlp(normed)
+    return forward
+
+
 def _lm_head_forward(module, soc_type):
     w, b = module.weight, module.bias
     linear_auto = kernels.linear_auto
@@ -356,7 +386,13 @@ def _plan(model, adapter, options: dict) -> list[ModuleStatus]:
             else:
                 status, detail = "fused", f"cos/sin gathered from a table computed once ({rope_type} rope)"
         elif role == "decoder_layer":
-            detail = "HF layer structure and residual adds kept (its norms, attention and MLP are patched)"
+            if options["rms_norm"]:
+                status, detail = "fused", ("HF layer order; residual add + post-attention norm as "
+                                           "atb.kernels.add_rms_norm")
+                if _mlp_native(options, config_reasons, mlp_bias):
+                    detail += "; decode: down_proj + residual add as atb.kernels.linear_residual"
+            else:
+                detail = "HF layer structure and residual adds kept (rms_norm=False)"
         elif role in ("decoder", "causal_lm"):
             detail = "HF model loop, masks, cache handling and generate() kept"
         elif name == "lm_head":
@@ -370,7 +406,7 @@ def _plan(model, adapter, options: dict) -> list[ModuleStatus]:
             if parent_role == "attention" and options["linear"] and rope_fused:
                 status, detail = "fused", ("weight read by the fused attention forward: atb.kernels.linear_multi "
                                            f"(q/k/v) / linear (o) {_LINEAR_ROUTE}")
-            elif parent_role == "mlp" and options["linear"] and _mlp_fused(options, config_reasons) and not mlp_bias:
+            elif parent_role == "mlp" and _mlp_native(options, config_reasons, mlp_bias):
                 status, detail = "fused", ("weight read by the fused MLP: atb.kernels.linear_swiglu (gate+up) / "
                                            f"linear (down) {_LINEAR_ROUTE}")
             else:
@@ -392,6 +428,11 @@ def _plan(model, adapter, options: dict) -> list[ModuleStatus]:
 
 def _mlp_fused(options, config_reasons) -> bool:
     return options["mlp"] and "mlp" not in config_reasons
+
+
+def _mlp_native(options, config_reasons, mlp_bias) -> bool:
+    """The MLP's projections run on the native linear kernels (fused MLP, linear=True, no gate/up bias)."""
+    return _mlp_fused(options, config_reasons) and options["linear"] and not mlp_bias
 
 
 def _dtype_name(model) -> str:
@@ -497,6 +538,9 @@ def patch_hf_model(model, *, soc_type: str | None = None, rms_norm: bool = True,
                 rebind(mod, _lm_head_forward(mod, soc_type))
             elif st.role == "rotary":
                 rebind(mod, _rotary_forward(RotaryEmbedding.from_hf(mod)))
+            elif st.role == "decoder_layer":
+                rebind(mod, _decoder_layer_forward(mod, soc_type,
+                                                   _mlp_native(options, config_reasons, spec.has_mlp_bias)))
             elif st.role == "attention":
                 mod._atb_soc_type = soc_type
                 if rope_fused:

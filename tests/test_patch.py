@@ -274,3 +274,12 @@ def test_smollm2_bf16_tokens_and_logits(smollm2_bf16):
         top = stock.logits[diverge][0].float().topk(2).values
         assert float(top[0] - top[1]) <= 0.02 * float(top[0].abs()), \
             f"tokens diverge at step {diverge} with a stock margin of {float(top[0] - top[1]):.3g}"
+
+
+def test_packed_segments_follow_in_place_position_updates():
+    from atb.layers import attention as A
+
+    pos = torch.arange(8).view(1, 8)
+    assert A._segments(pos, 1, 8) is None
+    pos[0, 4:] = torch.arange(4)            # now two packed sequences of 4: the memo must not answer
+    assert A._segments(pos, 1, 8).tolist() == [0, 4, 8]

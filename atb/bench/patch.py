@@ -10,7 +10,8 @@ weights) and the medians are reported:
 * prefill tok/s = prompt tokens / time of ``generate(max_new_tokens=1)``;
 * decode tok/s = (new - 1) / (time of the full run - that prefill time).
 
-Then a per-module breakdown of one decode run (ms per generated token), with
+Then a per-module breakdown of one prefill (ms per prompt) and of one decode
+run (ms per generated token), with
 timers around norm modules, rope (HF's ``apply_rotary_pos_emb`` / the fused
 rope kernel), the attention core (the attention-interface function incl. its
 mask handling), the attention module's remainder (q/k/v/o projections, cache
@@ -54,9 +55,10 @@ def _time(fn) -> float:
 class _Timers:
     """Accumulates wall time per category while ``active`` (the decode steps of one generate call)."""
 
-    def __init__(self):
+    def __init__(self, phase: str = "decode"):
         self.total: dict[str, float] = {}
         self.active = False
+        self.phase = phase
         self.puts = 0
         self.start = self.stop = 0.0
 
@@ -77,13 +79,17 @@ class _Timers:
 
     # generate's streamer protocol: put(prompt), put(token 1) after prefill, ..., end(). The decode
     # window opens at the first generated token.
+    # Prefill: the window opens at put(prompt) and closes at the first generated token.
     def put(self, value):
         self.puts += 1
-        if self.puts == 2:
+        if self.puts == (1 if self.phase == "prefill" else 2):
             self.active, self.start = True, time.perf_counter()
+        elif self.puts == 2 and self.phase == "prefill":
+            self.end()
 
     def end(self):
-        self.active, self.stop = False, time.perf_counter()
+        if self.active:
+            self.active, self.stop = False, time.perf_counter()
 
 
 @contextmanager
@@ -131,27 +137,33 @@ def _instrument(model, timers: _Timers):
             fn()
 
 
-def _breakdown(model, ids, new: int, patch: bool) -> dict[str, float]:
-    timers = _Timers()
+def _breakdown(model, ids, new: int, patch: bool, phase: str = "decode") -> dict[str, float]:
+    """ms per generated token (decode) or per prompt (prefill) in each category."""
+    timers = _Timers(phase)
     kernels = atb.kernels
-    rope = kernels.rope
+    # The patched forwards bind these kernels when they are created: rope inside the attention forward, and
+    # the MLP's projections inside the decoder layer (which calls them directly where they are native).
+    bound = {"rope": "rope apply", "linear_swiglu": "mlp", "linear_residual": "mlp"}
+    saved = {name: getattr(kernels, name) for name in bound}
     if patch:
-        kernels.rope = timers.wrap("rope apply", rope)   # the patched forward binds the kernel when it is created
+        for name, category in bound.items():
+            setattr(kernels, name, timers.wrap(category, saved[name]))
         atb.patch_hf_model(model)
     try:
         with _instrument(model, timers):
-            _generate(model, ids, new, streamer=timers)
+            _generate(model, ids, 1 if phase == "prefill" else new, streamer=timers)
     finally:
-        kernels.rope = rope
+        for name, fn in saved.items():
+            setattr(kernels, name, fn)
         if patch:
             atb.unpatch_hf_model(model)
-    steps = new - 1
+    steps = new - 1 if phase == "decode" else 1
     dec = {k: v / steps * 1e3 for k, v in timers.total.items()}
     # Nested timers: rope application and the core run inside the attention module; keep its remainder.
     dec["attention module"] -= dec.get("rope apply", 0.0) + dec.get("attention core", 0.0)
     dec["rope"] = dec.pop("rope apply", 0.0) + dec.pop("rope table", 0.0)
-    dec["decode total"] = (timers.stop - timers.start) / steps * 1e3
-    dec["other"] = dec["decode total"] - sum(v for k, v in dec.items() if k != "decode total")
+    dec["total"] = (timers.stop - timers.start) / steps * 1e3
+    dec["other"] = dec["total"] - sum(v for k, v in dec.items() if k != "total")
     return dec
 
 
@@ -187,12 +199,13 @@ def run(dtypes, prompt: int, new: int, repeats: int) -> None:
             print(f"  {side:<8} prefill {rates[side][0]:8.1f} tok/s   decode {rates[side][1]:7.2f} tok/s")
         print(f"  speedup  prefill {rates['patched'][0] / rates['stock'][0]:8.2f}x      "
               f"decode {rates['patched'][1] / rates['stock'][1]:7.2f}x")
-        stock_b = _breakdown(model, ids, new, patch=False)
-        patched_b = _breakdown(model, ids, new, patch=True)
-        print("  decode breakdown, ms per token   stock   patched")
-        for key in ("norm", "rope", "attention core", "attention module", "mlp", "lm_head", "other", "decode total"):
-            label = "attention (q/k/v/o proj, cache)" if key == "attention module" else key
-            print(f"    {label:<31} {stock_b.get(key, 0.0):7.2f}  {patched_b.get(key, 0.0):7.2f}")
+        for phase, unit in (("prefill", "ms per prompt"), ("decode", "ms per token")):
+            stock_b = _breakdown(model, ids, new, patch=False, phase=phase)
+            patched_b = _breakdown(model, ids, new, patch=True, phase=phase)
+            print(f"  {phase} breakdown, {unit:<14}   stock   patched")
+            for key in ("norm", "rope", "attention core", "attention module", "mlp", "lm_head", "other", "total"):
+                label = "attention (q/k/v/o proj, cache)" if key == "attention module" else key
+                print(f"    {label:<31} {stock_b.get(key, 0.0):7.2f}  {patched_b.get(key, 0.0):7.2f}")
         del model
 
 

@@ -72,7 +72,23 @@ def _contiguous_rows(mask: torch.Tensor) -> bool:
 
 
 def _segments(position_ids: torch.Tensor, batch: int, seq: int) -> torch.Tensor | None:
-    """cu_seqlens of packed sequences (a position not following its predecessor starts one), None if unpacked."""
+    """cu_seqlens of packed sequences (a position not following its predecessor starts one), None if unpacked.
+
+    Every layer of a forward gets the same position_ids tensor: computed once (the memo keeps the tensor, so
+    its id cannot be recycled while cached)."""
+    # An in-place update bumps _version, a new key. Inference tensors have no version counter; HF builds new
+    # position ids every forward rather than updating them, so identity is the key there.
+    version = -1 if position_ids.is_inference() else position_ids._version
+    key = (batch, seq, version)
+    hit = _memo.get("segments")
+    if hit is not None and hit[0][0] is position_ids and hit[0][1:] == key:
+        return hit[1]
+    value = _find_segments(position_ids, batch, seq)
+    _memo["segments"] = ((position_ids, *key), value)
+    return value
+
+
+def _find_segments(position_ids: torch.Tensor, batch: int, seq: int) -> torch.Tensor | None:
     pos = position_ids.expand(batch, seq)
     starts = torch.ones(batch, seq, dtype=torch.bool)
     starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
