@@ -1,4 +1,5 @@
 """patch_hf_model / unpatch_hf_model / check_model on the real SmolLM2 and tiny random models of every family."""
+import math
 import warnings
 
 import pytest
@@ -250,9 +251,15 @@ def test_smollm2_fp32_greedy_identical(smollm2_fp32):
     assert "Paris" in answer, answer
 
 
-def test_smollm2_bf16_tokens_and_logits(smollm2_bf16):
+def _bf16_ulp(x: float) -> float:
+    """Spacing of bfloat16 values (8 significant bits) at magnitude |x|."""
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7)
+
+
+@pytest.mark.parametrize("prompt", CHAT + ["Translate 'good morning' to Spanish.", "What is 12 times 7?"])
+def test_smollm2_bf16_tokens_and_logits(smollm2_bf16, prompt):
     model, tokenizer = smollm2_bf16
-    ids = _chat_ids(tokenizer, CHAT[0])
+    ids = _chat_ids(tokenizer, prompt)
     stock = _generate(model, ids, n=32)
     atb.patch_hf_model(model)
     try:
@@ -262,18 +269,23 @@ def test_smollm2_bf16_tokens_and_logits(smollm2_bf16):
     a, b = stock.sequences[0, ids.shape[1]:], patched.sequences[0, ids.shape[1]:]
     diverge = next((i for i in range(32) if a[i] != b[i]), 32)
     # Logits of a 30-layer bf16 model: both paths round at every op (bf16 tolerance 1.6e-2 per op), so the
-    # bound is 6e-2 relative to the logit scale,
-    # at every step whose context is still identical.
+    # bound is 6e-2 relative to the logit scale, at every step whose context is still identical.
     for step in range(min(diverge + 1, 32)):
         x, y = stock.logits[step].float(), patched.logits[step].float()
         err = (x - y).abs().max() / x.abs().max()
         assert err < 6e-2, f"step {step}: max |diff| / max |logit| = {err:.3g}"
     if diverge < 32:
-        # A different token is only acceptable at a near tie of the stock model (within bf16 rounding: the real
-        # checkpoint diverges at step 11, where the stock top-2 logits are one bf16 ulp apart).
-        top = stock.logits[diverge][0].float().topk(2).values
-        assert float(top[0] - top[1]) <= 0.02 * float(top[0].abs()), \
-            f"tokens diverge at step {diverge} with a stock margin of {float(top[0] - top[1]):.3g}"
+        # Logits leave the LM head rounded to bf16 (one ulp is 0.125 at 16..32), so two candidates whose exact
+        # logits are closer than that tie or sit one ulp apart, and argmax takes the lower token id on a tie.
+        # Exact agreement there would need the stock kernels' accumulation order bit for bit. What must hold:
+        # each model's token is within two ulps of the other model's best logit (a near-tie in both).
+        # (Measured on these prompts: 4 of 6 diverge, at steps 10-23, each at an exact tie or a one-ulp gap.)
+        s, p = stock.logits[diverge][0].float(), patched.logits[diverge][0].float()
+        ulp = _bf16_ulp(float(s.max()))
+        assert float(s.max() - s[b[diverge]]) <= 2 * ulp, \
+            f"step {diverge}: patched token {int(b[diverge])} is {float(s.max() - s[b[diverge]]):.3g} below stock's best"
+        assert float(p.max() - p[a[diverge]]) <= 2 * ulp, \
+            f"step {diverge}: stock token {int(a[diverge])} is {float(p.max() - p[a[diverge]]):.3g} below patched's best"
 
 
 def test_packed_segments_follow_in_place_position_updates():
