@@ -125,3 +125,28 @@ def test_torch_ops_and_launches_interleave(threading_backend):
     for _ in range(300):
         big.add_(1.0)
         atb.kernels.rms_norm(x[:97], w, soc_type="Ascend910B1")
+
+
+def test_launches_from_several_python_threads(threading_backend):
+    # Each caller thread gets its own team (openmp) or takes turns on the pool; results stay exact.
+    import threading
+
+    torch.manual_seed(1)
+    xs = [torch.randn(257, 1000) for _ in range(3)]
+    w = torch.randn(1000)
+    want = [atb.kernels.rms_norm(x, w, soc_type="Ascend910B1") for x in xs]
+    errors = []
+
+    def work(i):
+        for _ in range(100):
+            if not torch.equal(atb.kernels.rms_norm(xs[i], w, soc_type="Ascend910B1"), want[i]):
+                errors.append(i)
+                return
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a launch hung"
+    assert not errors
