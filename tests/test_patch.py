@@ -295,3 +295,21 @@ def test_packed_segments_follow_in_place_position_updates():
     assert A._segments(pos, 1, 8) is None
     pos[0, 4:] = torch.arange(4)            # now two packed sequences of 4: the memo must not answer
     assert A._segments(pos, 1, 8).tolist() == [0, 4, 8]
+
+
+def test_decoder_layer_fusion_follows_rms_norm_option():
+    model = _tiny("llama-gqa")
+    ids = torch.randint(3, 101, (1, 9))
+    stock = _generate(model, ids, n=6)
+    try:
+        report = atb.patch_hf_model(model)
+        assert report.status_of("LlamaDecoderLayer") == {"fused"} and "add_rms_norm" in str(report)
+        fused = _generate(model, ids, n=6)
+        report = atb.patch_hf_model(model, rms_norm=False)   # residual adds back on the stock path
+        assert report.status_of("LlamaDecoderLayer") == {"stock"}
+        unfused = _generate(model, ids, n=6)
+    finally:
+        atb.unpatch_hf_model(model)
+    for out in (fused, unfused):
+        _assert_logits_close(stock.logits, out.logits, torch.float32)
+        assert torch.equal(stock.sequences, out.sequences)
