@@ -299,6 +299,16 @@ def test_wide_batch_decode_matches_narrow(tiny_llama):
     assert full(wide) and full(narrow)
 
 
+def test_wide_bf16_batch_runs_the_native_gemm_in_both_modes():
+    # bf16 batches of 32+ stay on the native kernels (GEMM mode) in the Python step and in the native graph:
+    # the same kernels, so the same tokens.
+    model = tiny(dtype=torch.bfloat16)
+    prompts = [[1 + i % 7, 5 + i, 9, 2 * i % 100] for i in range(34)]
+    runs = [atb.TransformerInfer(model, max_seq_len=16, max_batch_size=34, block_size=4, graph_mode=g)
+            .generate(prompts, 5, eos_token_id=[]) for g in (False, True)]
+    assert runs[0] == runs[1]
+
+
 def test_every_soc_gives_the_same_greedy_tokens(tiny_llama):
     prompts = [[1, 5, 9, 11], [3, 4]]
     results = {soc: atb.TransformerInfer(tiny_llama, max_seq_len=32, soc_type=soc, max_batch_size=2,
