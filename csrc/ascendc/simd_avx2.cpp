@@ -3,6 +3,7 @@
 // an anonymous namespace), so the rest of the build stays baseline x86-64 and
 // the table is only selected when CPUID reports the features.
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -531,6 +532,28 @@ void MmadNTLanes(float* lanes, const float* A, int64_t lda, const TB* B, int64_t
       LanesRows<TB, L8, 1>(lanes + n * 8, N, A + k, lda, B + n * ldb + k, ldb, M, std::min(kb, K - k), acc || k > 0);
 }
 
+// Few-row Mmads take A in blocks of up to 8 rows; each row count R gets its own
+// instantiation with as many B panels as the 16 ymm registers allow
+// (R*CN accumulators + CN B vectors + 1 broadcast).
+template <int R> constexpr int kPanelsForRows = R <= 2 ? 4 : R == 3 ? 3 : R <= 6 ? 2 : 1;
+
+template <typename Fn>
+inline void ForRowBlocks(int64_t M, Fn&& fn) {
+  using std::integral_constant;
+  for (int64_t m = 0; m < M; m += 8) {
+    switch (std::min<int64_t>(8, M - m)) {
+      case 1: fn(integral_constant<int, 1>{}, m); break;
+      case 2: fn(integral_constant<int, 2>{}, m); break;
+      case 3: fn(integral_constant<int, 3>{}, m); break;
+      case 4: fn(integral_constant<int, 4>{}, m); break;
+      case 5: fn(integral_constant<int, 5>{}, m); break;
+      case 6: fn(integral_constant<int, 6>{}, m); break;
+      case 7: fn(integral_constant<int, 7>{}, m); break;
+      default: fn(integral_constant<int, 8>{}, m); break;
+    }
+  }
+}
+
 // Few-row NT Mmad: all R (<= 8) A rows against CN B rows per block, so a B
 // row is widened once; CN keeps R*CN + CN + 1 <= 16 ymm registers. The R*CN
 // lane sums are reduced four at a time by an hadd tree (5 instructions per 4
@@ -583,20 +606,10 @@ void RowsNT(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int
 template <typename TB, __m256 (*L8)(const TB*), float (*L1)(const TB*)>
 void MmadNTRows(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N,
                 int64_t K, bool acc) {
-  for (int64_t m = 0; m < M; m += 8) {
-    float* c = C + m * ldc;
-    const float* a = A + m * lda;
-    switch (std::min<int64_t>(8, M - m)) {
-      case 1: RowsNT<TB, L8, L1, 1, 4>(c, ldc, a, lda, B, ldb, N, K, acc); break;
-      case 2: RowsNT<TB, L8, L1, 2, 4>(c, ldc, a, lda, B, ldb, N, K, acc); break;
-      case 3: RowsNT<TB, L8, L1, 3, 3>(c, ldc, a, lda, B, ldb, N, K, acc); break;
-      case 4: RowsNT<TB, L8, L1, 4, 2>(c, ldc, a, lda, B, ldb, N, K, acc); break;
-      case 5: RowsNT<TB, L8, L1, 5, 2>(c, ldc, a, lda, B, ldb, N, K, acc); break;
-      case 6: RowsNT<TB, L8, L1, 6, 2>(c, ldc, a, lda, B, ldb, N, K, acc); break;
-      case 7: RowsNT<TB, L8, L1, 7, 1>(c, ldc, a, lda, B, ldb, N, K, acc); break;
-      default: RowsNT<TB, L8, L1, 8, 1>(c, ldc, a, lda, B, ldb, N, K, acc); break;
-    }
-  }
+  ForRowBlocks(M, [&](auto rows, int64_t m) {
+    constexpr int R = decltype(rows)::value;
+    RowsNT<TB, L8, L1, R, kPanelsForRows<R>>(C + m * ldc, ldc, A + m * lda, lda, B, ldb, N, K, acc);
+  });
 }
 
 // Few-row NN Mmad: R rows x 8*NV columns of C in R*NV accumulators; per k the
@@ -644,20 +657,10 @@ void RowsNN(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int
 template <typename TB, __m256 (*L8)(const TB*), float (*L1)(const TB*)>
 void MmadNNRows(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N,
                 int64_t K, bool acc) {
-  for (int64_t m = 0; m < M; m += 8) {
-    float* c = C + m * ldc;
-    const float* a = A + m * lda;
-    switch (std::min<int64_t>(8, M - m)) {
-      case 1: RowsNN<TB, L8, L1, 1, 4>(c, ldc, a, lda, B, ldb, N, K, acc); break;
-      case 2: RowsNN<TB, L8, L1, 2, 4>(c, ldc, a, lda, B, ldb, N, K, acc); break;
-      case 3: RowsNN<TB, L8, L1, 3, 3>(c, ldc, a, lda, B, ldb, N, K, acc); break;
-      case 4: RowsNN<TB, L8, L1, 4, 2>(c, ldc, a, lda, B, ldb, N, K, acc); break;
-      case 5: RowsNN<TB, L8, L1, 5, 2>(c, ldc, a, lda, B, ldb, N, K, acc); break;
-      case 6: RowsNN<TB, L8, L1, 6, 2>(c, ldc, a, lda, B, ldb, N, K, acc); break;
-      case 7: RowsNN<TB, L8, L1, 7, 1>(c, ldc, a, lda, B, ldb, N, K, acc); break;
-      default: RowsNN<TB, L8, L1, 8, 1>(c, ldc, a, lda, B, ldb, N, K, acc); break;
-    }
-  }
+  ForRowBlocks(M, [&](auto rows, int64_t m) {
+    constexpr int R = decltype(rows)::value;
+    RowsNN<TB, L8, L1, R, kPanelsForRows<R>>(C + m * ldc, ldc, A + m * lda, lda, B, ldb, N, K, acc);
+  });
 }
 
 const SimdOps kAvx2 = {
