@@ -53,6 +53,50 @@ void EnsureArena(int64_t ubSize) {
 // for the next kernel but never steal a core from torch for longer than this.
 constexpr auto kSpinWindow = std::chrono::microseconds(200);
 
+// One launch's blocks, claimed one at a time by whichever threads run the
+// launch (pool workers or OpenMP team members, the caller included), so a late
+// or preempted thread only costs the blocks it did not take. The first error
+// stops the hand-out and is rethrown to the caller.
+struct BlockQueue {
+  BlockFn fn = nullptr;
+  void* ctx = nullptr;
+  int64_t ubSize = 0, blockDim = 0;
+  std::atomic<int64_t> next{0};
+  std::mutex errMu;
+  std::exception_ptr error;
+
+  void Reset(int64_t dim, int64_t ub, BlockFn f, void* c) {
+    fn = f;
+    ctx = c;
+    ubSize = ub;
+    blockDim = dim;
+    error = nullptr;
+    next.store(0, std::memory_order_relaxed);
+  }
+  void Run() {
+    try {
+      EnsureArena(ubSize);
+      for (;;) {
+        int64_t b = next.fetch_add(1, std::memory_order_relaxed);
+        if (b >= blockDim) break;
+        tBlockIdx = b;
+        tBlockNum = blockDim;
+        tArena.used = 0;
+        fn(ctx);
+      }
+    } catch (...) {
+      std::lock_guard<std::mutex> lk(errMu);
+      if (!error) error = std::current_exception();
+      next.store(blockDim);  // stop handing out blocks
+    }
+    tBlockIdx = 0;
+    tBlockNum = 1;
+  }
+  void RethrowError() {
+    if (error) std::rethrow_exception(error);
+  }
+};
+
 class ThreadPool {
  public:
   explicit ThreadPool(int64_t n) : numThreads_(n < 1 ? 1 : n) {
@@ -70,12 +114,7 @@ class ThreadPool {
   int64_t Size() const { return numThreads_; }
 
   void Launch(int64_t blockDim, int64_t ubSize, BlockFn fn, void* ctx) {
-    fn_ = fn;
-    ctx_ = ctx;
-    ubSize_ = ubSize;
-    blockDim_ = blockDim;
-    nextBlock_.store(0, std::memory_order_relaxed);
-    error_ = nullptr;
+    queue_.Reset(blockDim, ubSize, fn, ctx);
     int64_t helpers = std::min<int64_t>(numThreads_ - 1, blockDim - 1);
     active_.store(helpers, std::memory_order_relaxed);
     wanted_.store(helpers, std::memory_order_release);
@@ -84,7 +123,7 @@ class ThreadPool {
       std::lock_guard<std::mutex> lk(mu_);
       cv_.notify_all();
     }
-    RunBlocks();
+    queue_.Run();
     // Every block is done or running. Helper slots no worker has claimed yet are
     // withdrawn, so the launch does not wait for a sleeping or preempted thread
     // to wake only to find nothing left (milliseconds on a loaded machine); a
@@ -92,30 +131,10 @@ class ThreadPool {
     int64_t unclaimed = wanted_.exchange(0, std::memory_order_acq_rel);
     if (unclaimed > 0) active_.fetch_sub(unclaimed, std::memory_order_acq_rel);
     while (active_.load(std::memory_order_acquire) > 0) ATB_CPU_RELAX();
-    if (error_) std::rethrow_exception(error_);
+    queue_.RethrowError();
   }
 
  private:
-  void RunBlocks() {
-    try {
-      EnsureArena(ubSize_);
-      for (;;) {
-        int64_t b = nextBlock_.fetch_add(1, std::memory_order_relaxed);
-        if (b >= blockDim_) break;
-        tBlockIdx = b;
-        tBlockNum = blockDim_;
-        tArena.used = 0;
-        fn_(ctx_);
-      }
-    } catch (...) {
-      std::lock_guard<std::mutex> lk(errMu_);
-      if (!error_) error_ = std::current_exception();
-      nextBlock_.store(blockDim_);  // stop handing out blocks
-    }
-    tBlockIdx = 0;
-    tBlockNum = 1;
-  }
-
   void WorkerLoop() {
     tInLaunch = true;
     // Generation 0 is the pool's birth: a launch may bump it before this thread
@@ -139,22 +158,19 @@ class ThreadPool {
       // Only as many workers as there are spare blocks join a launch.
       int64_t w = wanted_.fetch_sub(1, std::memory_order_acq_rel);
       if (w <= 0) continue;
-      RunBlocks();
+      queue_.Run();
       active_.fetch_sub(1, std::memory_order_release);
     }
   }
 
   const int64_t numThreads_;
   std::vector<std::thread> workers_;
-  std::mutex mu_, errMu_;
+  std::mutex mu_;
   std::condition_variable cv_;
   std::atomic<uint64_t> generation_{0};
-  std::atomic<int64_t> sleepers_{0}, nextBlock_{0}, active_{0}, wanted_{0};
+  std::atomic<int64_t> sleepers_{0}, active_{0}, wanted_{0};
   bool stop_ = false;
-  BlockFn fn_ = nullptr;
-  void* ctx_ = nullptr;
-  int64_t ubSize_ = 0, blockDim_ = 0;
-  std::exception_ptr error_;
+  BlockQueue queue_;
 };
 
 std::mutex gPoolMu;
@@ -188,68 +204,40 @@ OmpApi FindLoadedOpenMp() {
   return api;
 }
 
-enum class Backend { kAuto, kOpenMp, kPool };
-Backend gBackend = Backend::kAuto;
-OmpApi gOmp;
-bool gOmpProbed = false;
-
+// Probed once, at the first launch (atb imports torch before it launches anything).
 const OmpApi& Omp() {
-  if (!gOmpProbed) {
-    gOmp = FindLoadedOpenMp();
-    gOmpProbed = true;
-  }
-  return gOmp;
+  static const OmpApi api = FindLoadedOpenMp();
+  return api;
 }
 
-bool UseOpenMp() {
-  if (gBackend == Backend::kPool) return false;
-  return Omp().parallel != nullptr;
-}
+enum class Backend { kAuto, kOpenMp, kPool };
+std::atomic<Backend> gBackend{Backend::kAuto};
 
-struct OmpLaunch {
-  int64_t blockDim, ubSize;
-  BlockFn fn;
-  void* ctx;
-  std::atomic<int64_t> next{0};
-  std::mutex errMu;
-  std::exception_ptr error;
-};
+bool UseOpenMp() { return gBackend.load(std::memory_order_relaxed) != Backend::kPool && Omp().parallel; }
 
-// Body of the parallel region, run by every team member (the caller included). Blocks are claimed
-// one at a time, so a late or preempted member only costs the blocks it did not take.
-void OmpBody(void* p) {
-  auto* L = static_cast<OmpLaunch*>(p);
+// The parallel region's body, run by every team member (the caller included).
+void OmpBody(void* queue) {
   bool wasIn = tInLaunch;
   tInLaunch = true;  // a launch from inside a block runs inline
-  try {
-    EnsureArena(L->ubSize);
-    for (;;) {
-      int64_t b = L->next.fetch_add(1, std::memory_order_relaxed);
-      if (b >= L->blockDim) break;
-      tBlockIdx = b;
-      tBlockNum = L->blockDim;
-      tArena.used = 0;
-      L->fn(L->ctx);
-    }
-  } catch (...) {
-    std::lock_guard<std::mutex> lk(L->errMu);
-    if (!L->error) L->error = std::current_exception();
-    L->next.store(L->blockDim);
-  }
-  tBlockIdx = 0;
-  tBlockNum = 1;
+  static_cast<BlockQueue*>(queue)->Run();
   tInLaunch = wasIn;
 }
 
 void LaunchOpenMp(int64_t blockDim, int64_t ubSize, BlockFn fn, void* ctx) {
-  OmpLaunch L;
-  L.blockDim = blockDim;
-  L.ubSize = ubSize;
-  L.fn = fn;
-  L.ctx = ctx;
+  BlockQueue queue;
+  queue.Reset(blockDim, ubSize, fn, ctx);
   unsigned team = static_cast<unsigned>(std::min<int64_t>(gNumThreads, blockDim));
-  Omp().parallel(OmpBody, &L, team, 0);
-  if (L.error) std::rethrow_exception(L.error);
+  Omp().parallel(OmpBody, &queue, team, 0);
+  queue.RethrowError();
+}
+
+void LaunchOnPool(int64_t blockDim, int64_t ubSize, BlockFn fn, void* ctx) {
+  std::lock_guard<std::mutex> lk(gPoolMu);  // one launch at a time (uncontended in practice)
+  if (!gPool || gPool->Size() != gNumThreads) {
+    delete gPool;
+    gPool = new ThreadPool(gNumThreads);
+  }
+  gPool->Launch(blockDim, ubSize, fn, ctx);
 }
 
 }  // namespace
@@ -272,25 +260,13 @@ void LaunchBlocks(int64_t blockDim, int64_t ubSize, BlockFn fn, void* ctx) {
     tBlockNum = savedNum;
     return;
   }
-  if (UseOpenMp()) {
-    tInLaunch = true;
-    try {
-      LaunchOpenMp(blockDim, ubSize, fn, ctx);
-    } catch (...) {
-      tInLaunch = false;
-      throw;
-    }
-    tInLaunch = false;
-    return;
-  }
-  std::lock_guard<std::mutex> lk(gPoolMu);  // one launch at a time (uncontended in practice)
-  if (!gPool || gPool->Size() != gNumThreads) {
-    delete gPool;
-    gPool = new ThreadPool(gNumThreads);
-  }
   tInLaunch = true;
   try {
-    gPool->Launch(blockDim, ubSize, fn, ctx);
+    if (UseOpenMp()) {
+      LaunchOpenMp(blockDim, ubSize, fn, ctx);
+    } else {
+      LaunchOnPool(blockDim, ubSize, fn, ctx);
+    }
   } catch (...) {
     tInLaunch = false;
     throw;
@@ -307,14 +283,14 @@ int64_t GetNumThreads() { return detail::gNumThreads; }
 void SetThreading(const std::string& backend) {
   using detail::Backend;
   if (backend == "auto") {
-    detail::gBackend = Backend::kAuto;
+    detail::gBackend.store(Backend::kAuto);
   } else if (backend == "pool") {
-    detail::gBackend = Backend::kPool;
+    detail::gBackend.store(Backend::kPool);
   } else if (backend == "openmp") {
     ATB_CHECK(detail::Omp().parallel != nullptr,
               "set_threading: 'openmp' needs an OpenMP runtime already loaded by torch "
               "(libgomp.so.1, libiomp5.so or libomp.so); none is");
-    detail::gBackend = Backend::kOpenMp;
+    detail::gBackend.store(Backend::kOpenMp);
   } else {
     ATB_CHECK(false, "set_threading: backend must be 'auto', 'openmp' or 'pool', got '", backend, "'");
   }
