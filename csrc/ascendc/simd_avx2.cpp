@@ -60,60 +60,61 @@ inline __m256 Silu8(__m256 x) {
   __m256 e = Exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
   return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
-inline float Silu1(float x) { return x / (1.0f + std::exp(-x)); }
-
-// Binary elementwise op: vector body + scalar tail.
-template <typename V, typename S>
-inline void Map2(float* d, const float* a, const float* b, int64_t n, V vop, S sop) {
+// Elementwise ops: vector body, and the tail (n % 8) through the same vector op
+// on a zero-padded copy, so every element's result is the same whatever its
+// position in the call (a scalar tail rounded differently for silu and axpy,
+// which made results depend on how a kernel tiled its rows).
+template <typename V>
+inline void Map2(float* d, const float* a, const float* b, int64_t n, V vop) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(d + i, vop(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
-  for (; i < n; ++i) d[i] = sop(a[i], b[i]);
+  if (i < n) {
+    alignas(32) float x[8] = {0}, y[8] = {0};
+    for (int64_t j = i; j < n; ++j) x[j - i] = a[j], y[j - i] = b[j];
+    _mm256_store_ps(x, vop(_mm256_load_ps(x), _mm256_load_ps(y)));
+    for (int64_t j = i; j < n; ++j) d[j] = x[j - i];
+  }
 }
-template <typename V, typename S>
-inline void Map1(float* d, const float* a, int64_t n, V vop, S sop) {
+template <typename V>
+inline void Map1(float* d, const float* a, int64_t n, V vop) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(d + i, vop(_mm256_loadu_ps(a + i)));
-  for (; i < n; ++i) d[i] = sop(a[i]);
+  if (i < n) {
+    alignas(32) float x[8] = {0};
+    for (int64_t j = i; j < n; ++j) x[j - i] = a[j];
+    _mm256_store_ps(x, vop(_mm256_load_ps(x)));
+    for (int64_t j = i; j < n; ++j) d[j] = x[j - i];
+  }
 }
 
 void Add(float* d, const float* a, const float* b, int64_t n) {
-  Map2(d, a, b, n, [](__m256 x, __m256 y) { return _mm256_add_ps(x, y); }, [](float x, float y) { return x + y; });
+  Map2(d, a, b, n, [](__m256 x, __m256 y) { return _mm256_add_ps(x, y); });
 }
 void Sub(float* d, const float* a, const float* b, int64_t n) {
-  Map2(d, a, b, n, [](__m256 x, __m256 y) { return _mm256_sub_ps(x, y); }, [](float x, float y) { return x - y; });
+  Map2(d, a, b, n, [](__m256 x, __m256 y) { return _mm256_sub_ps(x, y); });
 }
 void Mul(float* d, const float* a, const float* b, int64_t n) {
-  Map2(d, a, b, n, [](__m256 x, __m256 y) { return _mm256_mul_ps(x, y); }, [](float x, float y) { return x * y; });
+  Map2(d, a, b, n, [](__m256 x, __m256 y) { return _mm256_mul_ps(x, y); });
 }
 void Max(float* d, const float* a, const float* b, int64_t n) {
-  Map2(d, a, b, n, [](__m256 x, __m256 y) { return _mm256_max_ps(y, x); }, [](float x, float y) { return x > y ? x : y; });
+  Map2(d, a, b, n, [](__m256 x, __m256 y) { return _mm256_max_ps(y, x); });
 }
 void Muls(float* d, const float* a, float s, int64_t n) {
   __m256 v = _mm256_set1_ps(s);
-  Map1(d, a, n, [&](__m256 x) { return _mm256_mul_ps(x, v); }, [&](float x) { return x * s; });
+  Map1(d, a, n, [&](__m256 x) { return _mm256_mul_ps(x, v); });
 }
 void Adds(float* d, const float* a, float s, int64_t n) {
   __m256 v = _mm256_set1_ps(s);
-  Map1(d, a, n, [&](__m256 x) { return _mm256_add_ps(x, v); }, [&](float x) { return x + s; });
+  Map1(d, a, n, [&](__m256 x) { return _mm256_add_ps(x, v); });
 }
 void Axpy(float* d, const float* a, float s, int64_t n) {
   __m256 v = _mm256_set1_ps(s);
-  Map2(d, a, d, n, [&](__m256 x, __m256 y) { return _mm256_fmadd_ps(x, v, y); }, [&](float x, float y) { return y + s * x; });
+  Map2(d, a, d, n, [&](__m256 x, __m256 y) { return _mm256_fmadd_ps(x, v, y); });
 }
-void Exp(float* d, const float* a, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(d + i, Exp8(_mm256_loadu_ps(a + i)));
-  if (i < n) {  // tail through the same polynomial, so every element rounds alike
-    alignas(32) float buf[8] = {0};
-    for (int64_t j = i; j < n; ++j) buf[j - i] = a[j];
-    _mm256_store_ps(buf, Exp8(_mm256_load_ps(buf)));
-    for (int64_t j = i; j < n; ++j) d[j] = buf[j - i];
-  }
-}
-void Silu(float* d, const float* a, int64_t n) { Map1(d, a, n, Silu8, Silu1); }
+void Exp(float* d, const float* a, int64_t n) { Map1(d, a, n, Exp8); }
+void Silu(float* d, const float* a, int64_t n) { Map1(d, a, n, Silu8); }
 void SiluMul(float* d, const float* g, const float* u, int64_t n) {
-  Map2(d, g, u, n, [](__m256 x, __m256 y) { return _mm256_mul_ps(Silu8(x), y); },
-       [](float x, float y) { return Silu1(x) * y; });
+  Map2(d, g, u, n, [](__m256 x, __m256 y) { return _mm256_mul_ps(Silu8(x), y); });
 }
 void Duplicate(float* d, float v, int64_t n) {
   __m256 x = _mm256_set1_ps(v);
