@@ -218,3 +218,19 @@ def test_non_contiguous_inputs():
     x = torch.randn(3, 40)[:, ::2]
     w = torch.randn(20, 7).T
     assert_close(atb.kernels.linear(x, w), linear_ref(x, w), scale=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [3, 40])   # STREAM and GEMM kernels
+def test_swiglu_epilogue_adds_both_biases(dtype, m):
+    # The decode graph hands gate and up biases to the SWIGLU epilogue (the Python wrapper has none).
+    k, n = 129, 70
+    x = torch.randn(m, k).to(dtype)
+    g, u = (torch.randn(n, k) / k ** 0.5).to(dtype), (torch.randn(n, k) / k ** 0.5).to(dtype)
+    gb, ub = torch.randn(n).to(dtype), torch.randn(n).to(dtype)
+    out = torch.empty(m, n, dtype=dtype)
+    _C.linear(x.data_ptr(), m, k, [(g.data_ptr(), gb.data_ptr(), out.data_ptr(), n), (u.data_ptr(), ub.data_ptr(), 0, n)],
+              0, 2, DTYPE_CODES[dtype], atb.get_soc("host"))
+    gate = atb.kernels.linear(x, g, gb).double()
+    want = (torch.nn.functional.silu(gate) * atb.kernels.linear(x, u, ub).double())
+    assert_close(out, want)

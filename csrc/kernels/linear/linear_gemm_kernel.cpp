@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "ascendc/kernel_operator.h"
+#include "linear_io.h"
 #include "linear_tiling.h"
 
 using namespace AscendC;
@@ -21,28 +22,19 @@ namespace atb {
 namespace {
 
 template <typename T>
-class KernelLinearGemm {
+class KernelLinearGemm : LinearIo<T> {
   static constexpr bool kFloat = std::is_same<T, float>::value;
+  using Io = LinearIo<T>;
+  using Io::t_, Io::ep_, Io::streams_, Io::pipe_, Io::xGm_, Io::wGm_;
 
  public:
   void Init(GM_ADDR x, const LinearSegment* segs, GM_ADDR residual, const LinearTilingData& t) {
-    t_ = t;
-    ep_ = LinearEpilogue(t.tilingKey % 10);
-    streams_ = ep_ == LINEAR_SWIGLU ? 2 : 1;
-    xGm_.SetGlobalBuffer(reinterpret_cast<T*>(x));
-    for (int64_t s = 0; s < t.numSegments; ++s) {
-      wGm_[s].SetGlobalBuffer(reinterpret_cast<T*>(const_cast<void*>(segs[s].weight)));
-      bias_[s] = reinterpret_cast<const T*>(segs[s].bias);
-      yGm_[s].SetGlobalBuffer(reinterpret_cast<T*>(segs[s].out));
-    }
-    if (ep_ == LINEAR_RESIDUAL) rGm_.SetGlobalBuffer(reinterpret_cast<T*>(residual));
+    Io::InitIo(x, segs, residual, t);
     for (int st = 0; st < streams_; ++st) {
       pipe_.InitBuffer(bBuf_[st], t.kTile * t.nTile * sizeof(float));
       pipe_.InitBuffer(cBuf_[st], t.mPass * t.nTile * sizeof(float));
     }
     if (!kFloat) pipe_.InitBuffer(aBuf_, t.mTile * t.kTile * sizeof(float));
-    pipe_.InitBuffer(outQue_, BUFFER_NUM, t.mTile * t.nTile * sizeof(T));
-    if (ep_ == LINEAR_RESIDUAL) pipe_.InitBuffer(resQue_, BUFFER_NUM, t.mTile * t.nTile * sizeof(T));
   }
 
   void Process() {
@@ -75,9 +67,11 @@ class KernelLinearGemm {
     }
     for (int64_t mt0 = 0; mt0 < mp; mt0 += t_.mTile) {
       int64_t mt = std::min(t_.mTile, mp - mt0);
-      if (ep_ == LINEAR_RESIDUAL) CopyInResidual(row, m0 + mt0, mt, nt);
-      Epilogue(s, row, mt0, mt, nt);
-      CopyOut(s, row, m0 + mt0, mt, nt);
+      if (ep_ == LINEAR_RESIDUAL) Io::CopyInResidual(row, m0 + mt0, mt, nt);
+      float* gate = cBuf_[0].Get<float>().GetPhyAddr(mt0 * t_.nTile);
+      float* up = streams_ == 2 ? cBuf_[1].Get<float>().GetPhyAddr(mt0 * t_.nTile) : nullptr;
+      Io::Epilogue(s, row, gate, up, t_.nTile, mt, nt);
+      Io::CopyOut(s, row, m0 + mt0, mt, nt);
     }
   }
 
@@ -109,77 +103,14 @@ class KernelLinearGemm {
       MmadNN(cBuf_[st].Get<float>().GetPhyAddr(mt0 * t_.nTile), a, bBuf_[st].Get<float>().GetPhyAddr(), p);
   }
 
-  void CopyInResidual(int64_t row, int64_t m, int64_t mt, int64_t nt) {
-    LocalTensor<T> r = resQue_.AllocTensor<T>();
-    int64_t n = t_.segRows[0];
-    for (int64_t i = 0; i < mt; ++i) DataCopy(r[i * nt], rGm_[(m + i) * n + row], nt);
-    resQue_.EnQue(r);
-  }
-
-  // The roundings HF performs between its separate ops (see linear_tiling.h), then T out.
-  void Epilogue(int s, int64_t row, int64_t mt0, int64_t mt, int64_t nt) {
-    float* c = cBuf_[0].Get<float>().GetPhyAddr(mt0 * t_.nTile);
-    const float* u = streams_ == 2 ? cBuf_[1].Get<float>().GetPhyAddr(mt0 * t_.nTile) : nullptr;
-    const T* bias = bias_[s];
-    LocalTensor<T> r;
-    if (ep_ == LINEAR_RESIDUAL) r = resQue_.DeQue<T>();
-    LocalTensor<T> y = outQue_.AllocTensor<T>();
-    for (int64_t i = 0; i < mt; ++i) {
-      float* ci = c + i * t_.nTile;
-      if (bias)
-        for (int64_t n = 0; n < nt; ++n) ci[n] += ToFloat(bias[row + n]);
-      if (ep_ == LINEAR_SWIGLU) {
-        const float* ui = u + i * t_.nTile;
-        for (int64_t n = 0; n < nt; ++n) ci[n] = RoundTo<T>(ci[n]);  // HF: gate = T(linear)
-        Simd().silu(ci, ci, nt);
-        for (int64_t n = 0; n < nt; ++n) ci[n] = RoundTo<T>(ci[n]) * RoundTo<T>(ui[n]);
-      } else if (ep_ == LINEAR_RESIDUAL) {
-        for (int64_t n = 0; n < nt; ++n) ci[n] = RoundTo<T>(ci[n]) + ToFloat(r.GetValue(i * nt + n));
-      }
-      CastRaw<T, float>(y.GetPhyAddr(i * nt), ci, nt);
-    }
-    if (ep_ == LINEAR_RESIDUAL) resQue_.FreeTensor(r);
-    outQue_.EnQue(y);
-  }
-
-  void CopyOut(int s, int64_t row, int64_t m, int64_t mt, int64_t nt) {
-    LocalTensor<T> y = outQue_.DeQue<T>();
-    int64_t n = t_.segRows[s];
-    for (int64_t i = 0; i < mt; ++i) DataCopy(yGm_[s][(m + i) * n + row], y[i * nt], nt);
-    outQue_.FreeTensor(y);
-  }
-
-  LinearTilingData t_;
-  LinearEpilogue ep_ = LINEAR_PLAIN;
-  int streams_ = 1;
-  TPipe pipe_;
   TBuf<TPosition::VECCALC> aBuf_, bBuf_[2], cBuf_[2];
-  TQue<QuePosition::VECOUT, BUFFER_NUM> outQue_;
-  TQue<QuePosition::VECIN, BUFFER_NUM> resQue_;
-  GlobalTensor<T> xGm_, rGm_, wGm_[kLinearMaxSegments], yGm_[kLinearMaxSegments];
-  const T* bias_[kLinearMaxSegments] = {nullptr, nullptr, nullptr};
 };
-
-template <typename T>
-void RunLinearGemm(GM_ADDR x, const LinearSegment* segs, GM_ADDR residual, const LinearTilingData& t) {
-  KernelLinearGemm<T> op;
-  op.Init(x, segs, residual, t);
-  op.Process();
-}
 
 }  // namespace
 
 void LinearGemm(const void* x, const LinearSegment* segs, const void* residual, const LinearTilingData& t,
                 const SocInfo& soc) {
-  auto gm = [](const void* p) { return reinterpret_cast<GM_ADDR>(const_cast<void*>(p)); };
-  auto kernel = [&]() {
-    switch (DataType(t.tilingKey / 10 % 10)) {
-      case DataType::FLOAT32: return RunLinearGemm<float>(gm(x), segs, gm(residual), t);
-      case DataType::FLOAT16: return RunLinearGemm<half>(gm(x), segs, gm(residual), t);
-      case DataType::BFLOAT16: return RunLinearGemm<bfloat16_t>(gm(x), segs, gm(residual), t);
-    }
-  };
-  KernelLaunch(t.blockDim, soc.ub_size, kernel);
+  LaunchLinearKernel<KernelLinearGemm>(x, segs, residual, t, soc);
 }
 
 }  // namespace atb

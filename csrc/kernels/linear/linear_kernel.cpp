@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "ascendc/kernel_operator.h"
+#include "linear_io.h"
 #include "linear_tiling.h"
 
 using namespace AscendC;
@@ -22,29 +23,21 @@ inline float SumLanes(const float* l) {
 }
 
 template <typename T>
-class KernelLinear {
+class KernelLinear : LinearIo<T> {
+  using Io = LinearIo<T>;
+  using Io::t_, Io::ep_, Io::streams_, Io::pipe_, Io::xGm_, Io::wGm_;
+
  public:
   void Init(GM_ADDR x, const LinearSegment* segs, GM_ADDR residual, const LinearTilingData& t) {
-    t_ = t;
-    ep_ = LinearEpilogue(t.tilingKey % 10);
-    streams_ = ep_ == LINEAR_SWIGLU ? 2 : 1;
+    Io::InitIo(x, segs, residual, t);
     first_ = GetBlockIdx() * t.blockFactor;
     last_ = std::min(t.rows, first_ + t.blockFactor);
-    xGm_.SetGlobalBuffer(reinterpret_cast<T*>(x));
-    for (int64_t s = 0; s < t.numSegments; ++s) {
-      wGm_[s].SetGlobalBuffer(reinterpret_cast<T*>(const_cast<void*>(segs[s].weight)));
-      bias_[s] = reinterpret_cast<const T*>(segs[s].bias);
-      yGm_[s].SetGlobalBuffer(reinterpret_cast<T*>(segs[s].out));
-    }
-    if (ep_ == LINEAR_RESIDUAL) rGm_.SetGlobalBuffer(reinterpret_cast<T*>(residual));
     int64_t mt = t.mTile, nt = t.nTile;
     pipe_.InitBuffer(xBuf_, mt * t.kTile * sizeof(float));
     for (int s = 0; s < streams_; ++s) {
       pipe_.InitBuffer(lanes_[s], mt * nt * 8 * sizeof(float));
       pipe_.InitBuffer(sums_[s], mt * nt * sizeof(float));
     }
-    pipe_.InitBuffer(outQue_, BUFFER_NUM, mt * nt * sizeof(T));
-    if (ep_ == LINEAR_RESIDUAL) pipe_.InitBuffer(resQue_, BUFFER_NUM, mt * nt * sizeof(T));
   }
 
   void Process() {
@@ -79,21 +72,15 @@ class KernelLinear {
     // The last K chunk (k0 below) is still in UB: finish with the scalar tail.
     int64_t kLast = (t_.k - 1) / t_.kTile * t_.kTile;
     for (int st = 0; st < streams_; ++st) Finish(st, st == 1 ? 1 : s, row, mt, nt, kLast, k8);
-    if (ep_ == LINEAR_RESIDUAL) CopyInResidual(s, row, m0, mt, nt);
-    Epilogue(s, row, mt, nt);
-    CopyOut(s, row, m0, mt, nt);
+    if (ep_ == LINEAR_RESIDUAL) Io::CopyInResidual(row, m0, mt, nt);
+    Io::Epilogue(s, row, sums_[0].Get<float>().GetPhyAddr(),
+                 streams_ == 2 ? sums_[1].Get<float>().GetPhyAddr() : nullptr, nt, mt, nt);
+    Io::CopyOut(s, row, m0, mt, nt);
   }
 
   void CopyInX(int64_t m0, int64_t mt, int64_t k0, int64_t kl) {
     LocalTensor<float> x = xBuf_.Get<float>();
     for (int64_t m = 0; m < mt; ++m) CastRaw<float, T>(x.GetPhyAddr(m * t_.kTile), xGm_.GetPhyAddr((m0 + m) * t_.k + k0), kl);
-  }
-
-  void CopyInResidual(int s, int64_t row, int64_t m0, int64_t mt, int64_t nt) {
-    LocalTensor<T> r = resQue_.AllocTensor<T>();
-    int64_t n = t_.segRows[s];
-    for (int64_t m = 0; m < mt; ++m) DataCopy(r[m * nt], rGm_[(m0 + m) * n + row], nt);
-    resQue_.EnQue(r);
   }
 
   // Cube step: lanes (+)= x[:, k0 : k0 + k8len] . W[row : row + nt, same]^T, per stream.
@@ -116,65 +103,23 @@ class KernelLinear {
     }
   }
 
-  // sums[m][n] = lanes reduced + the K % 8 tail (from the last x chunk) + bias.
+  // sums[m][n] = lanes reduced + the K % 8 tail (from the last x chunk); the epilogue adds the bias.
   void Finish(int st, int seg, int64_t row, int64_t mt, int64_t nt, int64_t kLast, int64_t k8) {
     const float* l = lanes_[st].Get<float>().GetPhyAddr();
     float* sums = sums_[st].Get<float>().GetPhyAddr();
     const float* x = xBuf_.Get<float>().GetPhyAddr();
     const T* w = wGm_[seg].GetPhyAddr(row * t_.k);
-    const T* b = bias_[seg];
     for (int64_t m = 0; m < mt; ++m)
       for (int64_t n = 0; n < nt; ++n) {
         float v = SumLanes(l + (m * nt + n) * 8);
         for (int64_t k = k8; k < t_.k; ++k) v += x[m * t_.kTile + (k - kLast)] * ToFloat(w[n * t_.k + k]);
-        if (b) v += ToFloat(b[row + n]);
         sums[m * nt + n] = v;
       }
   }
 
-  void Epilogue(int s, int64_t row, int64_t mt, int64_t nt) {
-    int64_t len = mt * nt;
-    float* a = sums_[0].Get<float>().GetPhyAddr();
-    LocalTensor<T> y = outQue_.AllocTensor<T>();
-    if (ep_ == LINEAR_SWIGLU) {
-      const float* u = sums_[1].Get<float>().GetPhyAddr();
-      for (int64_t i = 0; i < len; ++i) a[i] = RoundTo<T>(a[i]);  // HF: gate = T(linear)
-      Simd().silu(a, a, len);
-      for (int64_t i = 0; i < len; ++i) a[i] = RoundTo<T>(a[i]) * RoundTo<T>(u[i]);
-    } else if (ep_ == LINEAR_RESIDUAL) {
-      LocalTensor<T> r = resQue_.DeQue<T>();
-      for (int64_t i = 0; i < len; ++i) a[i] = RoundTo<T>(a[i]) + ToFloat(r.GetValue(i));
-      resQue_.FreeTensor(r);
-    }
-    CastRaw<T, float>(y.GetPhyAddr(), a, len);
-    outQue_.EnQue(y);
-  }
-
-  void CopyOut(int s, int64_t row, int64_t m0, int64_t mt, int64_t nt) {
-    LocalTensor<T> y = outQue_.DeQue<T>();
-    int64_t n = t_.segRows[s];
-    for (int64_t m = 0; m < mt; ++m) DataCopy(yGm_[s][(m0 + m) * n + row], y[m * nt], nt);
-    outQue_.FreeTensor(y);
-  }
-
-  LinearTilingData t_;
-  LinearEpilogue ep_ = LINEAR_PLAIN;
-  int streams_ = 1;
   int64_t first_ = 0, last_ = 0;
-  TPipe pipe_;
   TBuf<TPosition::VECCALC> xBuf_, lanes_[2], sums_[2];
-  TQue<QuePosition::VECOUT, BUFFER_NUM> outQue_;
-  TQue<QuePosition::VECIN, BUFFER_NUM> resQue_;
-  GlobalTensor<T> xGm_, rGm_, wGm_[kLinearMaxSegments], yGm_[kLinearMaxSegments];
-  const T* bias_[kLinearMaxSegments] = {nullptr, nullptr, nullptr};
 };
-
-template <typename T>
-void RunLinear(GM_ADDR x, const LinearSegment* segs, GM_ADDR residual, const LinearTilingData& t) {
-  KernelLinear<T> op;
-  op.Init(x, segs, residual, t);
-  op.Process();
-}
 
 }  // namespace
 
@@ -184,15 +129,7 @@ void Linear(const void* x, int64_t m, int64_t k, const LinearSegment* segs, int6
   for (int64_t s = 0; s < numSegments && s < kLinearMaxSegments; ++s) rows[s] = segs[s].n;
   LinearTilingData t = LinearTiling(m, k, rows, numSegments, ep, dtype, soc);
   if (t.tilingKey / 100 == LINEAR_GEMM) return LinearGemm(x, segs, residual, t, soc);
-  auto gm = [](const void* p) { return reinterpret_cast<GM_ADDR>(const_cast<void*>(p)); };
-  auto kernel = [&]() {
-    switch (DataType(t.tilingKey / 10 % 10)) {
-      case DataType::FLOAT32: return RunLinear<float>(gm(x), segs, gm(residual), t);
-      case DataType::FLOAT16: return RunLinear<half>(gm(x), segs, gm(residual), t);
-      case DataType::BFLOAT16: return RunLinear<bfloat16_t>(gm(x), segs, gm(residual), t);
-    }
-  };
-  KernelLaunch(t.blockDim, soc.ub_size, kernel);
+  LaunchLinearKernel<KernelLinear>(x, segs, residual, t, soc);
 }
 
 }  // namespace atb
