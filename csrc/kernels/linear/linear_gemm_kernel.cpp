@@ -39,8 +39,8 @@ class KernelLinearGemm : LinearIo<T> {
 
   void Process() {
     int64_t units = t_.nTiles * t_.mPasses;
-    int64_t first = GetBlockIdx() * t_.unitsPerBlock;
-    int64_t last = std::min(units, first + t_.unitsPerBlock);
+    int64_t first = GetBlockIdx() * t_.blockFactor;
+    int64_t last = std::min(units, first + t_.blockFactor);
     for (int64_t u = first; u < last; ++u) ProcessUnit(u / t_.mPasses, u % t_.mPasses);
   }
 

@@ -74,9 +74,8 @@ void GemmTiling(LinearTilingData& t, int64_t elt, LinearEpilogue ep, const Ascen
   t.mPasses = CeilDiv(t.m, t.mPass);
   int64_t units = t.nTiles * t.mPasses;
   int64_t cores = std::max<int64_t>(1, std::min(soc.cube_core_num, units));
-  t.unitsPerBlock = CeilDiv(units, cores);
-  t.blockDim = CeilDiv(units, t.unitsPerBlock);
-  t.blockFactor = t.unitsPerBlock;
+  t.blockFactor = CeilDiv(units, cores);
+  t.blockDim = CeilDiv(units, t.blockFactor);
   t.ubBytes = GemmUb(t.mPass, t.mTile, t.nTile, t.kTile, elt, ep);
 }
 

@@ -46,7 +46,8 @@ struct LinearTilingData {
   int64_t numSegments = 1;
   int64_t segRows[kLinearMaxSegments] = {0, 0, 0};
   int64_t blockDim = 1;
-  int64_t blockFactor = 0;  // weight rows per core (a multiple of 4, the micro-kernel's row block)
+  int64_t blockFactor = 0;  // STREAM: weight rows per core (a multiple of 4, the micro-kernel's row block);
+                            // GEMM: (row tile, M pass) work units per core
   int64_t mTile = 0;        // x rows per pass (decode: all of M; more passes re-stream the weights)
   int64_t nTile = 0;        // weight rows per UB tile
   int64_t kTile = 0;        // K columns per UB tile (a multiple of 64, or all of K)
@@ -54,7 +55,6 @@ struct LinearTilingData {
   int64_t mPass = 0;        // x rows whose fp32 accumulators stay in UB while one weight tile is packed
   int64_t nTiles = 0;       // row tiles over all segments (each inside one segment)
   int64_t mPasses = 0;
-  int64_t unitsPerBlock = 0;  // (row tile, M pass) units per core
   int64_t ubBytes = 0;
   int64_t tilingKey = 0;     // mode * 100 + dtype * 10 + epilogue
 };
