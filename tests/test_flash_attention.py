@@ -206,7 +206,7 @@ def test_bad_inputs_raise_clear_errors():
         fa(q, k[:9], v[:9], cu)
     with pytest.raises(ValueError, match="q must be 3-D"):
         fa(q[0], k, v, cu)
-    with pytest.raises(ValueError, match="window must be a positive int or None, got 0"):
+    with pytest.raises(ValueError, match="window must be None or an int >= 1, got 0"):
         fa(q, k, v, cu, window=0)
     with pytest.raises(ValueError, match="scale must be a finite real number"):
         fa(q, k, v, cu, scale=float("nan"))
