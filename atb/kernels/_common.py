@@ -86,8 +86,13 @@ def window_arg(op: str, window) -> int:
 
 
 def resolve_soc(soc_type, op: str | None = None, code: int = 0):
-    """The SocInfo for ``soc_type``; with ``op`` and a bf16 ``code``, checks the SoC has bf16 (error names op)."""
-    soc = _soc.get_soc(soc_type)
+    """The SocInfo for ``soc_type``. With ``op``, errors name it, and a bf16 ``code`` checks the SoC has bf16."""
+    try:
+        soc = _soc.get_soc(soc_type)
+    except (TypeError, ValueError) as e:
+        if op is None:
+            raise
+        raise type(e)(f"{op}: {e}") from None
     if code == 2 and op is not None and not soc.supports_bf16:
         raise ValueError(f"{op}: bfloat16 is not supported on {soc.name} (no bf16 vector unit); use float16 or float32")
     return soc

@@ -59,7 +59,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     if not isinstance(causal, bool):
         raise TypeError(f"{_OP}: causal must be a bool, got {type(causal).__name__}")
     window = window_arg(_OP, window)
-    soc = resolve_soc(soc_type)
+    soc = resolve_soc(soc_type, _OP)
     out = torch.empty(tokens, heads, head_dim, dtype=q.dtype)
     strides = [q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1)]
     # The C++ side validates cu_seqlens' values (and bf16 support on the SoC) before any work.

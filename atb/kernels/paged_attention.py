@@ -84,9 +84,11 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         q = q.contiguous()
         q_stride = q.stride()
     out = torch.empty((rows, num_heads, head_dim), dtype=q.dtype)
-    _C.paged_attention(out.data_ptr(), q.data_ptr(), q_stride[0] if rows else num_heads * head_dim,
+    # A single row's token stride is never used, and torch leaves any value there (e.g. a transposed view):
+    # .contiguous() keeps such a tensor as it is, so the kernel gets the packed stride.
+    _C.paged_attention(out.data_ptr(), q.data_ptr(), q_stride[0] if rows > 1 else num_heads * head_dim,
                        key_cache.data_ptr(), value_cache.data_ptr(), bt.data_ptr(), ctx.data_ptr(),
                        0 if ql is None else ql.data_ptr(), batch, num_heads, kv_heads, head_dim, num_blocks,
                        block_size, bt.shape[1], rows, scale, window, code,
-                       resolve_soc(soc_type))
+                       resolve_soc(soc_type, _OP))
     return out

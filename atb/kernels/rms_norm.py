@@ -34,7 +34,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, soc_ty
     cols = x.shape[-1]
     if x.numel():
         _C.rms_norm(y.data_ptr(), x.data_ptr(), weight.data_ptr(), x.numel() // cols, cols, code, eps,
-                    resolve_soc(soc_type))
+                    resolve_soc(soc_type, "rms_norm"))
     return y
 
 
@@ -59,5 +59,5 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     cols = x.shape[-1]
     if x.numel():
         _C.add_rms_norm(y.data_ptr(), h.data_ptr(), x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
-                        x.numel() // cols, cols, code, eps, resolve_soc(soc_type))
+                        x.numel() // cols, cols, code, eps, resolve_soc(soc_type, "add_rms_norm"))
     return y, h

@@ -10,14 +10,18 @@ _STYLES = {"neox": False, "interleave": True}
 
 
 def _check_inplace(name: str, t: torch.Tensor) -> None:
-    tokens, heads, head_dim = t.shape
     st = t.stride()
-    if head_dim > 1 and st[2] != 1:
+    if t.shape[2] > 1 and st[2] != 1:
         raise ValueError(f"rope: inplace=True needs {name}'s last dim contiguous, got strides {st}")
-    # Rows written in place must not overlap (an expanded or aliased view would race).
-    if (heads > 1 and st[1] < head_dim) or (tokens > 1 and st[0] < (heads - 1) * st[1] + head_dim):
-        raise ValueError(f"rope: inplace=True needs {name}'s rows not to overlap, got shape {tuple(t.shape)} "
-                         f"strides {st}")
+    # Rows written in place must not overlap (an expanded or aliased view would race). Walking the dims from
+    # the smallest stride up, each stride must clear everything the smaller ones reach: any token/head order
+    # (e.g. a transposed [heads, tokens, head_dim] buffer) passes, overlapping views do not.
+    reach = 1
+    for stride, n in sorted((s, n) for n, s in zip(t.shape, st) if n > 1):
+        if stride < reach:
+            raise ValueError(f"rope: inplace=True needs {name}'s rows not to overlap, got shape {tuple(t.shape)} "
+                             f"strides {st}")
+        reach += (n - 1) * stride
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -140,5 +144,5 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     qs, ks, qos, kos = q.stride(), k.stride(), q_out.stride(), k_out.stride()
     _C.rope(q_out.data_ptr(), qos[0], qos[1], k_out.data_ptr(), kos[0], kos[1], q.data_ptr(), qs[0], qs[1],
             k.data_ptr(), ks[0], ks[1], cos.data_ptr(), sin.data_ptr(), tokens, heads, kv_heads, head_dim, rotary, code,
-            ccode, interleave, resolve_soc(soc_type))
+            ccode, interleave, resolve_soc(soc_type, "rope"))
     return q_out, k_out
