@@ -281,3 +281,11 @@ def test_numpy_window_and_scale_and_non_numeric_scale():
     assert torch.equal(atb.kernels.flash_attention(q, k, v, cu, window=np.int32(3), scale=np.float64(0.25)), ref)
     with pytest.raises(TypeError, match="flash_attention: scale must be a real number, got str"):
         atb.kernels.flash_attention(q, k, v, cu, scale="0.25")
+
+
+def test_tiling_of_zero_work_has_no_units():
+    for cu in ([0], [0, 0, 0]):
+        t = flash_attention_tiling(cu, 4, 2, 16)
+        assert t["num_units"] == 0 and t["block_dim"] == 1
+    with pytest.raises(ValueError, match="flash_attention: cu_seqlens must have at least one entry"):
+        flash_attention_tiling([], 4, 2, 16)

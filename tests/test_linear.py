@@ -247,3 +247,11 @@ def test_zero_size_inputs():
         atb.kernels.linear(torch.empty(3, 0), torch.empty(5, 0))
     with pytest.raises(ValueError, match="linear: weight has N = 0 rows"):
         atb.kernels.linear(torch.randn(3, 8), torch.empty(0, 8))
+
+
+def test_tiling_rejects_zero_work():
+    host = atb.get_soc("host")
+    with pytest.raises(ValueError, match="linear tiling: M and K must be >= 1"):
+        _C.linear_tiling(0, 8, [4], 0, DTYPE_CODES[torch.float32], host)
+    with pytest.raises(ValueError, match="linear tiling: segment 0 has N=0"):
+        _C.linear_tiling(2, 8, [0], 0, DTYPE_CODES[torch.float32], host)

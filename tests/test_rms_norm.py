@@ -141,3 +141,11 @@ def test_zero_size_inputs(shape):
     assert atb.kernels.rms_norm(x, w).shape == x.shape
     y, h = atb.kernels.add_rms_norm(x, x, w)
     assert y.shape == h.shape == x.shape
+
+
+@pytest.mark.parametrize("rows,cols", [(0, 8), (8, 0), (0, 0)])
+def test_tiling_rejects_zero_work(rows, cols):
+    # The wrappers never launch empty work; the tiling itself refuses it instead of dividing by zero.
+    for residual, op in ((False, "rms_norm"), (True, "add_rms_norm")):
+        with pytest.raises(ValueError, match=f"^{op} tiling: rows and cols must be >= 1"):
+            _C.rms_norm_tiling(rows, cols, DTYPE_CODES[torch.float32], atb.get_soc("host"), residual)

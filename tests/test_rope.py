@@ -304,3 +304,9 @@ def test_zero_tokens():
     for inplace in (False, True):
         qo, ko = atb.kernels.rope(q, k, cos, sin, inplace=inplace)
         assert qo.shape == q.shape and ko.shape == k.shape
+
+
+def test_tiling_rejects_zero_work():
+    for tokens, heads, kv in ((0, 2, 1), (3, 0, 1), (3, 2, 0)):
+        with pytest.raises(ValueError, match="rope tiling: tokens, heads, kv_heads and"):
+            _C.rope_tiling(tokens, heads, kv, 8, 8, DTYPE_CODES[torch.float32], atb.get_soc("host"), -1, False)

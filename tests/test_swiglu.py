@@ -173,3 +173,9 @@ def test_zero_size_inputs(shape):
     g = torch.randn(shape)
     assert atb.kernels.silu_mul(g, g).shape == g.shape
     assert atb.kernels.swiglu(g).shape == (*shape[:-1], shape[-1] // 2)
+
+
+def test_tiling_rejects_zero_work():
+    for rows, cols in ((0, 8), (8, 0)):
+        with pytest.raises(ValueError, match="rows and cols must be >= 1"):
+            _C.swiglu_tiling(rows, cols, DTYPE_CODES[torch.float32], atb.get_soc("host"))
