@@ -24,12 +24,25 @@ class ParallelBuildExt(build_ext):
 
 sources = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "csrc", "**", "*.cpp"), recursive=True))
 
+compile_args = ["-O3", "-fno-math-errno", "-Wall", "-Wno-unused-function"]
+link_args = []
+# Opt-in sanitizer build, e.g. ATB_SANITIZE=address,undefined (README: "Sanitizer build"). -O1 keeps the
+# reports' stacks readable; python itself is not instrumented, so the runtime is LD_PRELOADed when testing.
+SANITIZE = os.environ.get("ATB_SANITIZE", "").strip()
+if SANITIZE:
+    if not all(part.isidentifier() or part.replace("-", "_").isidentifier() for part in SANITIZE.split(",")):
+        raise SystemExit(f"ATB_SANITIZE must be a comma-separated list of sanitizers, got {SANITIZE!r}")
+    sanitize_flags = [f"-fsanitize={SANITIZE}", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all", "-g"]
+    compile_args = ["-O1", "-fno-math-errno", "-Wall", "-Wno-unused-function"] + sanitize_flags
+    link_args = sanitize_flags
+
 ext = Pybind11Extension(
     "atb._C",
     sources,
     include_dirs=["csrc"],
     cxx_std=17,
-    extra_compile_args=["-O3", "-fno-math-errno", "-Wall", "-Wno-unused-function"],
+    extra_compile_args=compile_args,
+    extra_link_args=link_args,
 )
 
 setup(

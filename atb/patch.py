@@ -448,6 +448,8 @@ def check_model(model) -> PatchReport:
 
     An unsupported family is reported (every module ``unsupported``) rather than raised.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"check_model: model must be a torch.nn.Module (a loaded HF model), got {type(model).__name__}")
     import transformers
 
     options = dict(_DEFAULT_OPTIONS)

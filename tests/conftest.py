@@ -1,7 +1,20 @@
+import os
+
 import pytest
 import torch
 
 import atb
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-cases", type=int, default=None,
+                     help="cases for tests/test_fuzz.py (default: $ATB_FUZZ_CASES, else 300)")
+
+
+@pytest.fixture
+def fuzz_cases(request):
+    n = request.config.getoption("--fuzz-cases")
+    return n if n is not None else int(os.environ.get("ATB_FUZZ_CASES", "300"))
 
 
 @pytest.fixture(autouse=True)

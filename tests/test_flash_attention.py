@@ -206,7 +206,7 @@ def test_bad_inputs_raise_clear_errors():
         fa(q, k[:9], v[:9], cu)
     with pytest.raises(ValueError, match="q must be 3-D"):
         fa(q[0], k, v, cu)
-    with pytest.raises(ValueError, match="window must be a positive int or None, got 0"):
+    with pytest.raises(ValueError, match="window must be None or an int >= 1, got 0"):
         fa(q, k, v, cu, window=0)
     with pytest.raises(ValueError, match="scale must be a finite real number"):
         fa(q, k, v, cu, scale=float("nan"))
@@ -216,3 +216,76 @@ def test_bad_inputs_raise_clear_errors():
         fa(q.long(), k, v, cu)
     with pytest.raises(ValueError, match="unknown SoC"):
         fa(q, k, v, cu, soc_type="Ascend000")
+
+
+# ---- zero-size inputs and NaN propagation (as in SDPA) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("lens", [[], [0], [0, 0, 0], [0, 5, 0]])
+def test_zero_length_sequences(lens):
+    q, k, v, cu = make(lens, 4, 2, 16, torch.float32)
+    out = atb.kernels.flash_attention(q, k, v, cu)
+    assert out.shape == q.shape
+    assert_close(out, flash_attention_ref(q, k, v, cu))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_nan_in_q_or_k_propagates_like_sdpa(dtype, causal):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    lens = [70, 9]
+    q, k, v, cu = make(lens, 4, 2, 16, dtype)
+    q[3, 1, 0] = float("nan")      # sequence 0, position 3, head 1: only that output row
+    k[70 + 4, 0, 5] = float("nan")  # sequence 1, position 4, kv head 0: heads 0, 1 of the rows that see it
+    out = atb.kernels.flash_attention(q, k, v, cu, causal=causal)
+    ref = flash_attention_ref(q, k, v, cu, causal=causal)
+    expected = torch.zeros(79, 4, dtype=torch.bool)
+    expected[3, 1] = True
+    expected[70 + (4 if causal else 0):, :2] = True
+    assert torch.equal(torch.isnan(out).any(-1), expected) and torch.equal(torch.isnan(ref).any(-1), expected)
+    assert_close(out[~expected], ref[~expected], dtype)
+    # SDPA on the same inputs: its math path for NaN in q, and for a NaN key the rows that can see it.
+    def sdpa(s, e, backend):
+        qs, ks, vs = (t[s:e].float().transpose(0, 1)[None] for t in (q, k, v))
+        with sdpa_kernel(backend):
+            o = F.scaled_dot_product_attention(qs, ks.repeat_interleave(2, 1), vs.repeat_interleave(2, 1),
+                                               is_causal=causal)
+        return torch.isnan(o[0].transpose(0, 1)).any(-1)
+    assert torch.equal(sdpa(0, 70, SDPBackend.MATH), expected[:70])
+    assert torch.equal(sdpa(70, 79, SDPBackend.FLASH_ATTENTION), expected[70:])
+
+
+def test_nan_key_outside_the_window_is_not_read():
+    q, k, v, cu = make([40], 2, 1, 8, torch.float32)
+    k[2, 0, 0] = float("nan")
+    out = atb.kernels.flash_attention(q, k, v, cu, window=8)
+    assert torch.isnan(out[2:10]).any(-1).all() and torch.isfinite(out[10:]).all() and torch.isfinite(out[:2]).all()
+
+
+def test_inf_score_gives_nan_like_softmax():
+    q, k, v, cu = make([20], 1, 1, 8, torch.float32)
+    q[:] = 1.0
+    k[4] = float("inf")
+    out = atb.kernels.flash_attention(q, k, v, cu)
+    assert torch.equal(torch.isnan(out).any(-1), torch.isnan(flash_attention_ref(q, k, v, cu)).any(-1))
+    assert torch.isnan(out[4:]).all() and torch.isfinite(out[:4]).all()
+
+
+def test_numpy_window_and_scale_and_non_numeric_scale():
+    import numpy as np
+
+    q, k, v, cu = make([12], 2, 1, 8, torch.float32)
+    ref = atb.kernels.flash_attention(q, k, v, cu, window=3, scale=0.25)
+    assert torch.equal(atb.kernels.flash_attention(q, k, v, cu, window=np.int32(3), scale=np.float64(0.25)), ref)
+    with pytest.raises(TypeError, match="flash_attention: scale must be a real number, got str"):
+        atb.kernels.flash_attention(q, k, v, cu, scale="0.25")
+
+
+def test_tiling_of_zero_work_has_no_units():
+    for cu in ([0], [0, 0, 0]):
+        t = flash_attention_tiling(cu, 4, 2, 16)
+        assert t["num_units"] == 0 and t["block_dim"] == 1
+    with pytest.raises(ValueError, match="flash_attention: cu_seqlens must have at least one entry"):
+        flash_attention_tiling([], 4, 2, 16)

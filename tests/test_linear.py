@@ -234,3 +234,24 @@ def test_swiglu_epilogue_adds_both_biases(dtype, m):
     gate = atb.kernels.linear(x, g, gb).double()
     want = (torch.nn.functional.silu(gate) * atb.kernels.linear(x, u, ub).double())
     assert_close(out, want)
+
+
+def test_zero_size_inputs():
+    # M = 0 is an empty result; K = 0 or N = 0 is rejected with the op and argument named.
+    w = torch.randn(5, 8)
+    assert atb.kernels.linear(torch.empty(0, 8), w).shape == (0, 5)
+    assert [t.shape for t in atb.kernels.linear_multi(torch.empty(0, 8), [w, w[:2]])] == [(0, 5), (0, 2)]
+    assert atb.kernels.linear_residual(torch.empty(0, 8), w, torch.empty(0, 5)).shape == (0, 5)
+    assert atb.kernels.linear_swiglu(torch.empty(0, 8), w, w).shape == (0, 5)
+    with pytest.raises(ValueError, match="linear: x has K = 0 columns"):
+        atb.kernels.linear(torch.empty(3, 0), torch.empty(5, 0))
+    with pytest.raises(ValueError, match="linear: weight has N = 0 rows"):
+        atb.kernels.linear(torch.randn(3, 8), torch.empty(0, 8))
+
+
+def test_tiling_rejects_zero_work():
+    host = atb.get_soc("host")
+    with pytest.raises(ValueError, match="linear tiling: M and K must be >= 1"):
+        _C.linear_tiling(0, 8, [4], 0, DTYPE_CODES[torch.float32], host)
+    with pytest.raises(ValueError, match="linear tiling: segment 0 has N=0"):
+        _C.linear_tiling(2, 8, [0], 0, DTYPE_CODES[torch.float32], host)

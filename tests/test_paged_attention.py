@@ -7,7 +7,7 @@ import atb
 from atb import _C
 from atb.kernels._common import DTYPE_CODES
 from conftest import ALL_SOCS
-from reference import DTYPES, assert_close, paged_attention_ref
+from reference import DTYPES, assert_close, gather_kv, paged_attention_ref
 
 
 def _paged_cache(context_lens, block_size, kv_heads, head_dim, dtype, spare_blocks=3):
@@ -164,3 +164,88 @@ def test_bad_inputs_raise_clear_errors():
         pa(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), bt, ctx, soc_type="Ascend310P3")
     with pytest.raises(ValueError, match="key_cache must be 4-D"):
         pa(q, kc[0], vc[0], bt, ctx)
+
+
+# ---- bad input never kills the process; NaN propagates as in SDPA ----------------------------------------------
+
+
+@pytest.mark.parametrize("soc", ["host", "Ascend910B4"])
+def test_all_q_lens_zero_is_an_empty_result(soc):
+    # Zero work items once gave blockFactor 0 and a division by it (SIGFPE).
+    kc = torch.randn(1, 4, 1, 8)
+    bt, ctx = torch.tensor([[0]], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
+    out = atb.kernels.paged_attention(torch.empty(0, 2, 8), kc, kc, bt, ctx, q_lens=torch.tensor([0], dtype=torch.int32),
+                                      soc_type=soc)
+    assert out.shape == (0, 2, 8)
+    ql = torch.tensor([0], dtype=torch.int32)
+    t = _C.paged_attention_tiling(1, 2, 1, 8, 1, 4, 1, ctx.data_ptr(), ql.data_ptr(), 0, 0, DTYPE_CODES[torch.float32],
+                                  atb.get_soc(soc))
+    assert t["num_items"] == 0 and t["block_dim"] == 1
+
+
+def test_some_q_lens_zero():
+    kc, vc, bt, ctx = _paged_cache([5, 9, 3], 4, 2, 16, torch.float32)
+    ql = torch.tensor([0, 3, 0], dtype=torch.int32)
+    _check(torch.randn(3, 4, 16), kc, vc, bt, ctx, torch.float32, q_lens=ql)
+
+
+def _nan_rows(out):
+    return torch.isnan(out).any(-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_nan_in_q_or_k_propagates_like_sdpa(dtype, block_size):
+    # 600 keys: the key range is split over cores (flash-decoding) and merged, so both paths carry NaN.
+    ctx_lens = [600, 37]
+    kc, vc, bt, ctx = _paged_cache(ctx_lens, block_size, 2, 16, dtype)
+    q = torch.randn(2, 4, 16).to(dtype)
+    q[1, 3, 5] = float("nan")                     # sequence 1, head 3 (kv head 1)
+    pos = 100                                     # a key of sequence 0, kv head 0, visible to its query
+    kc[bt[0, pos // block_size], pos % block_size, 0, 7] = float("nan")
+    out = atb.kernels.paged_attention(q, kc, vc, bt, ctx)
+    ref = paged_attention_ref(q, kc, vc, bt, ctx)
+    expected = torch.zeros(2, 4, dtype=torch.bool)
+    expected[1, 3] = True
+    expected[0, :2] = True                        # heads 0 and 1 read kv head 0
+    assert torch.equal(_nan_rows(out), expected) and torch.equal(_nan_rows(ref), expected)
+    assert_close(out[~expected], ref[~expected], dtype)
+    # SDPA on the same inputs: the rows that see the NaN key are NaN there too.
+    k0 = gather_kv(kc, bt[0], 600).transpose(0, 1).repeat_interleave(2, 0).float()
+    v0 = gather_kv(vc, bt[0], 600).transpose(0, 1).repeat_interleave(2, 0).float()
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q[0].float()[:, None], k0, v0)
+    assert torch.equal(_nan_rows(sdpa[:, 0]), expected[0])
+
+
+def test_nan_key_outside_the_window_or_context_is_not_read():
+    kc, vc, bt, ctx = _paged_cache([40], 16, 1, 8, torch.float32)
+    kc[bt[0, 0], 2, 0, 0] = float("nan")          # position 2: outside a window of 8 at position 39
+    kc[bt[0, 2], 15, 0, 0] = float("nan")         # position 47: past the context
+    out = _check(torch.randn(1, 2, 8), kc, vc, bt, ctx, torch.float32, window=8)
+    assert torch.isfinite(out).all()
+
+
+def test_inf_score_gives_nan_like_softmax():
+    kc, vc, bt, ctx = _paged_cache([20], 16, 1, 8, torch.float32)
+    kc[bt[0, 0], 4, 0] = float("inf")
+    q = torch.ones(1, 1, 8)
+    out = atb.kernels.paged_attention(q, kc, vc, bt, ctx)
+    assert torch.isnan(out).all() and torch.isnan(paged_attention_ref(q, kc, vc, bt, ctx)).all()
+
+
+def test_scale_and_window_arguments_are_validated_like_flash_attention():
+    import numpy as np
+
+    kc, vc, bt, ctx = _paged_cache([6], 4, 1, 8, torch.float32)
+    q = torch.randn(1, 2, 8)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match="paged_attention: scale must be a finite real number"):
+            atb.kernels.paged_attention(q, kc, vc, bt, ctx, scale=bad)
+    with pytest.raises(TypeError, match="paged_attention: scale must be a real number, got str"):
+        atb.kernels.paged_attention(q, kc, vc, bt, ctx, scale="0.5")
+    _check(q, kc, vc, bt, ctx, torch.float32, window=3)
+    out = atb.kernels.paged_attention(q, kc, vc, bt, ctx, window=np.int64(3), scale=np.float32(0.3))
+    assert torch.equal(out, atb.kernels.paged_attention(q, kc, vc, bt, ctx, window=3, scale=float(np.float32(0.3))))
+    for bad in (0, True, 2.5, "3"):
+        with pytest.raises(ValueError, match="paged_attention: window must be None or an int >= 1"):
+            atb.kernels.paged_attention(q, kc, vc, bt, ctx, window=bad)

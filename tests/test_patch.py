@@ -132,6 +132,12 @@ def test_patch_twice_and_repatch_with_other_options():
     torch.testing.assert_close(out, model(ids).logits, atol=1e-5, rtol=1e-5)
 
 
+def test_check_model_rejects_a_non_module():
+    for bad in (None, "HuggingFaceTB/SmolLM2-135M", 3):
+        with pytest.raises(TypeError, match="check_model: model must be a torch.nn.Module"):
+            atb.check_model(bad)
+
+
 def test_report_and_check_model():
     model = _tiny("llama-gqa")
     check = atb.check_model(model)

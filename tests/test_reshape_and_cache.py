@@ -107,3 +107,11 @@ def test_bad_inputs_raise_clear_errors():
         rc(k.bfloat16(), k.bfloat16(), kc.bfloat16(), vc.bfloat16(), s, soc_type="Ascend910")
     with pytest.raises(ValueError, match="slot_mapping\\[0\\] = 64 is out of range"):
         rc(k, k, kc, vc, torch.tensor([64, 1, 2]))
+
+
+def test_zero_tokens_write_nothing():
+    kc, vc = _cache(3, 4, 2, 8, torch.float32)
+    kc0, vc0 = kc.clone(), vc.clone()
+    e = torch.empty(0, 2, 8)
+    atb.kernels.reshape_and_cache(e, e, kc, vc, torch.empty(0, dtype=torch.int32))
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0)

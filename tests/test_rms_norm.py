@@ -97,3 +97,55 @@ def test_bad_inputs_raise_clear_errors():
         atb.kernels.add_rms_norm(x, torch.randn(4, 9), torch.randn(8))
     with pytest.raises(ValueError, match="unknown SoC"):
         atb.kernels.rms_norm(x, torch.randn(8), soc_type="Ascend000")
+
+
+# ---- temporaries, argument checks, zero-size inputs ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_contiguous_weight_is_kept_alive(dtype):
+    # weight.contiguous() was a temporary freed before the kernel read it (garbage up to 1e28, or a segfault).
+    x, r = torch.randn(4, 4096).to(dtype), torch.randn(4, 4096).to(dtype)
+    w = torch.rand(8192).to(dtype)[::2]
+    for _ in range(3):
+        assert torch.equal(atb.kernels.rms_norm(x, w), atb.kernels.rms_norm(x, w.contiguous()))
+        y, h = atb.kernels.add_rms_norm(x, r, w)
+        y2, h2 = atb.kernels.add_rms_norm(x, r, w.contiguous())
+        assert torch.equal(y, y2) and torch.equal(h, h2)
+    assert_close(atb.kernels.rms_norm(x, w), rms_norm_ref(x, w, 1e-6))
+
+
+def test_eps_is_checked_and_errors_name_the_op():
+    import numpy as np
+
+    x, w = torch.randn(3, 8), torch.ones(8)
+    assert torch.equal(atb.kernels.rms_norm(x, w, np.float32(1e-5)), atb.kernels.rms_norm(x, w, float(np.float32(1e-5))))
+    for op, call in (("rms_norm", lambda eps: atb.kernels.rms_norm(x, w, eps)),
+                     ("add_rms_norm", lambda eps: atb.kernels.add_rms_norm(x, x, w, eps))):
+        with pytest.raises(TypeError, match=f"^{op}: eps must be a real number, got str"):
+            call("1e-6")
+        for bad in (float("nan"), float("inf"), -1.0):
+            with pytest.raises(ValueError, match=f"^{op}: eps must be a finite real number"):
+                call(bad)
+    with pytest.raises(ValueError, match="^add_rms_norm: bfloat16 is not supported on Ascend910"):
+        xb = x.bfloat16()
+        atb.kernels.add_rms_norm(xb, xb, w.bfloat16(), soc_type="Ascend910")
+    with pytest.raises(ValueError, match="^add_rms_norm: weight has shape"):
+        atb.kernels.add_rms_norm(x, x, torch.ones(7))
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (3, 0), (0,), (2, 0, 5)])
+def test_zero_size_inputs(shape):
+    x = torch.randn(shape)
+    w = torch.ones(shape[-1])
+    assert atb.kernels.rms_norm(x, w).shape == x.shape
+    y, h = atb.kernels.add_rms_norm(x, x, w)
+    assert y.shape == h.shape == x.shape
+
+
+@pytest.mark.parametrize("rows,cols", [(0, 8), (8, 0), (0, 0)])
+def test_tiling_rejects_zero_work(rows, cols):
+    # The wrappers never launch empty work; the tiling itself refuses it instead of dividing by zero.
+    for residual, op in ((False, "rms_norm"), (True, "add_rms_norm")):
+        with pytest.raises(ValueError, match=f"^{op} tiling: rows and cols must be >= 1"):
+            _C.rms_norm_tiling(rows, cols, DTYPE_CODES[torch.float32], atb.get_soc("host"), residual)

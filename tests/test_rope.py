@@ -236,3 +236,77 @@ def test_bad_inputs_raise_clear_errors():
         rope(q[:, :0], k, cos, sin)
     with pytest.raises(ValueError, match="unknown SoC"):
         rope(q, k, cos, sin, soc_type="Ascend000")
+
+
+# ---- in place with q and k sharing memory ------------------------------------------------------------------------
+
+
+def test_inplace_rejects_k_overlapping_q():
+    cos, sin = hf_cos_sin(5, 16, torch.float32)
+    buf = torch.randn(5, 6, 16)
+    q, k = buf[:, :4], buf[:, 2:6]             # heads 2 and 3 are in both
+    before = buf.clone()
+    with pytest.raises(ValueError, match="rope: inplace=True needs q and k not to overlap in memory"):
+        atb.kernels.rope(q, k, cos, sin, inplace=True)
+    assert torch.equal(buf, before)            # rejected before anything was written
+    with pytest.raises(ValueError, match="q and k not to overlap"):
+        atb.kernels.rope(buf, buf, cos, sin, inplace=True)
+    # the same views out of place are fine: inputs are only read
+    qo, ko = atb.kernels.rope(q, k, cos, sin)
+    assert_close(qo, rope_ref(q, cos, sin))
+    assert_close(ko, rope_ref(k, cos, sin))
+
+
+def test_inplace_rejects_interleaved_overlap_and_cos_in_q():
+    cos, sin = hf_cos_sin(4, 8, torch.float32)
+    buf = torch.randn(4 * 3 * 8 + 8)
+    q = buf[:96].view(4, 3, 8)
+    k = buf[8:104].view(4, 3, 8)[:, :1]        # token t's k row is q's head 1 of token t
+    with pytest.raises(ValueError, match="q and k not to overlap"):
+        atb.kernels.rope(q, k, cos, sin, inplace=True)
+    qq = torch.randn(4, 2, 8)
+    before = qq.clone()
+    with pytest.raises(ValueError, match="rope: inplace=True needs cos/sin not to overlap q or k"):
+        atb.kernels.rope(qq, torch.randn(4, 1, 8), qq.view(-1)[:32].view(4, 8), sin, inplace=True)
+    assert torch.equal(qq, before)
+    # a strided cos is copied before the kernel runs, so it may alias q
+    q_ref = rope_ref(qq, qq[:, 0].clone(), sin)
+    atb.kernels.rope(qq, torch.randn(4, 1, 8), qq[:, 0], sin, inplace=True)
+    assert_close(qq, q_ref)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_inplace_on_fused_qkv_views_is_allowed(tokens):
+    # q, k, v sliced from one QKV projection output share storage but never an element.
+    heads, kv, d = 4, 2, 16
+    cos, sin = hf_cos_sin(tokens, d, torch.float32)
+    qkv = torch.randn(tokens, (heads + 2 * kv) * d)
+    q = qkv[:, :heads * d].view(tokens, heads, d)
+    k = qkv[:, heads * d:(heads + kv) * d].view(tokens, kv, d)
+    q_ref, k_ref = rope_ref(q, cos, sin), rope_ref(k, cos, sin)
+    v_before = qkv[:, (heads + kv) * d:].clone()
+    atb.kernels.rope(q, k, cos, sin, inplace=True)
+    assert_close(q, q_ref)
+    assert_close(k, k_ref)
+    assert torch.equal(qkv[:, (heads + kv) * d:], v_before)
+    # k before q in the row, and q's heads with gaps between them, go through the exact check
+    qkv = torch.randn(tokens, 2, 3, d)
+    q, k = qkv[:, 0, ::2], qkv[:, 0, 1:2]
+    q_ref, k_ref = rope_ref(q, cos, sin), rope_ref(k, cos, sin)
+    atb.kernels.rope(q, k, cos, sin, inplace=True)
+    assert_close(q, q_ref)
+    assert_close(k, k_ref)
+
+
+def test_zero_tokens():
+    cos, sin = hf_cos_sin(0, 8, torch.float32)
+    q, k = torch.randn(0, 2, 8), torch.randn(0, 1, 8)
+    for inplace in (False, True):
+        qo, ko = atb.kernels.rope(q, k, cos, sin, inplace=inplace)
+        assert qo.shape == q.shape and ko.shape == k.shape
+
+
+def test_tiling_rejects_zero_work():
+    for tokens, heads, kv in ((0, 2, 1), (3, 0, 1), (3, 2, 0)):
+        with pytest.raises(ValueError, match="rope tiling: tokens, heads, kv_heads and"):
+            _C.rope_tiling(tokens, heads, kv, 8, 8, DTYPE_CODES[torch.float32], atb.get_soc("host"), -1, False)

@@ -137,3 +137,45 @@ def test_bad_inputs_raise_clear_errors():
         atb.kernels.swiglu(torch.tensor(1.0))
     with pytest.raises(ValueError, match="unknown SoC"):
         atb.kernels.swiglu(torch.randn(2, 8), soc_type="Ascend000")
+
+
+@pytest.mark.parametrize("isa", ["auto", "portable"])
+def test_non_finite_gate_matches_torch(isa):
+    # silu(-inf) = -inf * sigmoid(-inf) = -inf * 0 = nan in torch; the AVX2 exp clamp once gave -inf.
+    g = torch.tensor([-float("inf"), float("inf"), float("nan"), -1e30, 1e30, 0.0] * 3)
+    u = torch.tensor([2.0, -3.0, 1.0, 1.0, 0.5, float("inf")] * 3)
+    atb.set_isa(isa)
+    try:
+        for dtype in DTYPES:
+            gd, ud = g.to(dtype), u.to(dtype)
+            out = atb.kernels.silu_mul(gd, ud)
+            expected = (F.silu(gd) * ud)
+            assert torch.equal(torch.isnan(out), torch.isnan(expected)), (dtype, out, expected)
+            finite = ~torch.isnan(expected)
+            assert_close(out[finite], expected[finite])
+            assert torch.isnan(atb.kernels.swiglu(torch.cat([gd, ud]))[0])
+    finally:
+        atb.set_isa("auto")
+
+
+def test_errors_name_the_op_called():
+    x = torch.randn(2, 8).bfloat16()
+    with pytest.raises(ValueError, match="^silu_mul: bfloat16 is not supported on Ascend910"):
+        atb.kernels.silu_mul(x, x, soc_type="Ascend910")
+    with pytest.raises(ValueError, match="^swiglu: bfloat16 is not supported on Ascend910"):
+        atb.kernels.swiglu(x, soc_type="Ascend910")
+    with pytest.raises(ValueError, match="^silu_mul: up has shape"):
+        atb.kernels.silu_mul(x, x[:, :4])
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (3, 0), (0,), (2, 0, 6)])
+def test_zero_size_inputs(shape):
+    g = torch.randn(shape)
+    assert atb.kernels.silu_mul(g, g).shape == g.shape
+    assert atb.kernels.swiglu(g).shape == (*shape[:-1], shape[-1] // 2)
+
+
+def test_tiling_rejects_zero_work():
+    for rows, cols in ((0, 8), (8, 0)):
+        with pytest.raises(ValueError, match="rows and cols must be >= 1"):
+            _C.swiglu_tiling(rows, cols, DTYPE_CODES[torch.float32], atb.get_soc("host"))

@@ -6,6 +6,9 @@ sit on the decode hot path, so each is a handful of attribute reads.
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from atb import soc as _soc
@@ -54,5 +57,42 @@ def same_dtype(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Te
         raise TypeError(f"{op}: {name} is {t.dtype} but {ref_name} is {ref.dtype}; they must match")
 
 
-def resolve_soc(soc_type):
-    return _soc.get_soc(soc_type)
+def real_arg(op: str, name: str, value, *, min_value: float | None = None) -> float:
+    """A finite real scalar argument (scale, eps) as a float; numpy scalars are accepted.
+
+    Non-numbers raise TypeError, nan/inf (and values below ``min_value``) ValueError, naming op and argument.
+    """
+    if type(value) is not float:  # the common case skips the ABC check
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            raise TypeError(f"{op}: {name} must be a real number, got {type(value).__name__} {value!r}")
+        value = float(value)
+    if not math.isfinite(value) or (min_value is not None and value < min_value):
+        bound = "" if min_value is None else f" >= {min_value}"
+        raise ValueError(f"{op}: {name} must be a finite real number{bound}, got {value!r}")
+    return value
+
+
+# Positions are int32, so a window this wide already covers every context.
+_WINDOW_CAP = 2**31 - 1
+
+
+def window_arg(op: str, window) -> int:
+    """Sliding window as the kernels take it: 0 for None, else an int >= 1 (numpy integers accepted)."""
+    if window is None:
+        return 0
+    if not isinstance(window, numbers.Integral) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"{op}: window must be None or an int >= 1, got {window!r}")
+    return min(int(window), _WINDOW_CAP)
+
+
+def resolve_soc(soc_type, op: str | None = None, code: int = 0):
+    """The SocInfo for ``soc_type``. With ``op``, errors name it, and a bf16 ``code`` checks the SoC has bf16."""
+    try:
+        soc = _soc.get_soc(soc_type)
+    except (TypeError, ValueError) as e:
+        if op is None:
+            raise
+        raise type(e)(f"{op}: {e}") from None
+    if code == 2 and op is not None and not soc.supports_bf16:
+        raise ValueError(f"{op}: bfloat16 is not supported on {soc.name} (no bf16 vector unit); use float16 or float32")
+    return soc

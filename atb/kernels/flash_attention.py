@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
 from atb import _C
-from atb.kernels._common import float_code, int_tensor, resolve_soc, same_dtype
+from atb.kernels._common import float_code, int_tensor, real_arg, resolve_soc, same_dtype, window_arg
 
 _OP = "flash_attention"
 MAX_HEAD_DIM = 256
@@ -56,22 +55,16 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     cu = int_tensor(_OP, "cu_seqlens", cu_seqlens, ndim=1)
     if cu.numel() < 1:
         raise ValueError(f"{_OP}: cu_seqlens must have batch + 1 >= 1 entries, got 0")
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    elif not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not math.isfinite(scale):
-        raise ValueError(f"{_OP}: scale must be a finite real number, got {scale!r}")
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else real_arg(_OP, "scale", scale)
     if not isinstance(causal, bool):
         raise TypeError(f"{_OP}: causal must be a bool, got {type(causal).__name__}")
-    if window is None:
-        window = 0
-    elif not isinstance(window, numbers.Integral) or isinstance(window, bool) or window < 1:
-        raise ValueError(f"{_OP}: window must be a positive int or None, got {window!r}")
-    soc = resolve_soc(soc_type)
+    window = window_arg(_OP, window)
+    soc = resolve_soc(soc_type, _OP)
     out = torch.empty(tokens, heads, head_dim, dtype=q.dtype)
     strides = [q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1)]
     # The C++ side validates cu_seqlens' values (and bf16 support on the SoC) before any work.
     _C.flash_attention(out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), cu.data_ptr(), cu.numel() - 1,
-                       tokens, heads, kv_heads, head_dim, strides, code, float(scale), causal, int(window), soc)
+                       tokens, heads, kv_heads, head_dim, strides, code, scale, causal, window, soc)
     return out
 
 

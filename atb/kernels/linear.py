@@ -9,6 +9,8 @@ run instead is the callers' choice, made by ``native_linear_wins`` (used by
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from atb import _C
@@ -80,7 +82,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
     if x.shape[0]:
         _C.linear(x.data_ptr(), x.shape[0], x.shape[1], [(weight.data_ptr(), _ptr(bias), out.data_ptr(), weight.shape[0])],
-                  0, _PLAIN, code, resolve_soc(soc_type))
+                  0, _PLAIN, code, resolve_soc(soc_type, "linear", code))
     return out
 
 
@@ -109,7 +111,8 @@ def linear_multi(x: torch.Tensor, weights, biases=None, *, soc_type: str | None 
         outs.append(out)
         segs.append((w.data_ptr(), _ptr(b), out.data_ptr(), w.shape[0]))
     if x.shape[0]:
-        _C.linear(x.data_ptr(), x.shape[0], x.shape[1], segs, 0, _PLAIN, code, resolve_soc(soc_type))
+        _C.linear(x.data_ptr(), x.shape[0], x.shape[1], segs, 0, _PLAIN, code,
+                  resolve_soc(soc_type, "linear_multi", code))
     return tuple(outs)
 
 
@@ -129,7 +132,7 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
     if x.shape[0]:
         _C.linear(x.data_ptr(), x.shape[0], x.shape[1], [(weight.data_ptr(), _ptr(bias), out.data_ptr(), weight.shape[0])],
-                  residual.data_ptr(), _RESIDUAL, code, resolve_soc(soc_type))
+                  residual.data_ptr(), _RESIDUAL, code, resolve_soc(soc_type, "linear_residual", code))
     return out
 
 
@@ -148,7 +151,7 @@ def linear_swiglu(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.T
     if x.shape[0]:
         _C.linear(x.data_ptr(), x.shape[0], x.shape[1],
                   [(gate_weight.data_ptr(), 0, out.data_ptr(), n), (up_weight.data_ptr(), 0, 0, n)],
-                  0, _SWIGLU, code, resolve_soc(soc_type))
+                  0, _SWIGLU, code, resolve_soc(soc_type, "linear_swiglu", code))
     return out
 
 
@@ -156,8 +159,11 @@ def linear_auto(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 soc_type: str | None = None) -> torch.Tensor:
     """Native ``linear`` where ``native_linear_wins``, else ``torch.nn.functional.linear``. Leading dims are
     flattened."""
+    float_code("linear_auto", "x", x)
+    if x.dim() == 0:
+        raise ValueError("linear_auto: x must have at least 1 dimension, got a scalar")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(math.prod(lead), x.shape[-1])  # not -1: that is ambiguous when K = 0
     if not native_linear_wins(x2.shape[0], x.dtype):
         return torch.nn.functional.linear(x, weight, bias)
     return linear(x2, weight, bias, soc_type=soc_type).reshape(*lead, weight.shape[0])

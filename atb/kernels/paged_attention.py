@@ -6,7 +6,7 @@ import math
 import torch
 
 from atb import _C
-from atb.kernels._common import float_code, int_tensor, resolve_soc, same_dtype
+from atb.kernels._common import float_code, int_tensor, real_arg, resolve_soc, same_dtype, window_arg
 
 _OP = "paged_attention"
 
@@ -77,18 +77,18 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         ql = int_tensor(_OP, "q_lens", q_lens, ndim=1)
         if ql.shape[0] != batch:
             raise ValueError(f"{_OP}: q_lens has {ql.shape[0]} entries, context_lens has {batch}; they must match")
-    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        raise ValueError(f"{_OP}: window must be None or an int >= 1, got {window!r}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
+    window = window_arg(_OP, window)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else real_arg(_OP, "scale", scale)
     q_stride = q.stride()
     if rows and (q_stride[2] != 1 or (num_heads > 1 and q_stride[1] != head_dim) or q_stride[0] < num_heads * head_dim):
         q = q.contiguous()
         q_stride = q.stride()
     out = torch.empty((rows, num_heads, head_dim), dtype=q.dtype)
-    _C.paged_attention(out.data_ptr(), q.data_ptr(), q_stride[0] if rows else num_heads * head_dim,
+    # A single row's token stride is never used, and torch leaves any value there (e.g. a transposed view):
+    # .contiguous() keeps such a tensor as it is, so the kernel gets the packed stride.
+    _C.paged_attention(out.data_ptr(), q.data_ptr(), q_stride[0] if rows > 1 else num_heads * head_dim,
                        key_cache.data_ptr(), value_cache.data_ptr(), bt.data_ptr(), ctx.data_ptr(),
                        0 if ql is None else ql.data_ptr(), batch, num_heads, kv_heads, head_dim, num_blocks,
-                       block_size, bt.shape[1], rows, float(scale), 0 if window is None else window, code,
-                       resolve_soc(soc_type))
+                       block_size, bt.shape[1], rows, scale, window, code,
+                       resolve_soc(soc_type, _OP))
     return out

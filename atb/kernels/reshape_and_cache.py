@@ -65,4 +65,4 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         return
     _C.reshape_and_cache(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), key_cache.data_ptr(),
                          value_cache.data_ptr(), slots.data_ptr(), tokens, kv_heads, head_dim, num_blocks, block_size,
-                         code, resolve_soc(soc_type))
+                         code, resolve_soc(soc_type, _OP))

@@ -4,10 +4,11 @@ from __future__ import annotations
 import torch
 
 from atb import _C
-from atb.kernels._common import float_code, resolve_soc, same_dtype
+from atb.kernels._common import float_code, real_arg, resolve_soc, same_dtype
 
 
 def _check(op: str, x: torch.Tensor, weight: torch.Tensor) -> int:
+    """dtype code of x after checking x and weight; every message names ``op``."""
     code = float_code(op, "x", x)
     float_code(op, "weight", weight)
     same_dtype(op, "weight", weight, "x", x)
@@ -25,12 +26,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, soc_ty
     Variance in fp32, normalized value cast back to x's dtype, then scaled.
     """
     code = _check("rms_norm", x, weight)
+    eps = real_arg("rms_norm", "eps", eps, min_value=0.0)
     x = x.contiguous()
+    # Bound to a name: a temporary's storage would be freed before the kernel reads it.
+    weight = weight.contiguous()
     y = torch.empty_like(x)
     cols = x.shape[-1]
     if x.numel():
-        _C.rms_norm(y.data_ptr(), x.data_ptr(), weight.contiguous().data_ptr(), x.numel() // cols, cols, code,
-                    float(eps), resolve_soc(soc_type))
+        _C.rms_norm(y.data_ptr(), x.data_ptr(), weight.data_ptr(), x.numel() // cols, cols, code, eps,
+                    resolve_soc(soc_type, "rms_norm"))
     return y
 
 
@@ -46,12 +50,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     same_dtype("add_rms_norm", "residual", residual, "x", x)
     if residual.shape != x.shape:
         raise ValueError(f"add_rms_norm: residual has shape {tuple(residual.shape)}, x has {tuple(x.shape)}; they must match")
+    eps = real_arg("add_rms_norm", "eps", eps, min_value=0.0)
     x = x.contiguous()
     residual = residual.contiguous()
+    weight = weight.contiguous()  # kept alive across the call (see rms_norm)
     y = torch.empty_like(x)
     h = torch.empty_like(x)
     cols = x.shape[-1]
     if x.numel():
-        _C.add_rms_norm(y.data_ptr(), h.data_ptr(), x.data_ptr(), residual.data_ptr(), weight.contiguous().data_ptr(),
-                        x.numel() // cols, cols, code, float(eps), resolve_soc(soc_type))
+        _C.add_rms_norm(y.data_ptr(), h.data_ptr(), x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
+                        x.numel() // cols, cols, code, eps, resolve_soc(soc_type, "add_rms_norm"))
     return y, h

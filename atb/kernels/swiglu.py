@@ -39,14 +39,14 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, soc_type: str | None = Non
         n = out.numel()
         if n:
             _C.silu_mul(out.data_ptr(), gate.data_ptr(), cols, up.data_ptr(), cols, n // cols, cols, code,
-                        resolve_soc(soc_type))
+                        resolve_soc(soc_type, "silu_mul", code))
         return out
     out = torch.empty(shape, dtype=gate.dtype)
     if out.numel() == 0:
         return out
     g, u = _rows(gate, cols), _rows(up, cols)
     _C.silu_mul(out.data_ptr(), g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), out.numel() // cols, cols, code,
-                resolve_soc(soc_type))
+                resolve_soc(soc_type, "silu_mul", code))
     return out
 
 
@@ -69,5 +69,5 @@ def swiglu(x: torch.Tensor, *, soc_type: str | None = None) -> torch.Tensor:
     x2 = _rows(x, 2 * n)
     ptr, stride = x2.data_ptr(), x2.stride(0)
     _C.silu_mul(out.data_ptr(), ptr, stride, ptr + n * x.element_size(), stride, x2.shape[0], n, code,
-                resolve_soc(soc_type))
+                resolve_soc(soc_type, "swiglu", code))
     return out

@@ -58,7 +58,10 @@ inline __m256 Exp8(__m256 x) {
 }
 inline __m256 Silu8(__m256 x) {
   __m256 e = Exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
-  return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+  // Exp8 clamps exp(+inf) to a finite value, so silu(-inf) would be -inf; torch
+  // gives -inf * sigmoid(-inf) = -inf * 0 = NaN. OR-ing all-ones makes it NaN.
+  __m256 negInf = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
+  return _mm256_or_ps(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), negInf);
 }
 // Elementwise ops: vector body, and the tail (n % 8) through the same vector op
 // on a zero-padded copy, so every element's result is the same whatever its

@@ -193,8 +193,20 @@ class KernelFlashAttention {
     LocalTensor<float> m = stats, mNew = stats[rows_], mSafe = stats[2 * rows_], alpha = stats[3 * rows_];
     LocalTensor<float> l = stats[4 * rows_], lTile = stats[5 * rows_];
     DataCopy(mNew, m, rows_);
-    for (int64_t n = 0; n < nk; ++n) Max(mNew, mNew, s[n * rows_], rows_);
-    for (int64_t r = 0; r < rows_; ++r) mSafe(r) = mNew(r) == kNegInf ? 0.0f : mNew(r);
+    // NaN must reach the output as in SDPA, but Max keeps the non-NaN operand
+    // and Exp clamps its input, so neither carries it. lTile first sums the raw
+    // (masked) scores in the same pass as the max (1/head_dim of the Q.K^T
+    // work): NaN there means a NaN in q or in a visible key (or +inf next to a
+    // masked -inf); a +inf max makes SDPA's softmax NaN too. Such rows get l = NaN.
+    Duplicate(lTile, 0.0f, rows_);
+    for (int64_t n = 0; n < nk; ++n) {
+      Max(mNew, mNew, s[n * rows_], rows_);
+      Add(lTile, lTile, s[n * rows_], rows_);
+    }
+    for (int64_t r = 0; r < rows_; ++r) {
+      if (std::isnan(lTile(r)) || mNew(r) == -kNegInf) l(r) = std::numeric_limits<float>::quiet_NaN();
+      mSafe(r) = mNew(r) == kNegInf ? 0.0f : mNew(r);
+    }
     Sub(alpha, m, mSafe, rows_);
     Exp(alpha, alpha, rows_);
     Duplicate(lTile, 0.0f, rows_);

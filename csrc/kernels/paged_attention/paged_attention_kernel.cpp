@@ -195,6 +195,16 @@ class KernelPagedAttention {
           continue;
         }
         float mx = std::max(m[r], Simd().reduce_max(row + c0, c1 - c0));
+        if (mx == -INFINITY) {  // every visible score so far is -inf: weight 0 (all of them: l = 0, out NaN as SDPA)
+          Simd().duplicate(row, 0.0f, n);
+          continue;
+        }
+        // NaN must reach the output as in SDPA, but the max and exp above drop
+        // it (vector max returns the non-NaN operand; exp clamps its input). One
+        // sum over the visible scores (1/head_dim of the QK^T work) catches a NaN
+        // in q or a visible key; a +inf score makes SDPA's softmax NaN as well.
+        float raw = Simd().reduce_sum(row + c0, c1 - c0);
+        if (std::isnan(raw) || mx == INFINITY) l[r] = NAN;
         Simd().adds(row + c0, row + c0, -mx, c1 - c0);
         Simd().exp(row + c0, row + c0, c1 - c0);
         if (c0 > 0) Simd().duplicate(row, 0.0f, c0);

@@ -158,7 +158,8 @@ PagedAttentionTilingData PagedAttentionTiling(int64_t batch, int64_t numHeads, i
   int64_t n = int64_t(t.items.size());
   t.blockDim = CoreCap(soc, n, kvBytes);
   t.blockFactor = CeilDiv(n, t.blockDim);
-  t.blockDim = CeilDiv(n, t.blockFactor);  // no core without items
+  // Every q_len 0 leaves no items (blockFactor 0): one idle core, never a division by zero.
+  if (n > 0) t.blockDim = CeilDiv(n, t.blockFactor);  // no core without items
   t.mergeBlockDim = t.groups.empty() ? 0 : CoreCap(soc, int64_t(t.groups.size()), mergeBytes);
   return t;
 }

@@ -22,8 +22,10 @@ int64_t RowsUb(int64_t r, int64_t cols, int64_t elt, bool res) {
 
 RmsNormTilingData RmsNormTiling(int64_t rows, int64_t cols, AscendC::DataType dtype, float eps, bool hasResidual,
                                 const AscendC::SocInfo& soc) {
-  ATB_CHECK(rows >= 1 && cols >= 1, "rms_norm tiling: rows and cols must be >= 1, got ", rows, " x ", cols);
-  ATB_CHECK(dtype != AscendC::DataType::BFLOAT16 || soc.supports_bf16, "rms_norm: bfloat16 is not supported on ",
+  // Errors carry the name the caller used: the fused PRENORM form is add_rms_norm.
+  const char* op = hasResidual ? "add_rms_norm" : "rms_norm";
+  ATB_CHECK(rows >= 1 && cols >= 1, op, " tiling: rows and cols must be >= 1, got ", rows, " x ", cols);
+  ATB_CHECK(dtype != AscendC::DataType::BFLOAT16 || soc.supports_bf16, op, ": bfloat16 is not supported on ",
             soc.name, " (no bf16 vector unit); use float16 or float32");
   RmsNormTilingData t;
   t.rows = rows;
@@ -53,12 +55,12 @@ RmsNormTilingData RmsNormTiling(int64_t rows, int64_t cols, AscendC::DataType dt
     int64_t perCol = streams * AscendC::BUFFER_NUM * elt * 2 + 4 + 4;
     int64_t tile = (soc.ub_size - 8 * AscendC::UB_ALIGN) / perCol;
     tile = tile / 64 * 64;  // whole 32-byte blocks for every dtype, cache-line friendly
-    ATB_CHECK(tile >= 64, "rms_norm tiling: UB of ", soc.ub_size, " bytes is too small");
+    ATB_CHECK(tile >= 64, op, " tiling: UB of ", soc.ub_size, " bytes is too small");
     t.colTile = tile;
     t.ubBytes = streams * AscendC::BUFFER_NUM * UbSlot(tile * elt) * 2 + UbSlot(tile * 4) * 2;
   }
   t.tilingKey = int64_t(dtype) * 10 + variant;
-  ATB_CHECK(t.ubBytes <= soc.ub_size, "rms_norm tiling: needs ", t.ubBytes, " bytes of UB, ", soc.name, " has ",
+  ATB_CHECK(t.ubBytes <= soc.ub_size, op, " tiling: needs ", t.ubBytes, " bytes of UB, ", soc.name, " has ",
             soc.ub_size);
   return t;
 }

@@ -10,6 +10,8 @@
 // them to the output view (possibly the input itself: in place).
 #include <algorithm>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "ascendc/kernel_operator.h"
 #include "rope_tiling.h"
@@ -145,12 +147,81 @@ void RunRope(const RopeArgs& a, const RopeTilingData& t) {
   op.Process();
 }
 
+// In place, every head row (headDim contiguous elements) is rewritten where it
+// lies: a row shared by two heads, tokens or by q and k would be rotated twice
+// (or read already rotated), and cos/sin inside q or k would change under the
+// kernel. Checked here, not in Python, because it costs nanoseconds: spans and
+// strides settle every usual layout (separate tensors, q/k views of one fused
+// QKV output); only interleaved layouts fall back to comparing rows.
+struct ByteSpan {
+  uintptr_t lo, hi;  // [lo, hi)
+  bool Meets(const ByteSpan& o) const { return lo < o.hi && o.lo < hi; }
+};
+
+ByteSpan SpanOf(const RopeView& v, int64_t tokens, int64_t heads, int64_t headDim, int64_t elt) {
+  uintptr_t lo = reinterpret_cast<uintptr_t>(v.data);
+  int64_t last = (tokens > 1 ? (tokens - 1) * v.tokenStride : 0) + (heads > 1 ? (heads - 1) * v.headStride : 0);
+  return {lo, lo + uintptr_t((last + headDim) * elt)};
+}
+
+// No two rows of one view overlap: walking its dims from the smallest stride up,
+// each stride clears everything the smaller ones reach (any token/head order).
+bool RowsDisjoint(const RopeView& v, int64_t tokens, int64_t heads, int64_t headDim) {
+  std::pair<int64_t, int64_t> dims[2] = {{v.headStride, heads}, {v.tokenStride, tokens}};
+  if (dims[0].first > dims[1].first) std::swap(dims[0], dims[1]);
+  int64_t reach = headDim;
+  for (const auto& [stride, n] : dims) {
+    if (n <= 1) continue;
+    if (stride < reach) return false;
+    reach += (n - 1) * stride;
+  }
+  return true;
+}
+
+void CheckInPlace(const RopeView& q, const RopeView& k, const void* cos, const void* sin, int64_t tokens, int64_t heads,
+                  int64_t kvHeads, int64_t headDim, int64_t rotaryDim, int64_t elt, int64_t cosElt) {
+  ATB_CHECK(RowsDisjoint(q, tokens, heads, headDim), "rope: inplace=True needs q's rows not to overlap, got token ",
+            "stride ", q.tokenStride, " and head stride ", q.headStride, " for ", heads, " heads of ", headDim);
+  ATB_CHECK(RowsDisjoint(k, tokens, kvHeads, headDim), "rope: inplace=True needs k's rows not to overlap, got token ",
+            "stride ", k.tokenStride, " and head stride ", k.headStride, " for ", kvHeads, " heads of ", headDim);
+  ByteSpan sq = SpanOf(q, tokens, heads, headDim, elt), sk = SpanOf(k, tokens, kvHeads, headDim, elt);
+  for (const void* table : {cos, sin}) {
+    uintptr_t lo = reinterpret_cast<uintptr_t>(table);
+    ByteSpan st{lo, lo + uintptr_t(tokens * rotaryDim * cosElt)};
+    ATB_CHECK(!st.Meets(sq) && !st.Meets(sk), "rope: inplace=True needs cos/sin not to overlap q or k in memory");
+  }
+  if (!sq.Meets(sk)) return;
+  // q and k in one buffer with the same token stride P: within one period, k's
+  // rows must lie after q's and end before q's next token begins.
+  int64_t rq = sq.hi - sq.lo, rk = sk.hi - sk.lo;
+  if (tokens > 1 && q.tokenStride == k.tokenStride && q.tokenStride > 0) {
+    int64_t period = q.tokenStride * elt;
+    rq = ((heads - 1) * q.headStride + headDim) * elt;
+    rk = ((kvHeads - 1) * k.headStride + headDim) * elt;
+    int64_t off = ((int64_t(sk.lo) - int64_t(sq.lo)) % period + period) % period;
+    if (rq <= off && off + rk <= period) return;
+  }
+  // Anything else: all rows sorted by address; neighbours must not overlap.
+  std::vector<uintptr_t> rows;
+  rows.reserve(size_t(tokens * (heads + kvHeads)));
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t h = 0; h < heads; ++h) rows.push_back(sq.lo + uintptr_t((t * q.tokenStride + h * q.headStride) * elt));
+    for (int64_t h = 0; h < kvHeads; ++h) rows.push_back(sk.lo + uintptr_t((t * k.tokenStride + h * k.headStride) * elt));
+  }
+  std::sort(rows.begin(), rows.end());
+  for (size_t i = 1; i < rows.size(); ++i)
+    ATB_CHECK(rows[i] >= rows[i - 1] + uintptr_t(headDim * elt), "rope: inplace=True needs q and k not to overlap in ",
+              "memory (a q row and a k row share elements)");
+}
+
 }  // namespace
 
 void Rope(RopeView qOut, RopeView kOut, RopeView q, RopeView k, const void* cos, const void* sin, int64_t tokens,
           int64_t heads, int64_t kvHeads, int64_t headDim, int64_t rotaryDim, DataType dtype, DataType cosDtype,
           RopeStyle style, const SocInfo& soc) {
   RopeTilingData t = RopeTiling(tokens, heads, kvHeads, headDim, rotaryDim, dtype, cosDtype, style, soc);
+  if (qOut.data == q.data && kOut.data == k.data)
+    CheckInPlace(q, k, cos, sin, tokens, heads, kvHeads, headDim, rotaryDim, DataTypeSize(dtype), DataTypeSize(cosDtype));
   RopeArgs a{qOut, kOut, q, k, cos, sin, style == ROPE_INTERLEAVE};
   auto kernel = [&]() {
     switch (t.tilingKey / 10) {
