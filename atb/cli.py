@@ -302,12 +302,14 @@ def cmd_convert(args) -> int:
         raise KeyboardInterrupt
 
     # A polite kill (SIGTERM) unwinds like Ctrl-C, so the partial output is removed.
-    signal.signal(signal.SIGTERM, on_term)
+    previous = signal.signal(signal.SIGTERM, on_term)
     try:
         summary = convert.convert(args.src, args.dst, args.dtype, max_shard_size=args.max_shard_size,
                                   force=args.force, progress=not args.quiet)
     except convert.ConvertError as e:
         raise UserError(str(e)) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"wrote {args.dst}: {summary.line()}")
     return 0
 
