@@ -4,8 +4,11 @@ random-weight presets of known shapes. No model hub is ever contacted.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import sys
+import warnings
 
 import torch
 
@@ -44,22 +47,103 @@ def _split(path: str) -> tuple[str, str | None]:
     if os.path.isfile(path) and path.endswith(".gguf"):
         return os.path.dirname(os.path.abspath(path)), os.path.basename(path)
     if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ModelLoadError(f"config.json is missing in {path} (expected an HF model directory or a .gguf file)")
         return path, None
+    if os.path.exists(path):
+        raise ModelLoadError(f"not a model (expected an HF model directory or a .gguf file): {path}")
     raise ModelLoadError(f"model path not found (expected an HF model directory or a .gguf file): {path}")
 
 
-def load_model(path: str | None = None, dtype: torch.dtype = torch.float32):
-    """Loads ``(model, tokenizer)`` from a local HF directory or GGUF file (default: SmolLM2-135M-Instruct)."""
+def cache_dir() -> str:
+    """Where converted models are kept: ``$ATB_CACHE_DIR``, else ``~/.cache/atb``."""
+    return os.environ.get("ATB_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "atb")
+
+
+def _file_hash(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            h.update(block)
+    return h.hexdigest()[:24]
+
+
+def cached_conversion(gguf_path: str, progress: bool = True) -> str:
+    """A float32 safetensors copy of a GGUF file, made once by ``atb convert`` and keyed by the file's hash.
+
+    Dequantized GGUF weights are float32 values, so the float32 copy holds exactly the
+    tensors transformers builds from the GGUF, and loading it (in any dtype) gives the
+    same model without dequantizing again.
+    """
+    from atb.convert import ConvertError, convert
+
+    path = os.path.join(cache_dir(), _file_hash(gguf_path))
+    done = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.isfile(done):
+        os.makedirs(cache_dir(), exist_ok=True)
+        if progress:
+            print(f"atb: converting {os.path.basename(gguf_path)} once into {path}", file=sys.stderr)
+        try:
+            convert(gguf_path, path, torch.float32, progress=progress)
+        except (ConvertError, OSError):
+            if not os.path.isfile(done):  # else another process published the same conversion first
+                raise
+    return path
+
+
+def model_config(path: str | None = None):
+    """The HF config of what :func:`load_model` would load, without reading any weights."""
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    if path is None:
+        path = default_model_path()
+        cached = os.path.join(cache_dir(), _file_hash(path))
+        if os.path.isfile(os.path.join(cached, "config.json")):
+            path = cached
+    directory, gguf_file = _split(path)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return AutoConfig.from_pretrained(directory, **({"gguf_file": gguf_file} if gguf_file else {}))
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot read the model configuration of {path}: {str(e).splitlines()[0]}") from e
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, *, cache: bool | None = None,
+               progress: bool = True):
+    """Loads ``(model, tokenizer)`` from a local HF directory (original or ``atb convert``-ed) or GGUF file.
+
+    ``path=None`` is the embedded SmolLM2-135M-Instruct. ``cache`` (default: on for the
+    embedded model only) converts a GGUF file once into :func:`cache_dir` and loads that
+    copy from then on, instead of dequantizing the GGUF on every load; the result is the
+    same model, bit for bit. ``progress=False`` hides transformers' progress bars.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    if cache is None:
+        cache = path is None
     path = default_model_path() if path is None else path
     directory, gguf_file = _split(path)
     if gguf_file and importlib.util.find_spec("gguf") is None:
         raise ModelLoadError("loading a GGUF file needs the gguf package: pip install gguf accelerate")
+    if gguf_file and cache:
+        from atb.convert import ConvertError
+
+        try:
+            directory, gguf_file = cached_conversion(path, progress), None
+        except (OSError, ConvertError) as e:
+            warnings.warn(f"atb: could not cache the converted model in {cache_dir()} ({e}); "
+                          f"loading the GGUF file directly", stacklevel=2)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
+    if not progress:
+        hf_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
@@ -67,6 +151,8 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32):
         raise ModelLoadError(f"cannot load model from {path}: {str(e).splitlines()[0]}") from e
     finally:
         hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
     model.eval()
     return model, tokenizer
 

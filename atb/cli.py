@@ -1,14 +1,18 @@
-"""``python -m atb`` / ``atb``: benchmarks, generation, model check, SoC table.
+"""``python -m atb`` / ``atb``: benchmarks, generation, chat, conversion, model check, SoC table.
 
-User errors (missing model, unknown preset, bad dtype for the SoC, missing
-optional package) print one line and exit with status 2; anything else is a
-bug and keeps its traceback.
+User errors (bad argument, missing model, unknown preset, bad dtype for the SoC,
+missing optional package, unwritable output path) print one ``atb: error:`` line
+and exit with status 2, checked before anything slow (model load, benchmark)
+starts wherever the arguments alone decide it; anything else is a bug and keeps
+its traceback.
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import json
+import os
+import signal
 import sys
 import time
 
@@ -18,6 +22,58 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 
 class UserError(Exception):
     """A mistake in the command line or the environment, reported in one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse reporting bad arguments as the rest of the CLI reports user errors: one line, status 2."""
+
+    def error(self, message):
+        print(f"atb: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+# argparse `type=` checks: a bad value is rejected while parsing, before any work.
+def _number(kind, low=None, high=None, low_open=False, what=""):
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got '{text}'")
+        if v != v or (low is not None and (v < low or (low_open and v == low))) or (high is not None and v > high):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return v
+    return parse
+
+
+_POSITIVE = _number(int, 1, what=">= 1")
+_NON_NEGATIVE_INT = _number(int, 0, what=">= 0 (0 = off)")
+_TEMPERATURE = _number(float, 0.0, what=">= 0 (0 = greedy)")
+_TOP_P = _number(float, 0.0, 1.0, low_open=True, what="in (0, 1]")
+_PENALTY = _number(float, 0.0, low_open=True, what="> 0 (1 = off)")
+
+
+def _threads(text):
+    n = os.cpu_count() or 1
+    return _number(int, 1, n, what=f"between 1 and {n} (this machine's CPUs)")(text)
+
+
+def _dtype_name(text):
+    if text not in DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype '{text}'; use one of float32, bfloat16, float16")
+    return DTYPES[text]
+
+
+def _output_path(path: str | None, flag: str) -> None:
+    """Fails now, not after the benchmark, when an output file cannot be created."""
+    if not path:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UserError(f"{flag} {path}: is a directory")
+    if not os.path.isdir(parent):
+        raise UserError(f"{flag} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UserError(f"{flag} {path}: not writable")
 
 
 class Progress:
@@ -48,9 +104,34 @@ class Progress:
 def _torch_dtype(name: str):
     import torch
 
-    if name not in DTYPES:
-        raise UserError(f"unknown --dtype '{name}'; use one of float32, bfloat16, float16")
     return getattr(torch, DTYPES[name])
+
+
+def _preflight(args, runs_on_atb: bool = True):
+    """Checks --model from its config alone (no weights read): the path, config.json, and (for
+    commands that run the model on atb) a supported family. Returns the config, or None for the
+    default model and --config presets."""
+    from atb import checkpoints
+    from atb.registry import supported_model_types
+
+    if getattr(args, "config", None) or not args.model:
+        return None
+    try:
+        config = checkpoints.model_config(args.model)
+    except checkpoints.ModelLoadError as e:
+        raise UserError(str(e)) from None
+    if runs_on_atb and config.model_type not in supported_model_types():
+        raise UserError(f"{args.model}: model_type '{config.model_type}' is not supported by atb "
+                        f"(supported: {', '.join(supported_model_types())})")
+    return config
+
+
+def _max_seq_len(args, config) -> int:
+    """--max-seq-len, or 2048 clamped to the model's max_position_embeddings."""
+    if args.max_seq_len is not None:
+        return args.max_seq_len
+    limit = getattr(config, "max_position_embeddings", None) if config is not None else None
+    return min(2048, limit) if limit else 2048
 
 
 def _check_soc_dtype(soc_type: str, dtype) -> None:
@@ -75,7 +156,7 @@ def _load(args, dtype, progress: Progress):
             progress(f"building random-weight model '{args.config}'")
             return checkpoints.random_model(args.config, dtype=dtype), None, f"random:{args.config}"
         progress("loading " + (args.model or "SmolLM2-135M-Instruct (embedded default)"))
-        model, tok = checkpoints.load_model(args.model, dtype=dtype)
+        model, tok = checkpoints.load_model(args.model, dtype=dtype, progress=progress.enabled)
         return model, tok, args.model or "SmolLM2-135M-Instruct"
     except checkpoints.ModelLoadError as e:
         raise UserError(str(e)) from None
@@ -99,8 +180,9 @@ def cmd_socs(args) -> int:
 def cmd_check(args) -> int:
     import atb
 
-    progress = Progress(not args.quiet)
     dtype = _torch_dtype(args.dtype)
+    _preflight(args, runs_on_atb=False)  # path and config.json; an unsupported family is what check reports
+    progress = Progress(not args.quiet)
     model, _, label = _load(args, dtype, progress)
     progress.done()
     report = atb.check_model(model)
@@ -109,29 +191,39 @@ def cmd_check(args) -> int:
     return 0 if report.supported else 1
 
 
-# ---------------------------------------------------------------- generate
-def cmd_generate(args) -> int:
-    import torch
-
+# ---------------------------------------------------------------- generate / chat
+def _engine(args):
+    """(TransformerInfer, tokenizer) for generate/chat, every argument checked before the model loads."""
     import atb
 
     dtype = _torch_dtype(args.dtype)
     _check_soc_dtype(args.soc_type, dtype)
+    config = _preflight(args)
+    max_seq_len = _max_seq_len(args, config)
+    if args.max_new_tokens >= max_seq_len:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in "
+                        f"--max-seq-len {max_seq_len}")
     if args.threads:
         atb.set_num_threads(args.threads)
     progress = Progress(not args.quiet)
     model, tok, _ = _load(args, dtype, progress)
     if tok is None:
-        raise UserError("generate needs a tokenizer: use the default model or --model with a tokenizer")
+        raise UserError("this command needs a tokenizer: use the default model or --model with a tokenizer")
     progress("building engine")
-    infer = atb.TransformerInfer(model, max_seq_len=args.max_seq_len, soc_type=args.soc_type)
+    infer = atb.TransformerInfer(model, max_seq_len=max_seq_len, soc_type=args.soc_type)
     progress.done()
-    if tok.chat_template and not args.raw:
-        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-    else:
-        ids = tok(args.prompt)["input_ids"]
-    ids = [int(i) for i in (ids.tolist() if torch.is_tensor(ids) else ids)]
+    return infer, tok, max_seq_len
+
+
+def _token_ids(ids) -> list[int]:
+    import torch
+
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    return [int(i) for i in (ids.tolist() if torch.is_tensor(ids) else ids)]
+
+
+def _stream_reply(infer, tok, ids: list[int], args) -> tuple[list[int], float]:
+    """Generates after ``ids``, printing the text as it grows; returns (new tokens, seconds)."""
     streamed: list[int] = []
     printed = [0]
 
@@ -144,12 +236,81 @@ def cmd_generate(args) -> int:
 
     t0 = time.perf_counter()
     out = infer.generate([ids], max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
-                         temperature=max(args.temperature, 1e-5), top_p=args.top_p, seed=args.seed, stream=on_token)
+                         temperature=max(args.temperature, 1e-5), top_k=args.top_k, top_p=args.top_p,
+                         repetition_penalty=args.repetition_penalty, seed=args.seed, stream=on_token)
     dt = time.perf_counter() - t0
     sys.stdout.write("\n")
-    n = len(out[0])
+    sys.stdout.flush()
+    return out[0], dt
+
+
+def cmd_generate(args) -> int:
+    infer, tok, max_seq_len = _engine(args)
+    if tok.chat_template and not args.raw:
+        ids = _token_ids(tok.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                                 add_generation_prompt=True))
+    else:
+        ids = _token_ids(tok(args.prompt))
+    if len(ids) + args.max_new_tokens > max_seq_len:
+        raise UserError(f"the prompt ({len(ids)} tokens) plus --max-new-tokens {args.max_new_tokens} exceeds "
+                        f"--max-seq-len {max_seq_len}")
+    out, dt = _stream_reply(infer, tok, ids, args)
+    n = len(out)
     print(f"[{n} tokens in {dt:.2f} s: {n / dt:.1f} tok/s incl. prefill of {len(ids)} prompt tokens; "
           f"soc_type={args.soc_type}, dtype={args.dtype}]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    """Multi-turn chat on stdin: one user message per line, replies streamed; ends at end of input (Ctrl-D)."""
+    infer, tok, max_seq_len = _engine(args)
+    if not tok.chat_template:
+        raise UserError("chat needs a tokenizer with a chat template")
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("atb chat: one message per line; Ctrl-D ends.", file=sys.stderr)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            if interactive:
+                print(file=sys.stderr)
+            return 0
+        if not line.strip():
+            continue
+        turn = history + [{"role": "user", "content": line}]
+        ids = _token_ids(tok.apply_chat_template(turn, add_generation_prompt=True))
+        # The oldest exchanges go first when the conversation outgrows the context (a system prompt stays).
+        first = 1 if args.system else 0
+        while len(ids) + args.max_new_tokens > max_seq_len and len(turn) > first + 1:
+            del turn[first:first + 2]
+            ids = _token_ids(tok.apply_chat_template(turn, add_generation_prompt=True))
+        if len(ids) + args.max_new_tokens > max_seq_len:
+            print(f"atb: message too long ({len(ids)} tokens with --max-new-tokens {args.max_new_tokens} "
+                  f"exceeds --max-seq-len {max_seq_len}); not sent", file=sys.stderr)
+            continue
+        out, _ = _stream_reply(infer, tok, ids, args)
+        history = turn + [{"role": "assistant", "content": tok.decode(out, skip_special_tokens=True)}]
+
+
+# ---------------------------------------------------------------- convert
+def cmd_convert(args) -> int:
+    from atb import convert
+
+    def on_term(_signum, _frame):
+        raise KeyboardInterrupt
+
+    # A polite kill (SIGTERM) unwinds like Ctrl-C, so the partial output is removed.
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        summary = convert.convert(args.src, args.dst, args.dtype, max_shard_size=args.max_shard_size,
+                                  force=args.force, progress=not args.quiet)
+    except convert.ConvertError as e:
+        raise UserError(str(e)) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(f"wrote {args.dst}: {summary.line()}")
     return 0
 
 
@@ -162,17 +323,17 @@ def cmd_bench(args) -> int:
 
     dtype = _torch_dtype(args.dtype)
     _check_soc_dtype(args.soc_type, dtype)
-    if args.threads:
-        atb.set_num_threads(args.threads)
-        torch.set_num_threads(args.threads)
-    for flag in ("prompt_len", "new_tokens", "batch", "repeat"):
-        if getattr(args, flag) < 1:
-            raise UserError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    for flag in ("json", "csv", "plot"):
+        _output_path(getattr(args, flag), f"--{flag}")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise UserError("--plot needs matplotlib: pip install matplotlib") from None
+            raise UserError('--plot needs matplotlib: pip install -e ".[plot]"') from None
+    _preflight(args)
+    if args.threads:
+        atb.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads)
     progress = Progress(not args.quiet)
     model, tok, label = _load(args, dtype, progress)
     progress("measuring memory bandwidth and GEMM peak")
@@ -209,85 +370,153 @@ def cmd_bench(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
+        print(f"wrote {args.json}")
     if args.csv:
         keys = sorted({k for r in records for k in r})
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=keys)
             w.writeheader()
             w.writerows(records)
+        print(f"wrote {args.csv}")
     if args.plot:
-        _plot(rows, args.plot, title=f"{label} {args.dtype}: per-layer latency")
+        _plot(rows, e2e_rows, args.plot, title=f"{label} {args.dtype}, soc_type {args.soc_type}")
+        print(f"wrote {args.plot}")
     return 0
 
 
-def _plot(rows, path: str, title: str) -> None:
+def _plot(rows, e2e_rows, path: str, title: str) -> None:
+    """Per-layer latency (decode, prefill) with each row's speedup and the total, and end-to-end tok/s."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    phases = ["decode", "prefill"]
-    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
-    for ax, phase in zip(axes, phases):
+    fig, axes = plt.subplots(1, 3, figsize=(20, 6), gridspec_kw={"width_ratios": [1, 1, 1.1]})
+    for ax, phase in zip(axes, ("decode", "prefill")):
         sel = [r for r in rows if r.phase == phase]
-        y = range(len(sel))
-        ax.barh([i + 0.2 for i in y], [r.stock_us for r in sel], height=0.4, label="HF stock")
-        ax.barh([i - 0.2 for i in y], [r.atb_us for r in sel], height=0.4, label="atb")
-        ax.set_yticks(list(y), [r.name for r in sel])
+        names = [r.name for r in sel] + ["total (layer + head)"]
+        stock = [r.stock_us for r in sel] + [sum(r.stock_us for r in sel)]
+        fused = [r.atb_us for r in sel] + [sum(r.atb_us for r in sel)]
+        y = range(len(names))
+        ax.barh([i + 0.2 for i in y], stock, height=0.4, label="HF stock")
+        ax.barh([i - 0.2 for i in y], fused, height=0.4, label="atb")
+        for i, (s_us, a_us) in enumerate(zip(stock, fused)):
+            ax.text(max(s_us, a_us) * 1.08, i, f"{s_us / a_us:.2f}x", va="center", fontsize=8)
+        ax.set_yticks(list(y), names)
         ax.invert_yaxis()
         ax.set_xscale("log")
-        ax.set_xlabel("µs (log)")
-        ax.set_title(phase)
-        ax.legend()
+        ax.set_xlim(right=max(stock + fused) * 4)
+        ax.set_xlabel("µs per call (log); label = speedup")
+        ax.set_title(f"one decoder layer: {phase}")
+        ax.legend(loc="lower right")
+    ax = axes[2]
+    labels = [f"{r.engine}\nbatch {r.batch}" for r in e2e_rows]
+    x = range(len(e2e_rows))
+    base = e2e_rows[0] if e2e_rows else None
+    for off, key, name in ((-0.2, "prefill_tok_s", "prefill"), (0.2, "decode_tok_s", "decode")):
+        vals = [getattr(r, key) for r in e2e_rows]
+        ax.bar([i + off for i in x], vals, width=0.4, label=f"{name} tok/s")
+        for i, v in enumerate(vals):
+            if v != v:  # NaN: too few new tokens to time decode
+                continue
+            ratio = v / getattr(base, key) if base and getattr(base, key) else float("nan")
+            ax.text(i + off, v, f"{v:.0f}\n{ratio:.2f}x", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("tokens/s (log); label = tok/s and ratio to HF stock batch 1")
+    ax.set_title("end to end")
+    ax.legend(loc="upper left")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 # ---------------------------------------------------------------- main
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="atb", description="Ascend Transformer Boost-style acceleration on the CPU")
-    sub = p.add_subparsers(dest="command")
+def _model_args(sp, default_dtype="float32"):
+    sp.add_argument("--model", help="local HF model directory (original or `atb convert`-ed) or .gguf file "
+                                    "(default: embedded SmolLM2-135M-Instruct)")
+    sp.add_argument("--dtype", default=default_dtype, type=_dtype_name, help="float32 | bfloat16 | float16")
+    sp.add_argument("--quiet", action="store_true", help="no progress display")
 
-    def model_args(sp, default_dtype="float32"):
-        sp.add_argument("--model", help="local HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-        sp.add_argument("--dtype", default=default_dtype, help="float32 | bfloat16 | float16")
-        sp.add_argument("--quiet", action="store_true", help="no progress display")
 
+def _engine_args(sp):
+    """Options of the commands that generate text (generate, chat)."""
+    _model_args(sp)
+    sp.add_argument("--max-new-tokens", type=_POSITIVE, default=128, help="per reply")
+    sp.add_argument("--max-seq-len", type=_POSITIVE, default=None,
+                    help="context length (default: 2048, or the model's max_position_embeddings if smaller)")
+    sp.add_argument("--temperature", type=_TEMPERATURE, default=0.0, help="0 = greedy")
+    sp.add_argument("--top-k", type=_NON_NEGATIVE_INT, default=0, help="sample from the k most likely (0 = off)")
+    sp.add_argument("--top-p", type=_TOP_P, default=1.0, help="nucleus sampling mass in (0, 1]")
+    sp.add_argument("--repetition-penalty", type=_PENALTY, default=1.0, help="> 1 discourages repeats (1 = off)")
+    sp.add_argument("--seed", type=int, default=None)
+    sp.add_argument("--soc-type", default="host")
+    sp.add_argument("--threads", type=_threads, default=None, help="atb threads (default: as set)")
+
+
+def _add_bench(sub):
     b = sub.add_parser("bench", help="per-layer latency table and end-to-end tok/s (the main job)")
-    model_args(b)
+    _model_args(b)
     b.add_argument("--config", help="random-weight preset instead of a checkpoint (e.g. tinyllama-1.1b, tiny)")
     b.add_argument("--soc-type", default="host")
-    b.add_argument("--threads", type=int, default=0, help="threads for atb and torch (default: torch's)")
-    b.add_argument("--prompt-len", type=int, default=128)
-    b.add_argument("--new-tokens", type=int, default=64)
-    b.add_argument("--batch", type=int, default=16, help="batch size of the batched end-to-end run")
-    b.add_argument("--repeat", type=int, default=9, help="timed repeats per layer row (median reported)")
+    b.add_argument("--threads", type=_threads, default=None, help="threads for atb and torch (default: torch's)")
+    b.add_argument("--prompt-len", type=_POSITIVE, default=128)
+    b.add_argument("--new-tokens", type=_POSITIVE, default=64)
+    b.add_argument("--batch", type=_POSITIVE, default=16, help="batch size of the batched end-to-end run")
+    b.add_argument("--repeat", type=_POSITIVE, default=9, help="timed repeats per layer row (median reported)")
     b.add_argument("--json", metavar="PATH")
     b.add_argument("--csv", metavar="PATH")
-    b.add_argument("--plot", metavar="PATH.png")
+    b.add_argument("--plot", metavar="PATH.png", help='per-layer and end-to-end chart (pip install -e ".[plot]")')
     b.set_defaults(func=cmd_bench)
 
-    g = sub.add_parser("generate", help="chat with the model through TransformerInfer, streaming")
+
+def _add_generate(sub):
+    g = sub.add_parser("generate", help="answer one prompt through TransformerInfer, streaming")
     g.add_argument("prompt")
-    model_args(g)
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--max-seq-len", type=int, default=2048)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--soc-type", default="host")
-    g.add_argument("--threads", type=int, default=0)
+    _engine_args(g)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.set_defaults(func=cmd_generate)
 
+
+def _add_chat(sub):
+    c = sub.add_parser("chat", help="interactive multi-turn chat (one message per line, Ctrl-D ends), streaming")
+    _engine_args(c)
+    c.add_argument("--system", help="system prompt")
+    c.set_defaults(func=cmd_chat)
+
+
+def _add_convert(sub):
+    from atb.convert import DEFAULT_MAX_SHARD
+
+    v = sub.add_parser("convert", help="checkpoint -> sharded safetensors of one dtype, in bounded memory",
+                       description="Convert an HF model directory (safetensors or pytorch_model*.bin shards) or "
+                                   "a .gguf file into sharded safetensors that stock transformers loads.")
+    v.add_argument("src", help="HF model directory or .gguf file")
+    v.add_argument("dst", help="output directory (must not exist unless --force)")
+    v.add_argument("--dtype", required=True, choices=("float16", "bfloat16", "float32"))
+    v.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD, help=f"e.g. 500MB, 2GB (default {DEFAULT_MAX_SHARD})")
+    v.add_argument("--force", action="store_true", help="replace an existing DST")
+    v.add_argument("--quiet", action="store_true", help="no progress bars")
+    v.set_defaults(func=cmd_convert)
+
+
+def _add_check(sub):
     c = sub.add_parser("check", help="which modules of a model run fused, stay stock, or are unsupported")
-    model_args(c)
+    _model_args(c)
     c.add_argument("--config", help="random-weight preset instead of a checkpoint")
     c.set_defaults(func=cmd_check)
 
+
+def _add_socs(sub):
     s = sub.add_parser("socs", help="the SoC table")
     s.set_defaults(func=cmd_socs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="atb", description="Ascend Transformer Boost-style acceleration on the CPU")
+    sub = p.add_subparsers(dest="command")
+    for add in (_add_bench, _add_generate, _add_chat, _add_convert, _add_check, _add_socs):
+        add(sub)
     return p
 
 
@@ -297,14 +526,25 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
+    if getattr(args, "quiet", False):
+        # tqdm reads TQDM_* defaults from the environment: this silences every bar, including the ones
+        # transformers' GGUF loader draws outside its own progress-bar switch.
+        os.environ["TQDM_DISABLE"] = "1"
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # a closed pipe (`atb socs | head -2`) surfaces here, inside the handler below
+        return status
     except UserError as e:
         print(f"atb: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("atb: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`atb socs | head -2`): stop quietly, as other command-line tools do. Point stdout
+        # at /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -18,24 +18,25 @@ def soc_names() -> list[str]:
 
 
 def get_soc(name: str | None = None) -> _C.SocInfo:
-    """The SocInfo for ``name`` (default: the one set by :func:`set_soc`).
+    """The SocInfo for ``name`` (default: the one set by :func:`set_soc`), matched in any case;
+    ``.name`` is the canonical spelling (``get_soc("ascend910b4").name == "Ascend910B4"``).
 
     Raises ValueError listing the valid names for an unknown SoC.
     """
     name = _default if name is None else name
     if not isinstance(name, str):
         raise TypeError(f"soc_type must be a str such as 'Ascend910B4' or 'host', got {type(name).__name__}")
-    info = _cache.get(name)
+    key = name.lower()
+    info = _cache.get(key)
     if info is None:
-        info = _cache[name] = _C.get_soc(name)
+        info = _cache[key] = _C.get_soc(name)
     return info
 
 
 def set_soc(name: str) -> None:
-    """Sets the SoC every kernel tiles for when its ``soc_type`` is None."""
+    """Sets the SoC every kernel tiles for when its ``soc_type`` is None (any case; kept canonical)."""
     global _default
-    get_soc(name)  # validate
-    _default = name
+    _default = get_soc(name).name
 
 
 def default_soc() -> str:

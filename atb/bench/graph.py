@@ -115,7 +115,7 @@ def bench_decode_e2e(model, *, prompt_len: int = 128, new: int = 256, hf_repeats
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m atb.bench.graph", description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="smollm2,tinyllama")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--prompt", type=int, default=128)

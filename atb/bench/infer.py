@@ -68,7 +68,7 @@ def bench_one(model, prompts, new: int, repeats: int, modes: list[str]) -> dict:
 def main(argv=None) -> list[dict]:
     from atb.checkpoints import load_model
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m atb.bench.infer", description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--modes", default="graph,python", help="TransformerInfer decode paths: graph, python")

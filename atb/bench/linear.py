@@ -8,6 +8,7 @@ working set (>= 96 MiB) exceeds the L3 and every call reads from DRAM.
 """
 from __future__ import annotations
 
+import argparse
 
 import torch
 
@@ -59,7 +60,9 @@ def crossover(k: int = 576, n: int = 1536, dtype=torch.float32, ms=(1, 2, 4, 8, 
     return out
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m atb.bench.linear", description=__doc__.split("\n\n")[0])
+    p.parse_args(argv)
     print(f"threads={atb.get_num_threads()}  isa={atb.build_info()['isa']}")
     print(f"{'dtype':9s} {'N x K':>11s} {'M':>3s} {'atb GB/s':>9s} {'torch GB/s':>10s} {'speedup':>8s} "
           f"{'read BW':>8s} {'atb %BW':>8s} {'atb us':>8s}")

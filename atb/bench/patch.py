@@ -210,7 +210,7 @@ def run(dtypes, prompt: int, new: int, repeats: int) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m atb.bench.patch", description=__doc__.splitlines()[0])
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=128)

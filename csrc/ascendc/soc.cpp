@@ -1,5 +1,7 @@
 #include "soc.h"
 
+#include <algorithm>
+#include <cctype>
 #include <fstream>
 #include <sstream>
 
@@ -58,7 +60,18 @@ std::vector<std::string> SocNames() {
   return names;
 }
 
-SocInfo GetSocInfo(const std::string& name) {
+SocInfo GetSocInfo(const std::string& requested) {
+  // Names match in any case ("ascend910b4"); the SocInfo carries the canonical spelling.
+  auto same = [](const std::string& a, const std::string& b) {
+    return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
+             return std::tolower(static_cast<unsigned char>(x)) == std::tolower(static_cast<unsigned char>(y));
+           });
+  };
+  std::string name = requested;
+  for (const std::string& n : SocNames())
+    if (same(n, requested)) name = n;
+  for (const char* alias : {"Ascend910B", "Ascend910ProB", "Ascend910A", "Ascend310P"})
+    if (same(alias, requested)) name = alias;
   if (name == "host") return HostSoc();
   // ATB treats the exact names "Ascend910B" and "Ascend910ProB" as 910A-class.
   std::string lookup = name;
