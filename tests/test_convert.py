@@ -253,12 +253,17 @@ def test_existing_destination_needs_force(tiny, tmp_path, capsys):
     assert "--max-shard-size" in err
 
 
-# A conversion that stalls after its first tensor, so the test can kill it mid-way.
+# A conversion that slows to 5 s per chunk read after its first two, so the test can kill it mid-way.
 _STALLING = ("import sys, time, atb.convert as c\n"
-             "w = c._write_tensor\n"
-             "def slow(*a):\n"
-             "    w(*a); time.sleep(60)\n"
-             "c._write_tensor = slow\n"
+             "make, calls = c._SafetensorsFile._reader, []\n"
+             "def reader(self, begin, dtype):\n"
+             "    read = make(self, begin, dtype)\n"
+             "    def slow(*a):\n"
+             "        calls.append(1)\n"
+             "        if len(calls) > 2: time.sleep(5)\n"
+             "        return read(*a)\n"
+             "    return slow\n"
+             "c._SafetensorsFile._reader = reader\n"
              "from atb.cli import main\n"
              "sys.exit(main(sys.argv[1:]))\n")
 
