@@ -329,8 +329,12 @@ def test_cached_embedded_model_is_bit_identical_to_gguf_load(tmp_path):
     second = time.perf_counter() - t0
     assert second < 15, (first, second)
 
-    direct, dtok = checkpoints.load_model(gguf_path, progress=False)  # cache=False for an explicit GGUF path
-    assert direct.config.name_or_path != cached
+    # transformers' own GGUF loader, as a user without atb would load the file.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gdir, gname = os.path.split(gguf_path)
+    direct = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=gname, dtype=torch.float32)
+    dtok = AutoTokenizer.from_pretrained(gdir, gguf_file=gname)
     a, b = model.state_dict(), direct.state_dict()
     assert set(a) == set(b)
     for k in a:
@@ -343,6 +347,9 @@ def test_cached_embedded_model_is_bit_identical_to_gguf_load(tmp_path):
     # bf16 goes through the same fp32 values, cast once, in both paths.
     bf, _ = checkpoints.load_model(dtype=torch.bfloat16, progress=False)
     assert all(torch.equal(x, y.to(torch.bfloat16)) for x, y in zip(bf.state_dict().values(), b.values()))
+    # An explicit GGUF path (not cached) is converted to the requested dtype for the load: the same tensors.
+    once, _ = checkpoints.load_model(gguf_path, dtype=torch.bfloat16, progress=False)
+    assert all(torch.equal(x, y) for x, y in zip(once.state_dict().values(), bf.state_dict().values()))
     meta = json.loads(open(os.path.join(cached, "model.safetensors.index.json")).read())["metadata"]
     assert meta["source_format"] == "gguf" and meta["dtype"] == "float32"
 
