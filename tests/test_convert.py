@@ -90,10 +90,10 @@ def test_sharded_conversion_in_bounded_memory_loads_in_stock_hf(llama300, baseli
     assert code == 0, err
     shards = sorted(dst.glob("model-*.safetensors"))
     largest_shard = max(p.stat().st_size for p in shards)
-    # Bound: largest tensor (fp32) + one output shard + the interpreter, plus 64 MB: the two 16/32 MB chunk
-    # buffers the writer reuses (48 MB) and allocator/page-rounding slack. The actual use is far below (the
-    # writer streams into the file, it never holds a shard).
-    bound = llama300["largest"] + largest_shard + baseline_rss + (64 << 20)
+    # Bound: largest tensor (fp32) + one output shard + the interpreter, plus 96 MB: the chunk buffers the
+    # writer reuses (two 16 MB reads, one 32 MB cast: 64 MB), a reader thread's stack and allocator slack. The
+    # actual use is far below (the writer streams into the file, it never holds a tensor or a shard).
+    bound = llama300["largest"] + largest_shard + baseline_rss + (96 << 20)
     assert rss <= bound, (rss, bound)
     assert rss - baseline_rss < llama300["total"] / 3, (rss, baseline_rss)
     assert "tensors in" in out and "peak RSS" in out
