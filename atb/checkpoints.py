@@ -8,6 +8,7 @@ import hashlib
 import importlib.util
 import os
 import sys
+import tempfile
 import warnings
 
 import torch
@@ -116,39 +117,51 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, *, c
                progress: bool = True):
     """Loads ``(model, tokenizer)`` from a local HF directory (original or ``atb convert``-ed) or GGUF file.
 
-    ``path=None`` is the embedded SmolLM2-135M-Instruct. ``cache`` (default: on for the
-    embedded model only) converts a GGUF file once into :func:`cache_dir` and loads that
-    copy from then on, instead of dequantizing the GGUF on every load; the result is the
-    same model, bit for bit. ``progress=False`` hides transformers' progress bars.
+    ``path=None`` is the embedded SmolLM2-135M-Instruct. A GGUF file is read by ``atb convert``
+    (``gguf``'s reader with transformers' own GGUF mapping and dequantization, one tensor at a
+    time: the same tensors ``from_pretrained(gguf_file=...)`` builds). With ``cache`` (default: on
+    for the embedded model only) it is converted once, in float32, into :func:`cache_dir` and
+    loaded from there from then on; otherwise it is converted to ``dtype`` in a temporary
+    directory for this load. ``progress=False`` hides every progress bar.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
     if cache is None:
         cache = path is None
     path = default_model_path() if path is None else path
     directory, gguf_file = _split(path)
     if gguf_file and importlib.util.find_spec("gguf") is None:
         raise ModelLoadError("loading a GGUF file needs the gguf package: pip install gguf accelerate")
-    if gguf_file and cache:
-        from atb.convert import ConvertError
+    if not gguf_file:
+        return _from_pretrained(directory, path, dtype, progress)
+    from atb.convert import ConvertError, convert
 
-        try:
-            directory, gguf_file = cached_conversion(path, progress), None
-        except (OSError, ConvertError) as e:
-            warnings.warn(f"atb: could not cache the converted model in {cache_dir()} ({e}); "
-                          f"loading the GGUF file directly", stacklevel=2)
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        if cache:
+            try:
+                return _from_pretrained(cached_conversion(path, progress), path, dtype, progress)
+            except OSError as e:  # e.g. a read-only home: convert for this load only
+                warnings.warn(f"atb: could not cache the converted model in {cache_dir()} ({e}); "
+                              f"converting for this load only", stacklevel=2)
+        with tempfile.TemporaryDirectory(prefix="atb-gguf-") as tmp:
+            convert(path, os.path.join(tmp, "model"), dtype, progress=progress)
+            return _from_pretrained(os.path.join(tmp, "model"), path, dtype, progress)
+    except ConvertError as e:
+        raise ModelLoadError(f"cannot load model from {path}: {e}") from None
+
+
+def _from_pretrained(directory: str, label: str, dtype: torch.dtype, progress: bool):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
     verbosity = hf_logging.get_verbosity()
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     if not progress:
         hf_logging.disable_progress_bar()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
     except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot load model from {path}: {str(e).splitlines()[0]}") from e
+        raise ModelLoadError(f"cannot load model from {label}: {str(e).splitlines()[0]}") from e
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:

@@ -526,10 +526,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
-    if getattr(args, "quiet", False):
-        # tqdm reads TQDM_* defaults from the environment: this silences every bar, including the ones
-        # transformers' GGUF loader draws outside its own progress-bar switch.
-        os.environ["TQDM_DISABLE"] = "1"
     try:
         status = args.func(args)
         sys.stdout.flush()  # a closed pipe (`atb socs | head -2`) surfaces here, inside the handler below
