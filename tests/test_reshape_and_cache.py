@@ -115,3 +115,15 @@ def test_zero_tokens_write_nothing():
     e = torch.empty(0, 2, 8)
     atb.kernels.reshape_and_cache(e, e, kc, vc, torch.empty(0, dtype=torch.int32))
     assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
+
+
+def test_one_token_view_with_any_token_stride():
+    # A 1-token view keeps whatever token stride it was cut with (here 4 < kv_heads * head_dim): found by
+    # tests/test_fuzz.py, it was rejected although the call is valid.
+    kc, vc = _cache(2, 4, 2, 8, torch.float32)
+    key = torch.randn(2, 1, 8).transpose(0, 1)       # shape (1, 2, 8), token stride 8
+    value = torch.randn(16, 1)[:, 0].view(1, 2, 8)
+    slots = torch.tensor([5], dtype=torch.int32)
+    ref_k, ref_v = reshape_and_cache_ref(key, value, kc, vc, slots)
+    atb.kernels.reshape_and_cache(key, value, kc, vc, slots)
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)

@@ -63,6 +63,10 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         if tokens and int((slots >= 0).sum()):
             raise ValueError(f"{_OP}: the cache is empty but slot_mapping writes to it")
         return
-    _C.reshape_and_cache(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), key_cache.data_ptr(),
+    # One token's stride is never used and torch may report any value there (.contiguous() keeps such a
+    # view as it is): give the kernel the packed stride.
+    packed = kv_heads * head_dim
+    key_stride, value_stride = (key.stride(0), value.stride(0)) if tokens > 1 else (packed, packed)
+    _C.reshape_and_cache(key.data_ptr(), key_stride, value.data_ptr(), value_stride, key_cache.data_ptr(),
                          value_cache.data_ptr(), slots.data_ptr(), tokens, kv_heads, head_dim, num_blocks, block_size,
                          code, resolve_soc(soc_type, _OP))

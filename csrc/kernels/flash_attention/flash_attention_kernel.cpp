@@ -193,20 +193,9 @@ class KernelFlashAttention {
     LocalTensor<float> m = stats, mNew = stats[rows_], mSafe = stats[2 * rows_], alpha = stats[3 * rows_];
     LocalTensor<float> l = stats[4 * rows_], lTile = stats[5 * rows_];
     DataCopy(mNew, m, rows_);
-    // NaN must reach the output as in SDPA, but Max keeps the non-NaN operand
-    // and Exp clamps its input, so neither carries it. lTile first sums the raw
-    // (masked) scores in the same pass as the max (1/head_dim of the Q.K^T
-    // work): NaN there means a NaN in q or in a visible key (or +inf next to a
-    // masked -inf); a +inf max makes SDPA's softmax NaN too. Such rows get l = NaN.
-    Duplicate(lTile, 0.0f, rows_);
-    for (int64_t n = 0; n < nk; ++n) {
-      Max(mNew, mNew, s[n * rows_], rows_);
-      Add(lTile, lTile, s[n * rows_], rows_);
-    }
-    for (int64_t r = 0; r < rows_; ++r) {
-      if (std::isnan(lTile(r)) || mNew(r) == -kNegInf) l(r) = std::numeric_limits<float>::quiet_NaN();
-      mSafe(r) = mNew(r) == kNegInf ? 0.0f : mNew(r);
-    }
+    for (int64_t n = 0; n < nk; ++n) Max(mNew, mNew, s[n * rows_], rows_);
+    PoisonNanRows(nk);
+    for (int64_t r = 0; r < rows_; ++r) mSafe(r) = mNew(r) == kNegInf ? 0.0f : mNew(r);
     Sub(alpha, m, mSafe, rows_);
     Exp(alpha, alpha, rows_);
     Duplicate(lTile, 0.0f, rows_);
@@ -219,6 +208,29 @@ class KernelFlashAttention {
     int64_t d = t_->headDim;
     for (int64_t r = 0; r < rows_; ++r)
       if (alpha(r) != 1.0f) Muls(acc[r * d], acc[r * d], alpha(r), d);
+  }
+
+  // NaN must reach the output as in SDPA, but Max keeps the non-NaN operand and
+  // Exp clamps its input, so neither carries it. One sum over the masked score
+  // tile (a single pass, ~1/(2 head_dim) of the tile's cube work) is NaN only if
+  // some score is: NaN in q or in a visible key (masked entries are -inf, or
+  // +inf beside a masked -inf, which SDPA turns into NaN as well). Only then are
+  // the rows summed one by one to find which get l = NaN. A +inf max (SDPA:
+  // exp(inf - inf) = NaN) poisons its row too.
+  void PoisonNanRows(int64_t nk) {
+    LocalTensor<float> stats = stats_.Get<float>();
+    LocalTensor<float> mNew = stats[rows_], l = stats[4 * rows_];
+    const float* s = s_.Get<float>().GetPhyAddr();
+    constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
+    if (std::isnan(Simd().reduce_sum(s, nk * rows_))) {
+      for (int64_t r = 0; r < rows_; ++r) {
+        float sum = 0.0f;
+        for (int64_t n = 0; n < nk; ++n) sum += s[n * rows_ + r];
+        if (std::isnan(sum)) l(r) = kNan;
+      }
+    }
+    for (int64_t r = 0; r < rows_; ++r)
+      if (mNew(r) == -kNegInf) l(r) = kNan;
   }
 
   // acc[m][d] += sum_n P^T[n][m] * V[n][d].
