@@ -288,6 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("socs", help="the SoC table")
     s.set_defaults(func=cmd_socs)
+
+    from atb.serve.cli import add_parser as add_serve_parser
+
+    add_serve_parser(sub, model_args)
     return p
 
 
