@@ -22,8 +22,9 @@ def add_parser(sub, model_args) -> None:
     s.add_argument("--threads", type=int, default=0, help="threads for atb (default: torch's)")
     s.add_argument("--max-batch-size", type=int, default=16, help="requests decoded together")
     s.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens of one request")
-    s.add_argument("--max-prefill-tokens", type=int, default=None,
-                   help="prompt tokens admitted per engine step (default: the engine's, max(2048, max-seq-len))")
+    # Bounds how long running decodes wait for arrivals' prefill in one step (see the README's Serving).
+    s.add_argument("--max-prefill-tokens", type=int, default=512,
+                   help="prompt tokens admitted per engine step (a longer prompt is admitted alone)")
     s.add_argument("--max-waiting", type=int, default=256,
                    help="requests waiting for a batch slot before new ones get 429")
     s.add_argument("--host", default="127.0.0.1")
@@ -40,11 +41,9 @@ def cmd_serve(args) -> int:
         import uvicorn  # noqa: F401
     except ImportError:
         raise UserError("serve needs the serve extra: pip install 'atb[serve]' (fastapi, uvicorn)") from None
-    for flag in ("max_batch_size", "max_seq_len", "max_waiting", "port"):
+    for flag in ("max_batch_size", "max_seq_len", "max_prefill_tokens", "max_waiting", "port"):
         if getattr(args, flag) < (0 if flag == "max_waiting" else 1):
             raise UserError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-    if args.max_prefill_tokens is not None and args.max_prefill_tokens < 1:
-        raise UserError(f"--max-prefill-tokens must be positive, got {args.max_prefill_tokens}")
 
     import atb
     from atb.serve.app import create_app, run
