@@ -69,13 +69,14 @@ class Generation:
         self._released = False
         room = state.max_seq_len - len(prompt_ids)
         if room < 1:
-            raise P.APIError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is "
+            param = "messages" if isinstance(req, P.ChatCompletionRequest) else "prompt"
+            raise P.APIError(400, f"{param}: the prompt has {len(prompt_ids)} tokens; this model's context is "
                                   f"{state.max_seq_len} tokens and at least one must be left for the output",
-                             param="messages" if isinstance(req, P.ChatCompletionRequest) else "prompt")
+                             param=param)
         if max_tokens is None:
             max_tokens = room
         elif max_tokens > room:
-            raise P.APIError(400, f"max_tokens={max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds this "
+            raise P.APIError(400, f"max_tokens: {max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds this "
                                   f"model's context of {state.max_seq_len} tokens (at most {room})",
                              param="max_tokens")
         temperature = 1.0 if req.temperature is None else req.temperature
@@ -270,10 +271,10 @@ def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256) ->
 
     def check_ids(ids: list[int], param: str) -> list[int]:
         if not ids:
-            raise P.APIError(400, "the prompt is empty", param=param)
+            raise P.APIError(400, f"{param}: the prompt is empty", param=param)
         bad = [t for t in ids if not 0 <= t < engine.vocab_size]
         if bad:
-            raise P.APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {engine.vocab_size})",
+            raise P.APIError(400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {engine.vocab_size})",
                              param=param)
         return ids
 
@@ -309,13 +310,13 @@ def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256) ->
         req = P.parse_request(await request.body(), P.ChatCompletionRequest)
         check_model(req)
         if not tokenizer.chat_template:
-            raise P.APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
+            raise P.APIError(400, "messages: this model's tokenizer has no chat template; use /v1/completions",
                              param="messages")
         messages = [{"role": m.role, "content": m.content} for m in req.messages]
         try:
             enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except Exception as e:  # noqa: BLE001 - a template may reject a conversation (roles, order) by raising
-            raise P.APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+            raise P.APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
         ids = enc["input_ids"] if hasattr(enc, "keys") else enc
         gen = Generation(state, req, check_ids(list(ids), "messages"), req.output_limit, "chatcmpl", t0)
         gen.start()

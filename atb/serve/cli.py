@@ -42,7 +42,7 @@ def cmd_serve(args) -> int:
     except ImportError:
         raise UserError("serve needs the serve extra: pip install 'atb[serve]' (fastapi, uvicorn)") from None
     for flag in ("max_batch_size", "max_seq_len", "max_prefill_tokens", "max_waiting", "port"):
-        if getattr(args, flag) < (0 if flag == "max_waiting" else 1):
+        if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
 
     import atb

@@ -38,7 +38,8 @@ class StreamOptions(BaseModel):
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    # json.loads accepts NaN and Infinity; no sampling value may be either.
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -81,9 +82,9 @@ class _Request(BaseModel):
     def _check_noops(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
-                raise APIError(400, f"{name} is not supported (only 0)", param=name)
+                raise APIError(400, f"{name}: not supported (only 0)", param=name)
         if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+            raise APIError(400, "logit_bias: not supported", param="logit_bias")
 
 
 class CompletionRequest(_Request):
@@ -111,13 +112,13 @@ class CompletionRequest(_Request):
     def validate_semantics(self) -> None:
         self._check_noops()
         if self.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+            raise APIError(400, "echo: not supported", param="echo")
         if self.logprobs is not None:
-            raise APIError(400, "logprobs is not supported", param="logprobs")
+            raise APIError(400, "logprobs: not supported", param="logprobs")
         if self.suffix is not None:
-            raise APIError(400, "suffix is not supported", param="suffix")
+            raise APIError(400, "suffix: not supported", param="suffix")
         if self.best_of not in (None, 1):
-            raise APIError(400, "only best_of=1 is supported", param="best_of")
+            raise APIError(400, "best_of: only 1 is supported", param="best_of")
 
 
 class ChatMessage(BaseModel):
@@ -147,7 +148,7 @@ class ChatCompletionRequest(_Request):
     def validate_semantics(self) -> None:
         self._check_noops()
         if self.logprobs or self.top_logprobs is not None:
-            raise APIError(400, "logprobs is not supported", param="logprobs")
+            raise APIError(400, "logprobs: not supported", param="logprobs")
 
     @property
     def output_limit(self) -> int | None:
