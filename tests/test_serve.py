@@ -257,6 +257,17 @@ def test_disconnect_after_3_chunks_frees_blocks(served, solo):
     assert after["atb_generation_tokens_total"] - before["atb_generation_tokens_total"] < 30 + 60
 
 
+def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts(served):
+    before = served.metrics()
+    body = {"model": MODEL, "prompt": "Tell me a very long story:", "max_tokens": 200, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+    after = served.wait_idle()
+    aborted = 'atb_requests_finished_total{finish_reason="abort"}'
+    assert after.get(aborted, 0) == before.get(aborted, 0) + 1
+    assert after["atb_generation_tokens_total"] - before["atb_generation_tokens_total"] < 200
+
+
 # ---------------------------------------------------------------- bad requests
 BAD = [
     ("malformed JSON", b'{"model": "x", "prompt": "hi"', 400, None),
