@@ -45,7 +45,6 @@ class ServerState:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_seq_len = engine.max_seq_len
-        self.vocab_size = len(tokenizer)
         self.loop = EngineLoop(engine, max_waiting=max_waiting)
         self.metrics = Metrics()
         self.created = int(time.time())
@@ -55,9 +54,8 @@ class Generation:
     """One request from validated fields to text pieces: tokens in, detokenized, stop strings cut, metrics."""
 
     def __init__(self, state: ServerState, req: P._Request, prompt_ids: list[int], max_tokens: int | None,
-                 prefix: str, t_arrival: float):
+                 prefix: str, t_arrival: float, max_tokens_field: str = "max_tokens"):
         self.state = state
-        self.req = req
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.prompt_ids = prompt_ids
         self.t0 = t_arrival
@@ -76,9 +74,9 @@ class Generation:
         if max_tokens is None:
             max_tokens = room
         elif max_tokens > room:
-            raise P.APIError(400, f"max_tokens: {max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds this "
-                                  f"model's context of {state.max_seq_len} tokens (at most {room})",
-                             param="max_tokens")
+            raise P.APIError(400, f"{max_tokens_field}: {max_tokens} plus the prompt's {len(prompt_ids)} tokens "
+                                  f"exceeds this model's context of {state.max_seq_len} tokens (at most {room})",
+                             param=max_tokens_field)
         temperature = 1.0 if req.temperature is None else req.temperature
         sample = temperature > 0  # OpenAI's temperature 0 is greedy
         try:
@@ -163,7 +161,8 @@ class Generation:
 
 
 class _EventStream(StreamingResponse):
-    """A streaming response that runs ``on_close`` however it ends (done, client gone, server stopping)."""
+    """A streaming response that closes its event iterator and releases its request however it ends (done,
+    client gone, server stopping), even if the iterator never started."""
 
     def __init__(self, content: AsyncIterator[str], gen: Generation):
         super().__init__(content, media_type="text/event-stream",
@@ -318,7 +317,8 @@ def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256) ->
         except Exception as e:  # noqa: BLE001 - a template may reject a conversation (roles, order) by raising
             raise P.APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
         ids = enc["input_ids"] if hasattr(enc, "keys") else enc
-        gen = Generation(state, req, check_ids(list(ids), "messages"), req.output_limit, "chatcmpl", t0)
+        limit_field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+        gen = Generation(state, req, check_ids(list(ids), "messages"), req.output_limit, "chatcmpl", t0, limit_field)
         gen.start()
 
         def chunk(delta: P.ChatDelta, finish: str | None = None, usage=None, choices=True) -> P.ChatCompletionChunk:

@@ -6,7 +6,6 @@ user error.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -14,19 +13,18 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 def add_parser(sub, model_args) -> None:
     """Adds ``serve`` to the subparsers ``sub``; ``model_args`` adds the shared --model/--dtype/--quiet."""
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching (needs atb[serve])",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching (needs atb[serve])")
     model_args(s)
     s.add_argument("--served-model-name", help="the model id clients name (default: the checkpoint's name)")
     s.add_argument("--soc-type", default="host")
     s.add_argument("--threads", type=int, default=0, help="threads for atb (default: torch's)")
-    s.add_argument("--max-batch-size", type=int, default=16, help="requests decoded together")
-    s.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens of one request")
+    s.add_argument("--max-batch-size", type=int, default=16, help="requests decoded together (default 16)")
+    s.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens of one request (default 2048)")
     # Bounds how long running decodes wait for arrivals' prefill in one step (see the README's Serving).
     s.add_argument("--max-prefill-tokens", type=int, default=512,
-                   help="prompt tokens admitted per engine step (a longer prompt is admitted alone)")
+                   help="prompt tokens admitted per engine step; a longer prompt is admitted alone (default 512)")
     s.add_argument("--max-waiting", type=int, default=256,
-                   help="requests waiting for a batch slot before new ones get 429")
+                   help="requests waiting for a batch slot before new ones get 429 (default 256)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--log-level", default="info", choices=LOG_LEVELS)
