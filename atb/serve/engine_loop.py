@@ -1,8 +1,8 @@
 """The one engine thread serving every connection.
 
-HTTP handlers never call the engine themselves: a step holds the engine for
-tens of milliseconds and the event loop must keep streaming meanwhile. They
-hand ``add``/``abort`` commands to this thread, which applies them between
+HTTP handlers never add or abort requests themselves: a step holds the
+engine's lock for tens of milliseconds and the event loop must keep streaming
+meanwhile. They hand ``add``/``abort`` commands to this thread, which applies them between
 steps (so a new request joins the running batch at the next step and an abort
 frees its blocks before the next step starts), then calls ``engine.step()``
 while anything is unfinished. When nothing is, the thread sleeps on a
@@ -98,10 +98,6 @@ class EngineLoop:
 
     # ---- handlers' side (event loop) -----------------------------------------
     @property
-    def waiting(self) -> int:
-        return self._waiting
-
-    @property
     def queued(self) -> int:
         """Requests handed to the engine thread and not yet added to the engine (any thread)."""
         with self._cond:
@@ -160,7 +156,6 @@ class EngineLoop:
             self._loop.call_soon_threadsafe(self._deliver, items)
 
     def _run(self) -> None:
-        engine = self.engine
         while True:
             with self._cond:
                 while not (self._cmds.adds or self._cmds.aborts or self._busy or self._stop):
@@ -168,39 +163,42 @@ class EngineLoop:
                 if self._stop:
                     break
                 cmds, self._cmds = self._cmds, _Commands()
-            aborted = set(cmds.aborts)
-            failed = []
-            for rid in cmds.aborts:
-                if rid not in self._in_engine:
-                    continue
+            try:
+                self._iteration(cmds)
+            except Exception as e:  # noqa: BLE001 - the loop outlives any failure
+                log.exception("engine step failed; failing every request in the engine")
+                self._post(self._fail_all(EngineError(f"engine step failed: {e}")))
+            with self._cond:
+                self._busy = self.engine.has_unfinished()
+        # Shutting down: free whatever is still held.
+        self._fail_all(None)
+
+    def _iteration(self, cmds: _Commands) -> None:
+        """Applies aborts, then adds (each failing alone), then one engine step; posts what came out."""
+        engine = self.engine
+        aborted = set(cmds.aborts)
+        for rid in cmds.aborts:
+            if rid in self._in_engine:
                 self._in_engine.discard(rid)
                 try:
                     engine.abort(rid)
-                except Exception:  # noqa: BLE001 - one request's failure must not end the loop
+                except Exception:  # noqa: BLE001 - the other commands still apply
                     log.exception("abort of %s failed", rid)
-            for rid, ids, params in cmds.adds:
-                if rid in aborted:
-                    continue  # gone before it was ever scheduled
-                try:
-                    engine.add_request(ids, params, request_id=rid)
-                    self._in_engine.add(rid)
-                except Exception as e:  # noqa: BLE001
-                    log.warning("request %s rejected by the engine: %s", rid, e)
-                    failed.append((rid, EngineError(str(e))))
-            self._post(failed)
-            if engine.has_unfinished():
-                try:
-                    outputs = engine.step()
-                except Exception as e:  # noqa: BLE001
-                    log.exception("engine step failed; failing every request in the batch")
-                    self._post(self._fail_all(EngineError(f"engine step failed: {e}")))
-                else:
-                    self._in_engine.difference_update(o.request_id for o in outputs if o.finished)
-                    self._post([(o.request_id, o) for o in outputs])
-            with self._cond:
-                self._busy = engine.has_unfinished()
-        # Shutting down: free whatever is still held.
-        self._fail_all(None)
+        failed = []
+        for rid, ids, params in cmds.adds:
+            if rid in aborted:
+                continue  # gone before it was ever scheduled
+            try:
+                engine.add_request(ids, params, request_id=rid)
+                self._in_engine.add(rid)
+            except Exception as e:  # noqa: BLE001 - fails this request only
+                log.warning("request %s rejected by the engine: %s", rid, e)
+                failed.append((rid, EngineError(str(e))))
+        self._post(failed)
+        if engine.has_unfinished():
+            outputs = engine.step()
+            self._in_engine.difference_update(o.request_id for o in outputs if o.finished)
+            self._post([(o.request_id, o) for o in outputs])
 
     def _fail_all(self, error: Exception | None) -> list:
         """Aborts every request the engine holds; returns (id, error) items for their streams."""
