@@ -141,8 +141,9 @@ def in_process_tok_s(args, prompt: list[int]) -> float:
             rates.append(len(out) / (time.perf_counter() - t0))
 
     # On a worker thread, as the server's engine thread runs, so that the ratio to HTTP isolates the HTTP
-    # path. (On the loaded 2-core host of 2026-11-30, generate called from the main thread was 10-80x
-    # slower than from a worker thread, OpenMP team interplay under oversubscription; that is not HTTP's.)
+    # path. (On the 2-core host of 2026-11-30 under a load average of ~14, generate from the main thread
+    # was 10-80x slower than from a worker thread unless OMP_WAIT_POLICY=PASSIVE: the main thread's
+    # libgomp team spin-waits against the other processes. That cost is not HTTP's.)
     worker = threading.Thread(target=measure)
     worker.start()
     worker.join()
