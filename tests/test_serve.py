@@ -14,7 +14,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -24,7 +23,6 @@ httpx = pytest.importorskip("httpx")
 import atb  # noqa: E402
 from atb.serve.app import create_app, make_server  # noqa: E402
 from atb.serve.metrics import parse as parse_metrics  # noqa: E402
-from tests.conftest import load_smollm2  # noqa: E402
 
 MODEL = "smollm2-test"
 MAX_SEQ_LEN = 256
@@ -79,8 +77,8 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def model_tok():
-    return load_smollm2(torch.float32)
+def model_tok(smollm2_fp32):
+    return smollm2_fp32  # loaded once per test session (conftest)
 
 
 @pytest.fixture(scope="module")
@@ -374,7 +372,7 @@ def tiny_checkpoint(tmp_path_factory, model_tok):
     return path
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_cli_serves_and_shuts_down_gracefully(tiny_checkpoint, sig):
     port = _free_socket().getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "atb", "serve", "--model", str(tiny_checkpoint), "--port", str(port),

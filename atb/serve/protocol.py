@@ -54,7 +54,7 @@ class _Request(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Accepted for compatibility only at their no-op values (checked in ``unsupported``).
+    # Accepted for compatibility only at their no-op values (``_check_noops``).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
