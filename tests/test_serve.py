@@ -162,13 +162,18 @@ def test_chat_matches_generate(served, solo):
 
 
 def test_stop_string_mid_token(served, solo):
-    """A stop string that ends inside a token cuts the text there; the request's blocks are freed."""
-    prompt = "1, 2, 3, 4, 5, 6,"
+    """A stop string that spans tokens and ends inside one cuts the text there; the blocks are freed."""
+    prompt = "The capital of France is"
     ids = served.tok(prompt)["input_ids"]
-    full = _text(served.tok, solo(ids, 12))
-    # Cut at the first character of the second generated digit run: usually mid-token.
-    k = next(i for i in range(2, len(full)) if full[i].isdigit() and not full[i - 1].isdigit())
-    stop = full[k - 1:k + 1]
+    out = solo(ids, 12)
+    full = _text(served.tok, out)
+    ends = [len(_text(served.tok, out[:j])) for j in range(len(out) + 1)]  # text offsets of token boundaries
+    # The stop string ends one character into a token at least two characters long and starts three
+    # characters earlier, in the tokens before it; it must not occur earlier in the text.
+    cut = next(lo + 1 for lo, hi in zip(ends, ends[1:]) if hi - lo >= 2 and lo >= 3
+               and full.find(full[lo - 2:lo + 1]) == lo - 2)
+    stop = full[cut - 3:cut]
+    assert cut not in ends
     for stream in (False, True):
         r = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
                                              stream=stream)
@@ -177,7 +182,7 @@ def test_stop_string_mid_token(served, solo):
             text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
         else:
             text, finish = r.choices[0].text, r.choices[0].finish_reason
-        assert text == full[:full.index(stop)] and finish == "stop"
+        assert (text, finish) == (full[:cut - 3], "stop"), stop
     served.wait_idle()
 
 
