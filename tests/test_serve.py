@@ -111,6 +111,32 @@ def _chat_ids(tok, content):
     return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
 
 
+# ---------------------------------------------------------------- text pieces
+def test_incremental_detokenizer_matches_full_decode(model_tok):
+    from atb.serve.detokenize import IncrementalDetokenizer
+
+    tok = model_tok[1]
+    prompt = tok("Say it:")["input_ids"]
+    # Multi-byte characters split across byte-level tokens, and a special token (skipped).
+    out = tok("naïve café — 北京 🙂 done")["input_ids"] + [tok.eos_token_id]
+    detok = IncrementalDetokenizer(tok, prompt)
+    pieces = [detok.push([t]) for t in out] + [detok.flush()]
+    assert "".join(pieces) == tok.decode(out, skip_special_tokens=True)
+    assert all("\ufffd" not in p for p in pieces)  # never a half character
+
+
+def test_stop_strings_hold_back_possible_prefixes():
+    from atb.serve.detokenize import StopStrings
+
+    s = StopStrings(["END", "x\n"])
+    assert [s.feed(p) for p in ("abcE", "N", "d, xy", "zx")] == ["abc", "", "ENd, xy", "z"]
+    assert s.feed("\nafter") == "" and s.stopped and s.text == "abcENd, xyz"
+    s = StopStrings(["lo w"])
+    assert s.feed("hel") == "he" and s.feed("lo world") == "l" and s.stopped
+    s = StopStrings(None)
+    assert s.feed("anything") == "anything" and not s.stopped
+
+
 # ---------------------------------------------------------------- happy paths
 def test_models_health_metrics(served):
     assert [m.id for m in served.client.models.list().data] == [MODEL]
