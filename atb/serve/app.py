@@ -226,7 +226,7 @@ async def _complete(gen: Generation, request: Request, respond) -> Response:
     return Response(status_code=499) if text is None else respond(text)
 
 
-async def _event_stream(gen: Generation, events: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _event_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
     """SSE of ``events`` ending with ``data: [DONE]``; a failure mid-stream is sent as an error event."""
     try:
         async for e in events:
@@ -301,7 +301,7 @@ def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256) ->
                 yield _sse(P.CompletionResponse(id=gen.id, created=gen.created, model=state.model_name,
                                                 choices=[], usage=gen.usage()))
 
-        return _EventStream(_event_stream(gen, events()), gen)
+        return _EventStream(_event_stream(events()), gen)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -339,7 +339,7 @@ def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256) ->
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield _sse(chunk(P.ChatDelta(), usage=gen.usage(), choices=False))
 
-        return _EventStream(_event_stream(gen, events()), gen)
+        return _EventStream(_event_stream(events()), gen)
 
     @app.get("/v1/models")
     async def models():
