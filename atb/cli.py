@@ -512,10 +512,16 @@ def _add_socs(sub):
     s.set_defaults(func=cmd_socs)
 
 
+def _add_serve(sub):
+    from atb.serve.cli import add_parser
+
+    add_parser(sub, _model_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="atb", description="Ascend Transformer Boost-style acceleration on the CPU")
     sub = p.add_subparsers(dest="command")
-    for add in (_add_bench, _add_generate, _add_chat, _add_convert, _add_check, _add_socs):
+    for add in (_add_bench, _add_generate, _add_chat, _add_convert, _add_serve, _add_check, _add_socs):
         add(sub)
     return p
 

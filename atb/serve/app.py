@@ -1,0 +1,395 @@
+"""The FastAPI app: OpenAI's completions and chat completions over one engine loop.
+
+    app = create_app(infer, tokenizer, model_name="SmolLM2-135M-Instruct")
+    run(app, host="127.0.0.1", port=8000)      # uvicorn; SIGINT/SIGTERM shut down gracefully
+
+Every request is validated in full (fields, prompt length against
+``max_seq_len``, sampling values) before it reaches the engine; what is wrong
+is answered with OpenAI's error JSON naming the field. A request that passes
+is queued on the engine loop (429 when the waiting queue is full) and joins
+the running batch at the next engine step.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from atb.engine import SamplingParams
+from atb.serve import protocol as P
+from atb.serve.detokenize import IncrementalDetokenizer, StopStrings
+from atb.serve.engine_loop import EngineError, EngineLoop, QueueFull, ShuttingDown
+from atb.serve.metrics import CONTENT_TYPE, Metrics
+
+log = logging.getLogger("atb.serve")
+
+# The engine's finish reasons in OpenAI's words.
+_FINISH = {"eos": "stop", "length": "length", "max_seq_len": "length"}
+
+
+class ServerState:
+    """What the handlers share: the engine loop, the tokenizer, limits and metrics."""
+
+    def __init__(self, engine, tokenizer, model_name: str, max_waiting: int):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_seq_len = engine.max_seq_len
+        self.loop = EngineLoop(engine, max_waiting=max_waiting)
+        self.metrics = Metrics()
+        self.created = int(time.time())
+
+
+class Generation:
+    """One request from validated fields to text pieces: tokens in, detokenized, stop strings cut, metrics."""
+
+    def __init__(self, state: ServerState, req: P._Request, prompt_ids: list[int], max_tokens: int | None,
+                 prefix: str, t_arrival: float, max_tokens_field: str = "max_tokens"):
+        self.state = state
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.prompt_ids = prompt_ids
+        self.t0 = t_arrival
+        self.created = int(time.time())
+        self.prompt_tokens = len(prompt_ids)
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.ttft: float | None = None
+        self._released = False
+        room = state.max_seq_len - len(prompt_ids)
+        if room < 1:
+            param = "messages" if isinstance(req, P.ChatCompletionRequest) else "prompt"
+            raise P.APIError(400, f"{param}: the prompt has {len(prompt_ids)} tokens; this model's context is "
+                                  f"{state.max_seq_len} tokens and at least one must be left for the output",
+                             param=param)
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            raise P.APIError(400, f"{max_tokens_field}: {max_tokens} plus the prompt's {len(prompt_ids)} tokens "
+                                  f"exceeds this model's context of {state.max_seq_len} tokens (at most {room})",
+                             param=max_tokens_field)
+        temperature = 1.0 if req.temperature is None else req.temperature
+        sample = temperature > 0  # OpenAI's temperature 0 is greedy
+        try:
+            self.params = SamplingParams(
+                max_new_tokens=max_tokens, do_sample=sample, temperature=temperature if sample else 1.0,
+                top_k=(req.top_k or 0) if sample else 0, top_p=1.0 if req.top_p is None or not sample else req.top_p,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                seed=req.seed, ignore_eos=req.ignore_eos)
+        except (ValueError, TypeError) as e:
+            raise P.APIError(400, str(e)) from None
+        self._detok = IncrementalDetokenizer(state.tokenizer, prompt_ids)
+        self._stops = StopStrings(req.stop)
+
+    def start(self) -> None:
+        """Queues the request on the engine loop (APIError 429/503 when it cannot be taken)."""
+        try:
+            self._queue = self.state.loop.submit(self.id, self.prompt_ids, self.params)
+        except QueueFull as e:
+            self.state.metrics.reject(429)
+            raise P.APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+        except ShuttingDown as e:
+            self.state.metrics.reject(503)
+            raise P.APIError(503, str(e), type="server_error", code="shutting_down") from None
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """Text as it becomes final; ``finish_reason`` is set when the iteration ends."""
+        metrics, t_prev = self.state.metrics, None
+        if self._released:
+            return
+        try:
+            while True:
+                out = await self._queue.get()
+                if isinstance(out, Exception):
+                    raise out
+                now = time.perf_counter()
+                new = out.new_token_ids
+                if new:
+                    if self.ttft is None:
+                        self.ttft = now - self.t0
+                        metrics.first_token(self.prompt_tokens, self.ttft)
+                        metrics.tokens(len(new), None)
+                    else:
+                        metrics.tokens(len(new), (now - t_prev) / len(new))
+                    t_prev = now
+                    self.completion_tokens += len(new)
+                    piece = self._stops.feed(self._detok.push(new))
+                else:
+                    piece = ""
+                if not self._stops.stopped and out.finished:
+                    if out.finish_reason not in _FINISH:
+                        raise EngineError(f"request ended by the engine ({out.finish_reason})")
+                    piece += self._stops.feed(self._detok.flush())
+                    if not self._stops.stopped:
+                        piece += self._stops.flush()
+                        self.finish_reason = _FINISH[out.finish_reason]
+                if self._stops.stopped:
+                    self.finish_reason = "stop"
+                if piece:
+                    yield piece
+                if self.finish_reason is not None:
+                    return
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """However the request ended (done, stop string, client gone, error, never read): the engine forgets
+        it, freeing its blocks unless it already finished there; one log line. Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        self.state.loop.finished(self.id)
+        total = time.perf_counter() - self.t0
+        reason = self.finish_reason or "abort"
+        self.state.metrics.finish(reason, total)
+        ttft = f"{self.ttft * 1e3:.1f}ms" if self.ttft is not None else "-"
+        log.info("%s prompt_tokens=%d output_tokens=%d ttft=%s total=%.1fms finish=%s", self.id,
+                 self.prompt_tokens, self.completion_tokens, ttft, total * 1e3, reason)
+
+    def usage(self) -> P.Usage:
+        return P.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                       total_tokens=self.prompt_tokens + self.completion_tokens)
+
+
+class _EventStream(StreamingResponse):
+    """A streaming response that closes its event iterator and releases its request however it ends (done,
+    client gone, server stopping), even if the iterator never started."""
+
+    def __init__(self, content: AsyncIterator[str], gen: Generation):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._content = content
+        self._gen = gen
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._content.aclose()
+            self._gen.release()
+
+
+def _sse(obj) -> str:
+    data = obj.model_dump_json() if hasattr(obj, "model_dump_json") else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+def _server_error(e: Exception) -> P.APIError:
+    """A request that failed after it was accepted: shut down, failed by the engine, or a bug (logged)."""
+    if isinstance(e, ShuttingDown):
+        return P.APIError(503, str(e), type="server_error", code="shutting_down")
+    if not isinstance(e, EngineError):
+        log.exception("request failed")
+    return P.APIError(500, f"the request failed: {e}", type="server_error")
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(gen: Generation, request: Request) -> str | None:
+    """All text of a non-streaming request; None if the client went away first (the request is aborted)."""
+    async def text():
+        return "".join([p async for p in gen.pieces()])
+
+    work = asyncio.ensure_future(text())
+    gone = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+        gen.release()
+    return None if work.cancelled() else work.result()
+
+
+async def _complete(gen: Generation, request: Request, respond) -> Response:
+    """A non-streaming answer: ``respond(text)`` once all text is there, or the error."""
+    try:
+        text = await _collect(gen, request)
+    except Exception as e:  # noqa: BLE001 - fails this request only
+        err = _server_error(e)
+        return JSONResponse(err.body(), status_code=err.status)
+    return Response(status_code=499) if text is None else respond(text)
+
+
+async def _event_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """SSE of ``events`` ending with ``data: [DONE]``; a failure mid-stream is sent as an error event."""
+    try:
+        async for e in events:
+            yield e
+    except Exception as e:  # noqa: BLE001 - fails this request only
+        yield _sse(_server_error(e).body())
+    yield "data: [DONE]\n\n"
+
+
+def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256) -> FastAPI:
+    """The OpenAI-compatible app over ``engine`` (a ``TransformerInfer``); its engine thread runs with the app."""
+    state = ServerState(engine, tokenizer, model_name, max_waiting)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state.loop.start()
+        try:
+            yield
+        finally:
+            await state.loop.stop()
+
+    app = FastAPI(title="atb", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.atb = state
+
+    @app.exception_handler(P.APIError)
+    async def _api_error(request, e: P.APIError):
+        if e.status == 400:
+            state.metrics.reject(400)
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(P.APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code)
+
+    def check_model(req: P._Request) -> None:
+        if req.model is not None and req.model != state.model_name:
+            raise P.APIError(404, f"the model '{req.model}' does not exist; this server serves "
+                                  f"'{state.model_name}'", param="model", type="not_found_error",
+                             code="model_not_found")
+
+    def check_ids(ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise P.APIError(400, f"{param}: the prompt is empty", param=param)
+        bad = [t for t in ids if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise P.APIError(400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {engine.vocab_size})",
+                             param=param)
+        return ids
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        t0 = time.perf_counter()
+        req = P.parse_request(await request.body(), P.CompletionRequest)
+        check_model(req)
+        ids = req.prompt if isinstance(req.prompt, list) else tokenizer(req.prompt)["input_ids"]
+        gen = Generation(state, req, check_ids(list(ids), "prompt"), req.max_tokens, "cmpl", t0)
+        gen.start()
+
+        def chunk(text: str, finish: str | None, usage=None) -> P.CompletionResponse:
+            return P.CompletionResponse(id=gen.id, created=gen.created, model=state.model_name, usage=usage,
+                                        choices=[P.CompletionChoice(text=text, finish_reason=finish)])
+
+        if not req.stream:
+            return await _complete(gen, request, lambda text: chunk(text, gen.finish_reason, gen.usage()))
+
+        async def events():
+            async for piece in gen.pieces():
+                yield _sse(chunk(piece, None))
+            yield _sse(chunk("", gen.finish_reason))
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield _sse(P.CompletionResponse(id=gen.id, created=gen.created, model=state.model_name,
+                                                choices=[], usage=gen.usage()))
+
+        return _EventStream(_event_stream(events()), gen)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        t0 = time.perf_counter()
+        req = P.parse_request(await request.body(), P.ChatCompletionRequest)
+        check_model(req)
+        if not tokenizer.chat_template:
+            raise P.APIError(400, "messages: this model's tokenizer has no chat template; use /v1/completions",
+                             param="messages")
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        try:
+            enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # noqa: BLE001 - a template may reject a conversation (roles, order) by raising
+            raise P.APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
+        ids = enc["input_ids"] if hasattr(enc, "keys") else enc
+        limit_field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+        gen = Generation(state, req, check_ids(list(ids), "messages"), req.output_limit, "chatcmpl", t0, limit_field)
+        gen.start()
+
+        def chunk(delta: P.ChatDelta, finish: str | None = None, usage=None, choices=True) -> P.ChatCompletionChunk:
+            return P.ChatCompletionChunk(
+                id=gen.id, created=gen.created, model=state.model_name, usage=usage,
+                choices=[P.ChatChunkChoice(delta=delta, finish_reason=finish)] if choices else [])
+
+        if not req.stream:
+            return await _complete(gen, request, lambda text: P.ChatCompletionResponse(
+                id=gen.id, created=gen.created, model=state.model_name, usage=gen.usage(),
+                choices=[P.ChatChoice(message=P.ChatResponseMessage(content=text), finish_reason=gen.finish_reason)]))
+
+        async def events():
+            yield _sse(chunk(P.ChatDelta(role="assistant", content="")))
+            async for piece in gen.pieces():
+                yield _sse(chunk(P.ChatDelta(content=piece)))
+            yield _sse(chunk(P.ChatDelta(), gen.finish_reason))
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield _sse(chunk(P.ChatDelta(), usage=gen.usage(), choices=False))
+
+        return _EventStream(_event_stream(events()), gen)
+
+    @app.get("/v1/models")
+    async def models():
+        return P.ModelList(data=[P.ModelCard(id=state.model_name, created=state.created,
+                                             max_model_len=state.max_seq_len)])
+
+    @app.get("/health")
+    async def health():
+        if not state.loop.accepting:
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    def metrics():
+        # A plain function: FastAPI runs it on a worker thread, so waiting for the engine's lock (held
+        # during a step) never stalls the event loop.
+        stats = engine.stats()
+        stats["waiting"] += state.loop.queued
+        return PlainTextResponse(state.metrics.render(stats), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"):
+    """A uvicorn server for ``app`` whose SIGINT/SIGTERM handling stops accepting, aborts the requests in
+    flight (their streams end with an error event) and returns normally, so the process exits with 0."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn's own version re-raises the signal after its graceful shutdown, so the process would
+            # die of it; here a signal means "shut down cleanly and return".
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            app.state.atb.loop.begin_shutdown_threadsafe()
+
+    return Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10))
+
+
+def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serves ``app`` until SIGINT/SIGTERM, then shuts down gracefully and returns."""
+    make_server(app, host, port, log_level).run()

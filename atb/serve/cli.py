@@ -1,0 +1,68 @@
+"""The ``serve`` subcommand of ``python -m atb`` / ``atb``.
+
+Registering the arguments imports nothing heavy, so ``atb --help`` works
+without the ``serve`` extra; running the command without it is a one-line
+user error.
+"""
+from __future__ import annotations
+
+import logging
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def add_parser(sub, model_args) -> None:
+    """Adds ``serve`` to the subparsers ``sub``; ``model_args`` adds the shared --model/--dtype/--quiet."""
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching (needs atb[serve])")
+    model_args(s)
+    s.add_argument("--served-model-name", help="the model id clients name (default: the checkpoint's name)")
+    s.add_argument("--soc-type", default="host")
+    s.add_argument("--threads", type=int, default=0, help="threads for atb (default: torch's)")
+    s.add_argument("--max-batch-size", type=int, default=16, help="requests decoded together (default 16)")
+    s.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens of one request (default 2048)")
+    # Bounds how long running decodes wait for arrivals' prefill in one step (see the README's Serving).
+    s.add_argument("--max-prefill-tokens", type=int, default=512,
+                   help="prompt tokens admitted per engine step; a longer prompt is admitted alone (default 512)")
+    s.add_argument("--max-waiting", type=int, default=256,
+                   help="requests waiting for a batch slot before new ones get 429 (default 256)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    s.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from atb.cli import Progress, UserError, _check_soc_dtype, _load, _torch_dtype
+
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise UserError("serve needs the serve extra: pip install 'atb[serve]' (fastapi, uvicorn)") from None
+    for flag in ("max_batch_size", "max_seq_len", "max_prefill_tokens", "max_waiting", "port"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+
+    import atb
+    from atb.serve.app import create_app, run
+
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("atb.serve").setLevel(args.log_level.upper())
+    dtype = _torch_dtype(args.dtype)
+    _check_soc_dtype(args.soc_type, dtype)
+    if args.threads:
+        atb.set_num_threads(args.threads)
+    progress = Progress(not args.quiet)
+    model, tok, label = _load(args, dtype, progress)
+    if tok is None:
+        raise UserError("serve needs a tokenizer: use the default model or --model with a tokenizer")
+    progress("building engine")
+    try:
+        engine = atb.TransformerInfer(model, max_seq_len=args.max_seq_len, soc_type=args.soc_type,
+                                      max_batch_size=args.max_batch_size, max_prefill_tokens=args.max_prefill_tokens)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    progress.done()
+    app = create_app(engine, tok, model_name=args.served_model_name or label, max_waiting=args.max_waiting)
+    run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

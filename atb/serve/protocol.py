@@ -1,0 +1,263 @@
+"""OpenAI's wire format for the completions and chat completions endpoints.
+
+Requests are validated strictly (``"5"`` is not an int, ``true`` is not a
+number) and, as OpenAI does, an unrecognised field is an error rather than
+something silently ignored. Every validation failure becomes an
+:class:`APIError` naming the field, which the app turns into OpenAI's error
+JSON with status 400. Responses and stream chunks are plain pydantic models
+serialised field for field as OpenAI sends them.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
+
+# OpenAI's documented ranges.
+MAX_STOP_STRINGS = 4
+MAX_TEMPERATURE = 2.0
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    # json.loads accepts NaN and Infinity; no sampling value may be either.
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    # Not in OpenAI's API; vLLM's extensions of the same names.
+    top_k: int | None = Field(default=None, ge=0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    ignore_eos: bool = False
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Accepted for compatibility only at their no-op values (``_check_noops``).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"only n=1 is supported, got {v}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v):
+        if isinstance(v, str):
+            v = [v]
+        if v is not None:
+            if len(v) > MAX_STOP_STRINGS:
+                raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(v)}")
+            if any(s == "" for s in v):
+                raise ValueError("stop strings must not be empty")
+        return v
+
+    def _check_noops(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise APIError(400, f"{name}: not supported (only 0)", param=name)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias: not supported", param="logit_bias")
+
+
+class CompletionRequest(_Request):
+    # One prompt: text, or token ids. OpenAI's batch form (a list of several prompts) is refused.
+    prompt: Any
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for the legacy endpoint
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+            v = v[0]  # ["text"] or [[ids]]: a batch of one
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            return v
+        if isinstance(v, list) and all(isinstance(p, (str, list)) for p in v):
+            raise ValueError("only one prompt per request is supported")
+        raise ValueError("must be a string or a list of token ids")
+
+    def validate_semantics(self) -> None:
+        self._check_noops()
+        if self.echo:
+            raise APIError(400, "echo: not supported", param="echo")
+        if self.logprobs is not None:
+            raise APIError(400, "logprobs: not supported", param="logprobs")
+        if self.suffix is not None:
+            raise APIError(400, "suffix: not supported", param="suffix")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "best_of: only 1 is supported", param="best_of")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text(cls, v):
+        # A string, or OpenAI's list of content parts of which only text parts are supported here.
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                       for p in v):
+            return "".join(p["text"] for p in v)
+        raise ValueError("must be a string or a list of {\"type\": \"text\", \"text\": ...} parts")
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def validate_semantics(self) -> None:
+        self._check_noops()
+        if self.logprobs or self.top_logprobs is not None:
+            raise APIError(400, "logprobs: not supported", param="logprobs")
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def parse_request(raw: bytes, cls: type[_Request]) -> _Request:
+    """The request body as ``cls``; malformed JSON or any invalid field raises APIError(400) naming it."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
+    try:
+        req = cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        loc = [str(p) for p in err["loc"]]
+        param = loc[0] if loc else None
+        where = ".".join(loc) if loc else "body"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "missing":
+            msg = "required field is missing"
+        elif err["type"] == "extra_forbidden":
+            msg = "unrecognized request argument"
+        raise APIError(400, f"{where}: {msg}", param=param) from None
+    req.validate_semantics()
+    return req
+
+
+# ---------------------------------------------------------------- responses
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _present_only(self) -> dict:
+        # OpenAI's deltas carry only what changed: {"role": ..., "content": ""}, {"content": ...}, {}.
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "atb"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,443 @@
+"""`atb serve` end to end: the real server on 127.0.0.1, the official `openai` client, the real SmolLM2.
+
+Greedy outputs are compared with `TransformerInfer.generate` run alone on a second engine over the same
+weights; KV accounting is read back from /metrics.
+"""
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+import atb  # noqa: E402
+from atb.serve.app import create_app, make_server  # noqa: E402
+from atb.serve.metrics import parse as parse_metrics  # noqa: E402
+
+MODEL = "smollm2-test"
+MAX_SEQ_LEN = 256
+MAX_BATCH = 16
+
+
+def _free_socket() -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+class Served:
+    def __init__(self, model, tok):
+        self.tok = tok
+        self.infer = atb.TransformerInfer(model, max_seq_len=MAX_SEQ_LEN, max_batch_size=MAX_BATCH)
+        self.app = create_app(self.infer, tok, model_name=MODEL, max_waiting=64)
+        self.state = self.app.state.atb
+        sock = _free_socket()
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = make_server(self.app, log_level="warning")
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.05)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        self.aclient = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        self.http = httpx.Client(base_url=self.url, timeout=60)
+
+    def metrics(self) -> dict:
+        r = self.http.get("/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        return parse_metrics(r.text)
+
+    def wait_idle(self, timeout=30.0) -> dict:
+        """/metrics once nothing runs or waits and every KV block is free."""
+        deadline = time.time() + timeout
+        while True:
+            m = self.metrics()
+            if (m["atb_requests_running"], m["atb_requests_waiting"], m["atb_kv_blocks_used"]) == (0, 0, 0):
+                assert m["atb_kv_blocks_free"] == m["atb_kv_blocks_total"]
+                return m
+            assert time.time() < deadline, f"server not idle: {m}"
+            time.sleep(0.05)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def model_tok(smollm2_fp32):
+    return smollm2_fp32  # loaded once per test session (conftest)
+
+
+@pytest.fixture(scope="module")
+def served(model_tok):
+    s = Served(*model_tok)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def solo(model_tok):
+    """Greedy tokens of one prompt generated alone (batch of one, separate engine, same weights)."""
+    ref = atb.TransformerInfer(model_tok[0], max_seq_len=MAX_SEQ_LEN, max_batch_size=1)
+    cache = {}
+
+    def run(ids, n):
+        key = (tuple(ids), n)
+        if key not in cache:
+            cache[key] = ref.generate([ids], max_new_tokens=n)[0]
+        return cache[key]
+    return run
+
+
+def _text(tok, ids):
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+def _chat_ids(tok, content):
+    enc = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+
+# ---------------------------------------------------------------- text pieces
+def test_incremental_detokenizer_matches_full_decode(model_tok):
+    from atb.serve.detokenize import IncrementalDetokenizer
+
+    tok = model_tok[1]
+    prompt = tok("Say it:")["input_ids"]
+    # Multi-byte characters split across byte-level tokens, and a special token (skipped).
+    out = tok("naïve café — 北京 🙂 done")["input_ids"] + [tok.eos_token_id]
+    detok = IncrementalDetokenizer(tok, prompt)
+    pieces = [detok.push([t]) for t in out] + [detok.flush()]
+    assert "".join(pieces) == tok.decode(out, skip_special_tokens=True)
+    assert all("\ufffd" not in p for p in pieces)  # never a half character
+
+
+def test_stop_strings_hold_back_possible_prefixes():
+    from atb.serve.detokenize import StopStrings
+
+    s = StopStrings(["END", "x\n"])
+    assert [s.feed(p) for p in ("abcE", "N", "d, xy", "zx")] == ["abc", "", "ENd, xy", "z"]
+    assert s.feed("\nafter") == "" and s.stopped and s.text == "abcENd, xyz"
+    s = StopStrings(["lo w"])
+    assert s.feed("hel") == "he" and s.feed("lo world") == "l" and s.stopped
+    s = StopStrings(None)
+    assert s.feed("anything") == "anything" and not s.stopped
+
+
+# ---------------------------------------------------------------- happy paths
+def test_models_health_metrics(served):
+    assert [m.id for m in served.client.models.list().data] == [MODEL]
+    assert served.http.get("/health").json() == {"status": "ok"}
+    m = served.wait_idle()
+    for name in ("atb_time_to_first_token_seconds_count", "atb_time_per_output_token_seconds_count",
+                 "atb_prompt_tokens_total", "atb_generation_tokens_total"):
+        assert name in m
+
+
+def test_completion_greedy_matches_generate(served, solo):
+    prompt = "The capital of France is"
+    ids = served.tok(prompt)["input_ids"]
+    want = solo(ids, 12)
+    r = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    assert r.choices[0].text == _text(served.tok, want)
+    assert r.choices[0].finish_reason == ("stop" if want[-1] == served.tok.eos_token_id else "length")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(want))
+    # Token ids as the prompt give the same answer.
+    r2 = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    assert r2.choices[0].text == r.choices[0].text
+
+
+def test_completion_stream_matches_generate(served, solo):
+    prompt = "Once upon a time, in a small village,"
+    ids = served.tok(prompt)["input_ids"]
+    want = solo(ids, 16)
+    chunks = list(served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == len(want) and chunks[-1].usage.prompt_tokens == len(ids)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == _text(served.tok, want)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+
+
+def test_chat_matches_generate(served, solo):
+    question = "What is the capital of France?"
+    ids = _chat_ids(served.tok, question)
+    want = solo(ids, 24)
+    msgs = [{"role": "user", "content": question}]
+    r = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == _text(served.tok, want)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(want))
+    chunks = list(served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0,
+                                                        stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def test_stop_string_mid_token(served, solo):
+    """A stop string that spans tokens and ends inside one cuts the text there; the blocks are freed."""
+    prompt = "The capital of France is"
+    ids = served.tok(prompt)["input_ids"]
+    out = solo(ids, 12)
+    full = _text(served.tok, out)
+    ends = [len(_text(served.tok, out[:j])) for j in range(len(out) + 1)]  # text offsets of token boundaries
+    # The stop string ends one character into a token at least two characters long and starts three
+    # characters earlier, in the tokens before it; it must not occur earlier in the text.
+    cut = next(lo + 1 for lo, hi in zip(ends, ends[1:]) if hi - lo >= 2 and lo >= 3
+               and full.find(full[lo - 2:lo + 1]) == lo - 2)
+    stop = full[cut - 3:cut]
+    assert cut not in ends
+    for stream in (False, True):
+        r = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
+                                             stream=stream)
+        if stream:
+            chunks = list(r)
+            text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            text, finish = r.choices[0].text, r.choices[0].finish_reason
+        assert (text, finish) == (full[:cut - 3], "stop"), stop
+    served.wait_idle()
+
+
+def test_sampling_is_reproducible_with_seed(served):
+    kw = dict(model=MODEL, prompt="My favourite colour is", max_tokens=8, temperature=0.9, top_p=0.9, seed=1234,
+              extra_body={"top_k": 40})
+    a = served.client.completions.create(**kw).choices[0].text
+    b = served.client.completions.create(**kw).choices[0].text
+    assert a == b
+
+
+# ---------------------------------------------------------------- continuous batching
+def test_16_concurrent_streams_get_their_solo_tokens(served, solo):
+    words = ("the quick brown fox jumps over the lazy dog while a small bird sings on the old oak tree near "
+             "the river bank and children play").split()
+    cases = []
+    for i in range(16):
+        prompt = " ".join(words[:3 + (i * 7) % len(words)])
+        cases.append((prompt, 4 + (i * 5) % 17))
+    want = [solo(served.tok(p)["input_ids"], n) for p, n in cases]
+
+    async def one(prompt, n):
+        text, usage = "", None
+        stream = await served.aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
+                                                         stream=True, stream_options={"include_usage": True})
+        async for c in stream:
+            if c.choices:
+                text += c.choices[0].text
+            if c.usage:
+                usage = c.usage
+        return text, usage.completion_tokens
+
+    async def all_():
+        return await asyncio.gather(*[one(p, n) for p, n in cases])
+
+    got = asyncio.run(all_())
+    for (prompt, n), w, (text, count) in zip(cases, want, got):
+        assert (text, count) == (_text(served.tok, w), len(w)), prompt
+    served.wait_idle()
+
+
+def test_disconnect_after_3_chunks_frees_blocks(served, solo):
+    before = served.metrics()
+    others = ["Water boils at", "The largest planet is", "Python is a"]
+    want = [_text(served.tok, solo(served.tok(p)["input_ids"], 10)) for p in others]
+    result = {}
+
+    def quitter():
+        body = {"model": MODEL, "prompt": "Tell me a very long story:", "max_tokens": 200, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=served.url, timeout=60) as c, c.stream("POST", "/v1/completions", json=body) as r:
+            chunks = 0
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    chunks += 1
+                    if chunks == 3:
+                        break
+        result["chunks"] = chunks
+
+    def other(i):
+        result[i] = served.client.completions.create(model=MODEL, prompt=others[i], max_tokens=10,
+                                                     temperature=0).choices[0].text
+
+    threads = [threading.Thread(target=quitter)] + [threading.Thread(target=other, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert result["chunks"] == 3
+    assert [result[i] for i in range(3)] == want
+    after = served.wait_idle()
+    aborted = 'atb_requests_finished_total{finish_reason="abort"}'
+    assert after.get(aborted, 0) == before.get(aborted, 0) + 1
+    # The quitter was stopped early: far fewer than its 200 tokens were generated.
+    assert after["atb_generation_tokens_total"] - before["atb_generation_tokens_total"] < 30 + 60
+
+
+def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts(served):
+    before = served.metrics()
+    body = {"model": MODEL, "prompt": "Tell me a very long story:", "max_tokens": 200, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+    after = served.wait_idle()
+    aborted = 'atb_requests_finished_total{finish_reason="abort"}'
+    assert after.get(aborted, 0) == before.get(aborted, 0) + 1
+    assert after["atb_generation_tokens_total"] - before["atb_generation_tokens_total"] < 200
+
+
+# ---------------------------------------------------------------- bad requests
+BAD = [
+    ("malformed JSON", b'{"model": "x", "prompt": "hi"', 400, None),
+    ("not an object", b'[1, 2]', 400, None),
+    ("missing prompt", {"model": MODEL}, 400, "prompt"),
+    ("wrong type", {"model": MODEL, "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ("bool as int", {"model": MODEL, "prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
+    ("unknown field", {"model": MODEL, "prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
+    ("temperature < 0", {"model": MODEL, "prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("top_p > 1", {"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("top_k < 0", {"model": MODEL, "prompt": "hi", "top_k": -3}, 400, "top_k"),
+    ("max_tokens 0", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("n=2", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ("stop not strings", {"model": MODEL, "prompt": "hi", "stop": [1]}, 400, "stop"),
+    ("two prompts", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("token out of vocab", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt"),
+    ("empty prompt", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("prompt too long", {"model": MODEL, "prompt": [42] * MAX_SEQ_LEN}, 400, "prompt"),
+    ("no room for max_tokens", {"model": MODEL, "prompt": [42] * 200, "max_tokens": 100}, 400, "max_tokens"),
+    ("unknown model", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("what,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_completion_request(served, what, body, status, param):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = served.http.post("/v1/completions", headers={"content-type": "application/json"}, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and err["type"]
+    if param:
+        assert param in err["message"] or status == 404
+
+
+def test_bad_chat_requests_and_server_keeps_serving(served):
+    for body, param in (({"model": MODEL, "messages": []}, "messages"),
+                        ({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, "messages"),
+                        ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages"),
+                        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
+                         "logprobs")):
+        r = served.http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    with pytest.raises(openai.BadRequestError):
+        served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3)
+    r = served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens >= 1
+    served.wait_idle()
+
+
+def test_full_waiting_queue_answers_429(served):
+    limit = served.state.loop.max_waiting
+    served.state.loop.max_waiting = 0
+    try:
+        with pytest.raises(openai.RateLimitError) as e:
+            served.client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
+    finally:
+        served.state.loop.max_waiting = limit
+    assert served.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_engine_failures_fail_only_their_requests(served, monkeypatch):
+    infer = served.infer
+    real_add, real_step = infer.add_request, infer.step
+
+    def add_request(ids, params=None, request_id=None):
+        if ids[:1] == [777]:
+            raise ValueError("injected failure")
+        return real_add(ids, params, request_id=request_id)
+
+    monkeypatch.setattr(infer, "add_request", add_request)
+    with pytest.raises(openai.InternalServerError):
+        served.client.completions.create(model=MODEL, prompt=[777, 1000], max_tokens=4)
+    assert served.client.completions.create(model=MODEL, prompt=[778, 1000], max_tokens=4).usage.completion_tokens
+
+    # A step that raises fails the requests in the batch; the engine thread carries on.
+    failed = []
+
+    def step():
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    monkeypatch.setattr(infer, "step", step)
+    r = served.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
+    assert r.status_code == 500 and "injected step failure" in r.json()["error"]["message"]
+    assert served.client.completions.create(model=MODEL, prompt="hi", max_tokens=4).usage.completion_tokens
+    served.wait_idle()
+
+
+# ---------------------------------------------------------------- the command line
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, model_tok):
+    """A random 2-layer llama with SmolLM2's tokenizer, saved as an HF directory (loads in a second)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny")
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=len(model_tok[1]), max_position_embeddings=512)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    model_tok[1].save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_cli_serves_and_shuts_down_gracefully(tiny_checkpoint, sig):
+    port = _free_socket().getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "atb", "serve", "--model", str(tiny_checkpoint), "--port", str(port),
+                             "--max-seq-len", "512", "--quiet", "--log-level", "info"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(0.2)
+        body = {"prompt": "hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        lines = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    if len(lines) == 2:
+                        proc.send_signal(sig)
+        # The running request was aborted: an error event, then the end of the stream.
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["error"]["code"] == "shutting_down"
+        assert len(lines) < 400
+        assert proc.wait(30) == 0
+        err = proc.stderr.read()
+        assert "finish=abort" in err and "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
