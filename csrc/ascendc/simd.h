@@ -106,6 +106,9 @@ struct SimdOps {
                       int64_t M, int64_t N, int64_t K, bool accumulate);
   // Online-softmax step, fp32: dst = exp(a - b); sum += dst (all elementwise; dst may alias a).
   void (*exp_sub_acc)(float* dst, const float* a, const float* b, float* sum, int64_t n);
+  // Reduces n groups of 8 lanes (mmad_nt_lanes' output): dst[i] = ((l0 + l4) + (l2 + l6)) + ((l1 + l5) +
+  // (l3 + l7)) of lanes[8i ..], the same tree on every table.
+  void (*sum_lanes8)(float* dst, const float* lanes, int64_t n);
 };
 
 // The active table (selected on first use; never null).

@@ -682,6 +682,22 @@ void MmadNNRows(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B,
   });
 }
 
+// Two groups per zmm: swap 128-bit halves and add (l_j + l_j+4), swap 64-bit
+// pairs and add, swap neighbours and add; lanes 0 and 8 then hold the two sums,
+// each formed by exactly sum_lanes8's tree (fp32 addition commutes bitwise).
+void SumLanes8(float* d, const float* l, int64_t n) {
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {
+    V z = _mm512_loadu_ps(l + 8 * i);
+    z = _mm512_add_ps(z, _mm512_shuffle_f32x4(z, z, 0xB1));
+    z = _mm512_add_ps(z, _mm512_shuffle_ps(z, z, 0x4E));
+    z = _mm512_add_ps(z, _mm512_shuffle_ps(z, z, 0xB1));
+    d[i] = _mm_cvtss_f32(_mm512_castps512_ps128(z));
+    d[i + 1] = _mm_cvtss_f32(_mm512_extractf32x4_ps(z, 2));
+  }
+  if (i < n) d[i] = HSum8(_mm256_loadu_ps(l + 8 * i));
+}
+
 const SimdOps ATB_AVX512_TABLE = {
     ATB_AVX512_NAME, Add, Sub, Mul, Max, Muls, Adds, Axpy, Exp, Silu, SiluMul, Duplicate,
     ReduceSum, ReduceMax, SumSquares, Dot, F16ToF32, Bf16ToF32, F32ToF16, F32ToBf16,
@@ -691,7 +707,7 @@ const SimdOps ATB_AVX512_TABLE = {
     MmadNTLanes<float, LanesF>, MmadNTLanes<uint16_t, LanesH>, MmadNTLanes<uint16_t, LanesB>,
     MmadNTRows<float, Load16, Load16>, MmadNTRows<uint16_t, Load16H, Load16H>, MmadNTRows<uint16_t, Load16B, Load16B>,
     MmadNNRows<float, Load16>, MmadNNRows<uint16_t, Load16H>, MmadNNRows<uint16_t, Load16B>,
-    MmadTN, ExpSubAcc,
+    MmadTN, ExpSubAcc, SumLanes8,
 };
 
 }  // namespace
