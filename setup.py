@@ -1,8 +1,12 @@
 """Builds atb and its native core atb._C (C++17, pybind11, no libtorch link).
 
 Every .cpp under csrc/ is compiled, in parallel, with baseline flags for the
-target architecture; the AVX2 code path selects its ISA per file with a pragma
-and is chosen at run time from CPUID, so one build runs on any x86-64 CPU.
+target architecture; the AVX2 and AVX-512 code paths select their ISA per file
+with a pragma and are chosen at run time from CPUID, so one build runs on any
+x86-64 CPU. When SIMDe's headers are importable (the simde-py package, in the
+`test` extra) the AVX-512 source is also compiled against them into the
+test-only table "avx512-simde", which runs that code's logic on CPUs without
+AVX-512.
 No OpenMP: the runtime has its own thread pool, and a second OpenMP runtime
 beside torch's would spin on the cores torch needs.
 """
@@ -22,6 +26,16 @@ class ParallelBuildExt(build_ext):
             self.parallel = os.cpu_count() or 1
 
 
+def simde_include():
+    try:
+        import simde_py
+    except ImportError:
+        print("atb: simde-py not installed, building without the test-only 'avx512-simde' table "
+              "(pip install simde-py before building to get it)")
+        return []
+    return [simde_py.get_include()]
+
+
 sources = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "csrc", "**", "*.cpp"), recursive=True))
 
 compile_args = ["-O3", "-fno-math-errno", "-Wall", "-Wno-unused-function"]
@@ -39,7 +53,7 @@ if SANITIZE:
 ext = Pybind11Extension(
     "atb._C",
     sources,
-    include_dirs=["csrc"],
+    include_dirs=["csrc"] + simde_include(),
     cxx_std=17,
     extra_compile_args=compile_args,
     extra_link_args=link_args,

@@ -188,6 +188,12 @@ def cmd_check(args) -> int:
     report = atb.check_model(model)
     print(f"model: {label}")
     print(report)
+    from atb.kernels.linear import routing_mode, routing_table
+
+    info = atb.build_info()
+    table = routing_table([dtype])[str(dtype).replace("torch.", "")]
+    print(f"linear routing by rows of x ({info['processor']}, isa {info['isa']}, mode {routing_mode()}): "
+          + ", ".join(f"{rows}: {path}" for rows, path in table.items()))
     return 0 if report.supported else 1
 
 

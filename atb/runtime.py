@@ -1,6 +1,7 @@
 """Thread pool and build information of the native core."""
 from __future__ import annotations
 
+import os
 import platform
 
 import torch
@@ -22,8 +23,17 @@ def set_num_threads(n: int) -> None:
 
 
 def set_isa(isa: str) -> None:
-    """Forces a SIMD path: 'auto' (CPUID), 'avx2' or 'portable'."""
+    """Forces a SIMD path: ``"auto"`` (the fastest this CPU runs, from CPUID), ``"avx512"``, ``"avx2"``,
+    ``"portable"``, or the test-only ``"avx512-simde"`` (the AVX-512 code built against SIMDe, which runs on
+    any CPU); ValueError when this CPU or build cannot run it (``available_isas()`` lists those that can)."""
+    if not isinstance(isa, str):
+        raise TypeError(f"set_isa: isa must be a str, got {type(isa).__name__}")
     _C.set_isa(isa)
+
+
+def available_isas() -> list[str]:
+    """The SIMD tables this CPU and build can run, fastest native first (``"avx512-simde"`` last, if built)."""
+    return _C.available_isas().split()
 
 
 def set_threading(backend: str) -> None:
@@ -39,9 +49,13 @@ def set_threading(backend: str) -> None:
 
 
 def build_info() -> dict:
-    """Which SIMD path is active, what the CPU offers, and the pool size."""
+    """Which SIMD path is active (and which could be), what the CPU offers, the pool size, and how linears are
+    routed (the mode and the decisions measured so far on this machine)."""
+    from atb.kernels.linear import measured_decisions, routing_cache_path, routing_mode
+
     return {
         "isa": _C.isa(),
+        "available_isas": available_isas(),
         "cpu_features": _C.cpu_features(),
         "machine": platform.machine(),
         "processor": _cpu_model(),
@@ -49,6 +63,7 @@ def build_info() -> dict:
         "threading": _C.threading(),
         "torch": torch.__version__,
         "default_soc": soc.default_soc(),
+        "routing": {"mode": routing_mode(), "cache": routing_cache_path(), "measured": measured_decisions()},
     }
 
 
@@ -64,3 +79,10 @@ def _cpu_model() -> str:
 
 
 _C.set_num_threads(max(1, torch.get_num_threads()))
+# ATB_ISA forces a table; a name this machine cannot run fails here, at import, rather than silently running
+# another table (the native selector falls back to the fastest one).
+if os.environ.get("ATB_ISA", "auto") not in ("", "auto"):
+    try:
+        set_isa(os.environ["ATB_ISA"])
+    except ValueError as e:
+        raise ValueError(f"ATB_ISA={os.environ['ATB_ISA']}: {e}") from None

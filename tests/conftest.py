@@ -3,7 +3,11 @@ import os
 import pytest
 import torch
 
-import atb
+# Linear routing is measured per machine by default; the suite pins the fixed policy so every run takes the
+# same paths (tests/test_routing.py tests the measurement itself). ATB_ROUTING=measure runs it measured.
+os.environ.setdefault("ATB_ROUTING", "crossover")
+
+import atb  # noqa: E402
 
 
 def pytest_addoption(parser):
@@ -61,6 +65,19 @@ def family_model(name: str, base: dict, dtype=torch.float32, seed: int = 0):
             if name_.endswith(".bias"):
                 p.normal_(std=0.1)
     return model
+
+
+# Every SIMD table this machine can run (natively: avx512 / avx2 / portable), plus "avx512-simde" (the
+# AVX-512 source built against SIMDe) when the build has it: a CPU without AVX-512 still tests that code.
+ISAS = atb.available_isas()
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Runs the test with each SIMD table forced in turn."""
+    atb.set_isa(request.param)
+    yield request.param
+    atb.set_isa("auto")
 
 
 _MODELS = {}

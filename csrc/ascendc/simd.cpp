@@ -1,4 +1,4 @@
-// Picks the SIMD table from CPUID at first use.
+// Picks the SIMD table from CPUID (and XCR0) at first use.
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -6,13 +6,42 @@
 #include "error.h"
 #include "simd.h"
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#endif
+
 namespace AscendC {
 namespace {
+
+#if defined(__x86_64__) || defined(_M_X64)
+// The OS saves the register state an ISA needs (XCR0, read with xgetbv):
+// bits 1-2 for xmm/ymm, 5-7 for the opmask and zmm registers. A CPU may
+// report AVX-512 under an OS (or hypervisor) that does not save zmm state.
+uint64_t Xcr0() {
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & bit_OSXSAVE)) return 0;
+  uint32_t lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (uint64_t(hi) << 32) | lo;
+}
+#endif
 
 bool CpuHasAvx2Fma() {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return (Xcr0() & 0x6) == 0x6 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+bool CpuHasAvx512() {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  return CpuHasAvx2Fma() && (Xcr0() & 0xe6) == 0xe6 && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512dq");
 #else
   return false;
 #endif
@@ -22,31 +51,50 @@ std::string DetectFeatures() {
   std::string s;
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
-  const char* names[] = {"sse4.2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512bf16"};
-  for (const char* n : names) {
-    bool has = false;
-    if (!std::strcmp(n, "sse4.2")) has = __builtin_cpu_supports("sse4.2");
-    else if (!std::strcmp(n, "avx")) has = __builtin_cpu_supports("avx");
-    else if (!std::strcmp(n, "avx2")) has = __builtin_cpu_supports("avx2");
-    else if (!std::strcmp(n, "fma")) has = __builtin_cpu_supports("fma");
-    else if (!std::strcmp(n, "f16c")) has = __builtin_cpu_supports("f16c");
-    else if (!std::strcmp(n, "avx512f")) has = __builtin_cpu_supports("avx512f");
-    else if (!std::strcmp(n, "avx512bw")) has = __builtin_cpu_supports("avx512bw");
-    else if (!std::strcmp(n, "avx512vl")) has = __builtin_cpu_supports("avx512vl");
-    else if (!std::strcmp(n, "avx512bf16")) has = __builtin_cpu_supports("avx512bf16");
-    if (has) s += (s.empty() ? "" : " ") + std::string(n);
-  }
+  struct Feature {
+    const char* name;
+    bool has;
+  };
+  const Feature features[] = {
+      {"sse4.2", bool(__builtin_cpu_supports("sse4.2"))},     {"avx", bool(__builtin_cpu_supports("avx"))},
+      {"avx2", bool(__builtin_cpu_supports("avx2"))},         {"fma", bool(__builtin_cpu_supports("fma"))},
+      {"f16c", bool(__builtin_cpu_supports("f16c"))},         {"avx512f", bool(__builtin_cpu_supports("avx512f"))},
+      {"avx512bw", bool(__builtin_cpu_supports("avx512bw"))}, {"avx512vl", bool(__builtin_cpu_supports("avx512vl"))},
+      {"avx512dq", bool(__builtin_cpu_supports("avx512dq"))}, {"avx512bf16", bool(__builtin_cpu_supports("avx512bf16"))},
+      {"avx512vnni", bool(__builtin_cpu_supports("avx512vnni"))},
+      {"amx-bf16", bool(__builtin_cpu_supports("amx-bf16"))},
+  };
+  for (const Feature& f : features)
+    if (f.has) s += (s.empty() ? "" : " ") + std::string(f.name);
+  if (__builtin_cpu_supports("avx512f") && (Xcr0() & 0xe6) != 0xe6) s += " (no OS zmm state)";
 #elif defined(__aarch64__)
   s = "aarch64";
 #endif
   return s;
 }
 
+// The table named `isa` if this CPU and build can run it, else null (unknown names too).
+const SimdOps* Lookup(const std::string& isa) {
+  if (isa == "portable") return PortableSimdOps();
+  if (isa == "avx2") return CpuHasAvx2Fma() ? Avx2SimdOps() : nullptr;
+  if (isa == "avx512") return CpuHasAvx512() ? Avx512SimdOps() : nullptr;
+  if (isa == "avx512-simde") return Avx512SimdeSimdOps();
+  return nullptr;
+}
+
+const SimdOps* Fastest() {
+  for (const char* isa : {"avx512", "avx2"})
+    if (const SimdOps* t = Lookup(isa)) return t;
+  return PortableSimdOps();
+}
+
+// ATB_ISA forces a table when it names one this machine can run; the Python
+// layer rejects other values at import with a clear error.
 const SimdOps* Initial() {
   const char* forced = std::getenv("ATB_ISA");
-  if (forced && std::string(forced) == "portable") return PortableSimdOps();
-  if (CpuHasAvx2Fma() && Avx2SimdOps()) return Avx2SimdOps();
-  return PortableSimdOps();
+  if (forced && *forced && std::string(forced) != "auto")
+    if (const SimdOps* t = Lookup(forced)) return t;
+  return Fastest();
 }
 
 const SimdOps* gActive = nullptr;
@@ -60,17 +108,27 @@ const SimdOps& Simd() {
 
 void SelectSimd(const char* isa) {
   std::string want(isa);
-  if (want == "portable") {
-    gActive = PortableSimdOps();
-  } else if (want == "avx2") {
-    ATB_CHECK(CpuHasAvx2Fma() && Avx2SimdOps(), "set_isa: this CPU (", CpuFeatures(), ") has no AVX2+FMA+F16C");
-    gActive = Avx2SimdOps();
-  } else if (want == "auto") {
-    gActive = nullptr;
-    Simd();
-  } else {
-    ThrowError("set_isa: unknown ISA '", want, "'; valid: auto, avx2, portable");
+  if (want == "auto") {
+    gActive = Fastest();
+    return;
   }
+  ATB_CHECK(want == "portable" || want == "avx2" || want == "avx512" || want == "avx512-simde", "set_isa: unknown ISA '",
+            want, "'; valid: auto, ", AvailableIsas());
+  const SimdOps* t = Lookup(want);
+  ATB_CHECK(t, "set_isa: '", want, "' cannot run here (CPU features: ", CpuFeatures(), "; available: ", AvailableIsas(),
+            want == "avx512-simde" ? "; the build found no SIMDe headers: pip install simde-py, then rebuild" : "",
+            ")");
+  gActive = t;
+}
+
+const char* AvailableIsas() {
+  static const std::string names = [] {
+    std::string s;
+    for (const char* isa : {"avx512", "avx2", "portable", "avx512-simde"})
+      if (Lookup(isa)) s += (s.empty() ? "" : " ") + std::string(isa);
+    return s;
+  }();
+  return names.c_str();
 }
 
 const char* CpuFeatures() {

@@ -1,8 +1,11 @@
 // The vector and cube "instructions" of the CPU AI core: one table of function
-// pointers per ISA (AVX2+FMA+F16C, portable C++), chosen once at start-up from
-// the CPU's features, so one build runs correctly on any x86-64 or aarch64 CPU.
+// pointers per ISA (AVX-512, AVX2+FMA+F16C, portable C++), chosen once at
+// start-up from the CPU's features (and, for AVX-512, the OS's XSAVE support
+// of the zmm state), so one build runs correctly on any x86-64 or aarch64 CPU.
 // All arithmetic is fp32; the 16-bit types only ever appear as storage.
-// ATB_ISA=portable in the environment forces the portable table (tests use it).
+// ATB_ISA=avx512|avx2|portable|avx512-simde in the environment forces a table
+// ("avx512-simde": the AVX-512 source built against SIMDe, for tests on CPUs
+// without AVX-512; present when the build found SIMDe).
 #pragma once
 #include <cstdint>
 
@@ -68,8 +71,9 @@ struct SimdOps {
   void (*silu_mul_bf16)(uint16_t* dst, const uint16_t* g, const uint16_t* u, int64_t n);
   // Lane-accumulating NT Mmad, the cube's L0C accumulator kept per SIMD lane:
   //   lanes[(m * N + n) * 8 + j] (+)= sum over k in [0, K), k % 8 == j, of A[m][k] * B[n][k]
-  // in increasing k; K must be a multiple of 8. Splitting K into chunks (multiples of 8) leaves every
-  // lane's sum bit-identical, so a linear's result does not depend on how its tiling splits K.
+  // in increasing k (one fma per step); K must be a multiple of 8. Splitting K into chunks (multiples
+  // of 8) leaves every lane's sum bit-identical, so a linear's result does not depend on how its tiling
+  // splits K; and the AVX2 and native AVX-512 tables give the same bits (8 lanes in both).
   void (*mmad_nt_lanes_f32)(float* lanes, const float* A, int64_t lda, const float* B, int64_t ldb, int64_t M,
                             int64_t N, int64_t K, bool accumulate);
   void (*mmad_nt_lanes_f16)(float* lanes, const float* A, int64_t lda, const uint16_t* B, int64_t ldb, int64_t M,
@@ -78,8 +82,9 @@ struct SimdOps {
                              int64_t N, int64_t K, bool accumulate);
   // NT Mmad for a few A rows (decode attention: the query heads that share one
   // KV head, M <= 8 per pass): each B row is loaded and widened once for all
-  // M rows instead of once per row pair. Each element: 8 fp32 lanes over k,
-  // a fixed reduction tree, then the k tail; independent of M, N and blocking.
+  // M rows instead of once per row pair. Each element: one vector width of
+  // fp32 lanes over k (8 AVX2, 16 AVX-512), a fixed reduction tree, the k
+  // tail; independent of M, N and blocking (not of the table).
   void (*mmad_nt_rows_f32)(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb,
                            int64_t M, int64_t N, int64_t K, bool accumulate);
   void (*mmad_nt_rows_f16)(float* C, int64_t ldc, const float* A, int64_t lda, const uint16_t* B, int64_t ldb,
@@ -101,6 +106,9 @@ struct SimdOps {
                       int64_t M, int64_t N, int64_t K, bool accumulate);
   // Online-softmax step, fp32: dst = exp(a - b); sum += dst (all elementwise; dst may alias a).
   void (*exp_sub_acc)(float* dst, const float* a, const float* b, float* sum, int64_t n);
+  // Reduces n groups of 8 lanes (mmad_nt_lanes' output): dst[i] = ((l0 + l4) + (l2 + l6)) + ((l1 + l5) +
+  // (l3 + l7)) of lanes[8i ..], the same tree on every table.
+  void (*sum_lanes8)(float* dst, const float* lanes, int64_t n);
 };
 
 // The active table (selected on first use; never null).
@@ -108,8 +116,13 @@ const SimdOps& Simd();
 // Tables compiled into this build; null when the build has no such path.
 const SimdOps* PortableSimdOps();
 const SimdOps* Avx2SimdOps();
-// Forces a table by name ("avx2", "portable"); throws if unavailable on this CPU.
+const SimdOps* Avx512SimdOps();
+const SimdOps* Avx512SimdeSimdOps();
+// Forces a table by name ("auto", "avx512", "avx2", "portable", "avx512-simde");
+// throws if this CPU (or build) cannot run it.
 void SelectSimd(const char* isa);
+// Names of the tables this CPU and build can run, fastest native first.
+const char* AvailableIsas();
 // CPU feature flags seen at start-up, e.g. "avx2 fma f16c avx512f".
 const char* CpuFeatures();
 

@@ -667,6 +667,10 @@ void MmadNNRows(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B,
   });
 }
 
+void SumLanes8(float* d, const float* l, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) d[i] = HSum(_mm256_loadu_ps(l + 8 * i));  // HSum's tree is sum_lanes8's
+}
+
 const SimdOps kAvx2 = {
     "avx2", Add, Sub, Mul, Max, Muls, Adds, Axpy, Exp, Silu, SiluMul, Duplicate,
     ReduceSum, ReduceMax, SumSquares, Dot, F16ToF32, Bf16ToF32, F32ToF16, F32ToBf16,
@@ -676,7 +680,7 @@ const SimdOps kAvx2 = {
     MmadNTLanes<float, Load8>, MmadNTLanes<uint16_t, Load8H>, MmadNTLanes<uint16_t, Load8B>,
     MmadNTRows<float, Load8, Load1>, MmadNTRows<uint16_t, Load8H, Load1H>, MmadNTRows<uint16_t, Load8B, Load1B>,
     MmadNNRows<float, Load8, Load1>, MmadNNRows<uint16_t, Load8H, Load1H>, MmadNNRows<uint16_t, Load8B, Load1B>,
-    MmadTN, ExpSubAcc,
+    MmadTN, ExpSubAcc, SumLanes8,
 };
 
 }  // namespace

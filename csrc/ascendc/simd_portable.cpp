@@ -172,6 +172,10 @@ void ExpSubAcc(float* d, const float* a, const float* b, float* sum, int64_t n) 
   }
 }
 
+void SumLanes8(float* d, const float* l, int64_t n) {
+  for (int64_t i = 0; i < n; ++i, l += 8) d[i] = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
 const SimdOps kPortable = {
     "portable", Add, Sub, Mul, Max, Muls, Adds, Axpy, Exp, Silu, SiluMul, Duplicate,
     ReduceSum, ReduceMax, SumSquares, Dot, F16ToF32, Bf16ToF32, F32ToF16, F32ToBf16,
@@ -181,7 +185,7 @@ const SimdOps kPortable = {
     MmadNTLanes<float, Load>, MmadNTLanes<uint16_t, LoadH>, MmadNTLanes<uint16_t, LoadB>,
     MmadNT<float, Load>, MmadNT<uint16_t, LoadH>, MmadNT<uint16_t, LoadB>,  // mmad_nt_rows: one row at a time already
     MmadNN<float, Load>, MmadNN<uint16_t, LoadH>, MmadNN<uint16_t, LoadB>,  // mmad_nn_rows
-    MmadTN, ExpSubAcc,
+    MmadTN, ExpSubAcc, SumLanes8,
 };
 
 }  // namespace

@@ -17,11 +17,6 @@ using namespace AscendC;
 namespace atb {
 namespace {
 
-// Horizontal sum of 8 lanes in the order the AVX2 reduction uses.
-inline float SumLanes(const float* l) {
-  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
-}
-
 template <typename T>
 class KernelLinear : LinearIo<T> {
   using Io = LinearIo<T>;
@@ -109,12 +104,15 @@ class KernelLinear : LinearIo<T> {
     float* sums = sums_[st].Get<float>().GetPhyAddr();
     const float* x = xBuf_.Get<float>().GetPhyAddr();
     const T* w = wGm_[seg].GetPhyAddr(row * t_.k);
-    for (int64_t m = 0; m < mt; ++m)
-      for (int64_t n = 0; n < nt; ++n) {
-        float v = SumLanes(l + (m * nt + n) * 8);
-        for (int64_t k = k8; k < t_.k; ++k) v += x[m * t_.kTile + (k - kLast)] * ToFloat(w[n * t_.k + k]);
-        sums[m * nt + n] = v;
-      }
+    // One vector pass over all mt x nt lane groups (a scalar 7-add tree per output was ~20% of a batch-16 decode GEMM).
+    Simd().sum_lanes8(sums, l, mt * nt);
+    if (k8 < t_.k)
+      for (int64_t m = 0; m < mt; ++m)
+        for (int64_t n = 0; n < nt; ++n) {
+          float v = sums[m * nt + n];
+          for (int64_t k = k8; k < t_.k; ++k) v += x[m * t_.kTile + (k - kLast)] * ToFloat(w[n * t_.k + k]);
+          sums[m * nt + n] = v;
+        }
   }
 
   int64_t first_ = 0, last_ = 0;

@@ -1,0 +1,729 @@
+// AVX-512 (F + BW + VL + DQ, with FMA and F16C) table. The file is compiled
+// twice: natively here, with those target features for this file only (pragma
+// below, after every system header; everything lives in an anonymous
+// namespace) and selected only when CPUID and the OS (XCR0) report them; and
+// a second time by simd_avx512_simde.cpp against SIMDe, whose portable
+// implementations of the same intrinsics let a CPU without AVX-512 run this
+// code's logic in the tests (table "avx512-simde"; SIMDe's fmadd is not fused,
+// so that table's results differ from the native one in the last bits).
+//
+// Numerics, relative to the AVX2 table:
+// * bit-identical: elementwise ops, exp/silu (same polynomial), conversions,
+//   rope and silu_mul (HF's roundings), the lanes Mmad (same 8-lane sums: a
+//   zmm holds 8 k of two weight rows, see LanesBlock), and every Mmad whose
+//   elements are one fma chain over k (nn, tn, nn_rows);
+// * same contract, other association: reductions and the nt / nt_rows Mmads
+//   sum 16 lanes, then a fixed tree.
+// The AVX512-BF16 instructions are not used: vcvtneps2bf16 flushes denormal
+// inputs to zero (torch rounds them), and vdpbf16ps sums k in pairs with
+// denormals flushed, which would break the lanes contract that makes a
+// linear's result independent of its K tiling and equal across tables. Decode
+// GEMVs are bound by memory, where widening bf16 with a shift costs nothing.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "dtype.h"
+#include "simd.h"
+
+#if defined(ATB_SIMD_SIMDE)
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#include <simde/x86/f16c.h>
+#include <simde/x86/fma.h>
+#ifndef _MM_FROUND_NO_EXC
+#define _MM_FROUND_NO_EXC SIMDE_MM_FROUND_NO_EXC
+#endif
+#define ATB_AVX512_TABLE kAvx512Simde
+#define ATB_AVX512_NAME "avx512-simde"
+#define ATB_AVX512_GETTER Avx512SimdeSimdOps
+#define ATB_AVX512_BUILT 1
+#elif defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+// GCC's headers seed several intrinsics' unused lanes from a self-initialized
+// variable (_mm512_undefined_*), which -Wall reports at every inlined use.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#define ATB_AVX512_TABLE kAvx512
+#define ATB_AVX512_NAME "avx512"
+#define ATB_AVX512_GETTER Avx512SimdOps
+#define ATB_AVX512_BUILT 1
+#define ATB_AVX512_NATIVE 1
+#endif
+
+#if defined(ATB_AVX512_BUILT)
+// Vector-typed function pointers as template arguments (the load routines)
+// drop the vector type's alignment attribute, which is harmless here.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"
+namespace AscendC {
+namespace {
+
+using V = __m512;
+
+// Keeps a rounded product from being contracted with the following add into
+// an FMA (HF rounds x*cos before adding). SIMDe's portable code has no FMA to
+// contract into.
+inline V NoFuse(V v) {
+#if defined(ATB_AVX512_NATIVE)
+  __asm__("" : "+v"(v));
+#endif
+  return v;
+}
+
+inline __mmask16 Tail(int64_t r) { return __mmask16((1u << r) - 1u); }
+
+// Masked fp32 loads and stores touch only the selected lanes' memory. SIMDe
+// (0.8.2) emulates them with a full 64-byte load and a full store of zeros in
+// the unselected lanes, past the end of the caller's buffer: there, they go
+// lane by lane.
+inline V MaskLoad(__mmask16 m, const float* p) {
+#if defined(ATB_AVX512_NATIVE)
+  return _mm512_maskz_loadu_ps(m, p);
+#else
+  alignas(64) float buf[16] = {0};
+  for (int j = 0; j < 16; ++j)
+    if (m >> j & 1) buf[j] = p[j];
+  return _mm512_load_ps(buf);
+#endif
+}
+inline void MaskStore(float* p, __mmask16 m, V v) {
+#if defined(ATB_AVX512_NATIVE)
+  _mm512_mask_storeu_ps(p, m, v);
+#else
+  alignas(64) float buf[16];
+  _mm512_store_ps(buf, v);
+  for (int j = 0; j < 16; ++j)
+    if (m >> j & 1) p[j] = buf[j];
+#endif
+}
+
+// 8 lanes summed in the AVX2 table's order.
+inline float HSum8(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+inline __m256 Fold(V v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
+inline float HSum(V v) { return HSum8(Fold(v)); }
+// Four 16-lane sums at once (upper halves folded, then an hadd tree).
+inline __m128 HSum4(V a, V b, V c, V d) {
+  __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(Fold(a), Fold(b)), _mm256_hadd_ps(Fold(c), Fold(d)));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// exp as in the AVX2 table (Cephes range reduction, degree-5 polynomial, the
+// same fma steps), so both tables give the same bits; flushes to 0 below -87.3.
+inline V Exp16(V x) {
+  const V hiLim = _mm512_set1_ps(88.3762626647949f), loLim = _mm512_set1_ps(-87.3365447505531f);
+  __mmask16 under = _mm512_cmp_ps_mask(x, loLim, _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, loLim), hiLim);
+  V fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  V y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  return _mm512_maskz_mov_ps(__mmask16(~under), y);
+}
+inline V Silu16(V x) {
+  V e = Exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+// Elementwise ops: the tail runs the same vector op on zero-padded (masked)
+// lanes, so an element's result never depends on its position in the call.
+template <typename Op>
+inline void Map2(float* d, const float* a, const float* b, int64_t n, Op op) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(d + i, op(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i)));
+  if (i < n) {
+    __mmask16 m = Tail(n - i);
+    MaskStore(d + i, m, op(MaskLoad(m, a + i), MaskLoad(m, b + i)));
+  }
+}
+template <typename Op>
+inline void Map1(float* d, const float* a, int64_t n, Op op) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(d + i, op(_mm512_loadu_ps(a + i)));
+  if (i < n) {
+    __mmask16 m = Tail(n - i);
+    MaskStore(d + i, m, op(MaskLoad(m, a + i)));
+  }
+}
+
+void Add(float* d, const float* a, const float* b, int64_t n) { Map2(d, a, b, n, [](V x, V y) { return _mm512_add_ps(x, y); }); }
+void Sub(float* d, const float* a, const float* b, int64_t n) { Map2(d, a, b, n, [](V x, V y) { return _mm512_sub_ps(x, y); }); }
+void Mul(float* d, const float* a, const float* b, int64_t n) { Map2(d, a, b, n, [](V x, V y) { return _mm512_mul_ps(x, y); }); }
+// maxps returns its second operand when either is NaN: (b, a) keeps the AVX2 table's choice.
+void Max(float* d, const float* a, const float* b, int64_t n) { Map2(d, a, b, n, [](V x, V y) { return _mm512_max_ps(y, x); }); }
+void Muls(float* d, const float* a, float s, int64_t n) {
+  V v = _mm512_set1_ps(s);
+  Map1(d, a, n, [&](V x) { return _mm512_mul_ps(x, v); });
+}
+void Adds(float* d, const float* a, float s, int64_t n) {
+  V v = _mm512_set1_ps(s);
+  Map1(d, a, n, [&](V x) { return _mm512_add_ps(x, v); });
+}
+void Axpy(float* d, const float* a, float s, int64_t n) {
+  V v = _mm512_set1_ps(s);
+  Map2(d, a, d, n, [&](V x, V y) { return _mm512_fmadd_ps(x, v, y); });
+}
+void Exp(float* d, const float* a, int64_t n) { Map1(d, a, n, Exp16); }
+void Silu(float* d, const float* a, int64_t n) { Map1(d, a, n, Silu16); }
+void SiluMul(float* d, const float* g, const float* u, int64_t n) {
+  Map2(d, g, u, n, [](V x, V y) { return _mm512_mul_ps(Silu16(x), y); });
+}
+void Duplicate(float* d, float v, int64_t n) {
+  V x = _mm512_set1_ps(v);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(d + i, x);
+  if (i < n) MaskStore(d + i, Tail(n - i), x);
+}
+
+// Reductions: 16 lanes (masked zero-padded tail), folded to 8, then the AVX2 tree.
+template <typename F>
+inline float Reduce16(const float* a, const float* b, int64_t n, F f) {
+  V s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    s0 = f(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+    s1 = f(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
+  }
+  for (; i + 16 <= n; i += 16) s0 = f(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+  if (i < n) {
+    __mmask16 m = Tail(n - i);
+    s1 = f(MaskLoad(m, a + i), MaskLoad(m, b + i), s1);
+  }
+  return HSum(_mm512_add_ps(s0, s1));
+}
+float ReduceSum(const float* a, int64_t n) { return Reduce16(a, a, n, [](V x, V, V s) { return _mm512_add_ps(s, x); }); }
+float SumSquares(const float* a, int64_t n) { return Reduce16(a, a, n, [](V x, V, V s) { return _mm512_fmadd_ps(x, x, s); }); }
+float Dot(const float* a, const float* b, int64_t n) { return Reduce16(a, b, n, [](V x, V y, V s) { return _mm512_fmadd_ps(x, y, s); }); }
+float ReduceMax(const float* a, int64_t n) {
+  V m = _mm512_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(a + i));
+  if (i < n) m = _mm512_mask_max_ps(m, Tail(n - i), m, MaskLoad(Tail(n - i), a + i));
+  __m256 h = _mm256_max_ps(_mm512_castps512_ps256(m), _mm512_extractf32x8_ps(m, 1));
+  __m128 l = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  l = _mm_max_ps(l, _mm_movehl_ps(l, l));
+  l = _mm_max_ss(l, _mm_shuffle_ps(l, l, 0xB1));
+  return _mm_cvtss_f32(l);
+}
+
+// Storage loads of 16 elements to fp32 lanes; 16-bit data: 8 of them come
+// from two places (LanesBlock's two weight rows), widened together.
+inline V Widen16H(__m256i h) { return _mm512_cvtph_ps(h); }
+inline V Widen16B(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+inline __m256i LoadU256(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m128i LoadU128(const uint16_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline V Load16(const float* p) { return _mm512_loadu_ps(p); }
+inline V Load16H(const uint16_t* p) { return Widen16H(LoadU256(p)); }
+inline V Load16B(const uint16_t* p) { return Widen16B(LoadU256(p)); }
+inline V Load16(const float* p, __mmask16 m) { return MaskLoad(m, p); }
+// Masked 16-bit loads go through a zero-padded copy (n < 16 elements).
+template <V (*W)(__m256i)>
+inline V LoadTail16(const uint16_t* p, __mmask16 m) {
+  alignas(32) uint16_t buf[16] = {0};
+  for (int j = 0; j < 16; ++j)
+    if (m >> j & 1) buf[j] = p[j];
+  return W(_mm256_load_si256(reinterpret_cast<const __m256i*>(buf)));
+}
+inline V Load16H(const uint16_t* p, __mmask16 m) { return LoadTail16<Widen16H>(p, m); }
+inline V Load16B(const uint16_t* p, __mmask16 m) { return LoadTail16<Widen16B>(p, m); }
+inline float Load1(const float* p) { return *p; }
+inline float Load1H(const uint16_t* p) { return ToFloat(half{*p}); }
+inline float Load1B(const uint16_t* p) { return BitsToFloat(uint32_t(*p) << 16); }
+
+// fp32 -> fp16, 16 lanes (two F16C halves: the same rounding as the AVX2 table).
+inline __m256i NarrowH(V v) {
+  __m128i lo = _mm256_cvtps_ph(_mm512_castps512_ps256(v), _MM_FROUND_TO_NEAREST_INT);
+  __m128i hi = _mm256_cvtps_ph(_mm512_extractf32x8_ps(v, 1), _MM_FROUND_TO_NEAREST_INT);
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+// fp32 -> bf16 bits in the low half of each 32-bit lane: round to nearest
+// even at bit 16; a NaN becomes a quiet NaN (as FromFloat<bfloat16_t>).
+inline __m512i Bf16Bits(V x) {
+  __m512i u = _mm512_castps_si512(x);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  __mmask16 isnan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                           _mm512_set1_epi32(0x7f800000));
+  __m512i qnan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  return _mm512_mask_blend_epi32(isnan, r, qnan);
+}
+inline __m128i Pack8(__m256i r) { return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)); }
+inline __m256i NarrowB(V v) {
+  __m512i r = Bf16Bits(v);
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(Pack8(_mm512_castsi512_si256(r))),
+                                 Pack8(_mm512_extracti64x4_epi64(r, 1)), 1);
+}
+inline void StoreU256(uint16_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+template <__m256i (*N)(V)>
+inline void StoreTail16(uint16_t* p, V v, int64_t n) {
+  alignas(32) uint16_t buf[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(buf), N(v));
+  std::memcpy(p, buf, size_t(n) * sizeof(uint16_t));
+}
+
+void F16ToF32(float* d, const uint16_t* s, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(d + i, Load16H(s + i));
+  if (i < n) MaskStore(d + i, Tail(n - i), Load16H(s + i, Tail(n - i)));
+}
+void Bf16ToF32(float* d, const uint16_t* s, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(d + i, Load16B(s + i));
+  if (i < n) MaskStore(d + i, Tail(n - i), Load16B(s + i, Tail(n - i)));
+}
+void F32ToF16(uint16_t* d, const float* s, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) StoreU256(d + i, NarrowH(_mm512_loadu_ps(s + i)));
+  if (i < n) StoreTail16<NarrowH>(d + i, MaskLoad(Tail(n - i), s + i), n - i);
+}
+void F32ToBf16(uint16_t* d, const float* s, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) StoreU256(d + i, NarrowB(_mm512_loadu_ps(s + i)));
+  if (i < n) StoreTail16<NarrowB>(d + i, MaskLoad(Tail(n - i), s + i), n - i);
+}
+
+// Storage traits: 16 lanes in, 16 out (masked forms for tails), and Round16 =
+// round to the storage precision but stay in fp32 (the value HF's
+// intermediate tensor holds).
+struct F32T {
+  using T = float;
+  static V L(const float* p) { return _mm512_loadu_ps(p); }
+  static V L(const float* p, __mmask16 m) { return MaskLoad(m, p); }
+  static void S(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static void S(float* p, V v, __mmask16 m) { MaskStore(p, m, v); }
+  static V Round(V v) { return NoFuse(v); }
+};
+template <V (*W)(__m256i), __m256i (*N)(V)>
+struct Half16T {
+  using T = uint16_t;
+  static V L(const uint16_t* p) { return W(LoadU256(p)); }
+  static V L(const uint16_t* p, __mmask16 m) { return LoadTail16<W>(p, m); }
+  static void S(uint16_t* p, V v) { StoreU256(p, N(v)); }
+  static void S(uint16_t* p, V v, __mmask16 m) { StoreTail16<N>(p, v, __builtin_popcount(unsigned(m))); }
+};
+struct F16T : Half16T<Widen16H, NarrowH> {
+  static V Round(V v) { return Widen16H(NarrowH(v)); }
+};
+struct Bf16T : Half16T<Widen16B, NarrowB> {
+  // Rounded in the fp32 lanes (no pack/unpack); a NaN stays a quiet NaN.
+  static V Round(V v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    __m512i nan = _mm512_or_si512(u, _mm512_set1_epi32(0x00400000));
+    __mmask16 isnan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_mask_blend_epi32(isnan, r, nan),
+                                                _mm512_set1_epi32(int32_t(0xffff0000u))));
+  }
+};
+
+// No FMA on purpose (see the AVX2 table): HF rounds each product first.
+template <class S>
+void Rope(typename S::T* dst, const typename S::T* src, const float* cos, const float* sin, int64_t rows,
+          int64_t pitch, int64_t headDim, int64_t rotary, bool interleave) {
+  using T = typename S::T;
+  const __m512i negEvenBits = _mm512_set_epi32(0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN, 0,
+                                               INT32_MIN, 0, INT32_MIN, 0, INT32_MIN);
+  const V negEven = _mm512_castsi512_ps(negEvenBits);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* x = src + r * pitch;
+    T* y = dst + r * pitch;
+    if (!interleave) {
+      int64_t h = rotary / 2;
+      for (int64_t i = 0; i < h; i += 16) {
+        __mmask16 m = Tail(std::min<int64_t>(16, h - i));
+        V x1 = S::L(x + i, m), x2 = S::L(x + h + i, m);
+        V a1 = S::Round(_mm512_mul_ps(x1, MaskLoad(m, cos + i)));
+        V b1 = S::Round(_mm512_mul_ps(x2, MaskLoad(m, sin + i)));
+        V a2 = S::Round(_mm512_mul_ps(x2, MaskLoad(m, cos + h + i)));
+        V b2 = S::Round(_mm512_mul_ps(x1, MaskLoad(m, sin + h + i)));
+        // Results are computed before storing: dst may alias src.
+        V o1 = _mm512_sub_ps(a1, b1), o2 = _mm512_add_ps(a2, b2);
+        S::S(y + i, o1, m);
+        S::S(y + h + i, o2, m);
+      }
+    } else {
+      for (int64_t i = 0; i < rotary; i += 16) {
+        __mmask16 m = Tail(std::min<int64_t>(16, rotary - i));
+        V v = S::L(x + i, m);
+        // (x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)
+        V rot = _mm512_xor_ps(_mm512_shuffle_ps(v, v, 0xB1), negEven);
+        V a = S::Round(_mm512_mul_ps(v, MaskLoad(m, cos + i)));
+        V b = S::Round(_mm512_mul_ps(rot, MaskLoad(m, sin + i)));
+        S::S(y + i, _mm512_add_ps(a, b), m);
+      }
+    }
+    if (y != x && rotary < headDim) std::memcpy(y + rotary, x + rotary, size_t(headDim - rotary) * sizeof(T));
+  }
+}
+
+template <class S>
+void SiluMulT(uint16_t* d, const uint16_t* g, const uint16_t* u, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 m = Tail(std::min<int64_t>(16, n - i));
+    S::S(d + i, _mm512_mul_ps(S::Round(Silu16(S::L(g + i, m))), S::L(u + i, m)), m);
+  }
+}
+
+void ExpSubAcc(float* d, const float* a, const float* b, float* sum, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 m = Tail(std::min<int64_t>(16, n - i));
+    V e = Exp16(_mm512_sub_ps(MaskLoad(m, a + i), MaskLoad(m, b + i)));
+    MaskStore(d + i, m, e);
+    MaskStore(sum + i, m, _mm512_add_ps(MaskLoad(m, sum + i), e));
+  }
+}
+
+// ---- Lane-accumulating NT Mmad (decode linears) -----------------------------
+// One zmm holds k..k+7 of two weight rows side by side and A's 8 values are
+// broadcast to both halves, so each 32-bit lane runs exactly the AVX2 table's
+// 8-lane fma chain: bit-identical lanes, at half the instructions. Pair loads:
+inline V PairF(const float* p, int64_t ld) { return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(p)), _mm256_loadu_ps(p + ld), 1); }
+inline __m256i Pair16(const uint16_t* p, int64_t ld) {
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(LoadU128(p)), LoadU128(p + ld), 1);
+}
+inline V PairH(const uint16_t* p, int64_t ld) { return Widen16H(Pair16(p, ld)); }
+inline V PairB(const uint16_t* p, int64_t ld) { return Widen16B(Pair16(p, ld)); }
+// A single weight row (odd N): the upper half is zero and never stored.
+inline V SingleF(const float* p) { return _mm512_insertf32x8(_mm512_setzero_ps(), _mm256_loadu_ps(p), 0); }
+inline V SingleH(const uint16_t* p) { return Widen16H(_mm256_castsi128_si256(LoadU128(p))); }
+inline V SingleB(const uint16_t* p) { return Widen16B(_mm256_castsi128_si256(LoadU128(p))); }
+
+template <typename TB, V (*LP)(const TB*, int64_t), V (*LS)(const TB*)>
+struct LaneLoads {
+  static V Pair(const TB* p, int64_t ld) { return LP(p, ld); }
+  static V Single(const TB* p) { return LS(p); }
+};
+using LanesF = LaneLoads<float, PairF, SingleF>;
+using LanesH = LaneLoads<uint16_t, PairH, SingleH>;
+using LanesB = LaneLoads<uint16_t, PairB, SingleB>;
+
+// R rows of A against P pairs of weight rows (or one single row, P == 0):
+// R*P accumulators, every weight vector loaded once per k step for all R rows.
+// Accumulators start from (and return to) the lanes buffer, so K may be split
+// anywhere on a multiple of 8.
+template <typename TB, class L, int R, int P>
+__attribute__((noinline)) void LanesBlock(float* lanes, int64_t N, const float* A, int64_t lda, const TB* B,
+                                          int64_t ldb, int64_t K, bool acc) {
+  constexpr int kP = P == 0 ? 1 : P;
+  V s[R][kP];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < kP; ++c) {
+      float* l = lanes + (r * N + 2 * c) * 8;
+      s[r][c] = !acc ? _mm512_setzero_ps() : P == 0 ? _mm512_insertf32x8(_mm512_setzero_ps(), _mm256_loadu_ps(l), 0)
+                                                    : _mm512_loadu_ps(l);
+    }
+  // Short weight rows end before the hardware prefetcher ramps up: fetch the
+  // rows two blocks ahead while these are used (as the AVX2 table does).
+  constexpr int64_t kLine = 64 / int64_t(sizeof(TB));
+  const bool prefetch = P > 0 && ldb * int64_t(sizeof(TB)) <= 4096;
+  const char* next = reinterpret_cast<const char*>(B + 4 * kP * ldb);
+  for (int64_t k = 0; k < K; k += 8) {
+    if (prefetch && k % kLine == 0)
+#pragma GCC unroll 16
+      for (int c = 0; c < 2 * kP; ++c) _mm_prefetch(next + (c * ldb + k) * int64_t(sizeof(TB)), _MM_HINT_T0);
+    V b[kP];
+#pragma GCC unroll 8
+    for (int c = 0; c < kP; ++c) b[c] = P == 0 ? L::Single(B + k) : L::Pair(B + 2 * c * ldb + k, ldb);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      V a = _mm512_broadcast_f32x8(_mm256_loadu_ps(A + r * lda + k));
+#pragma GCC unroll 8
+      for (int c = 0; c < kP; ++c) s[r][c] = _mm512_fmadd_ps(a, b[c], s[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < kP; ++c) {
+      float* l = lanes + (r * N + 2 * c) * 8;
+      if (P == 0) _mm256_storeu_ps(l, _mm512_castps512_ps256(s[r][c]));
+      else _mm512_storeu_ps(l, s[r][c]);
+    }
+}
+
+template <typename Fn>
+inline void ForRowBlocks(int64_t M, Fn&& fn) {
+  using std::integral_constant;
+  for (int64_t m = 0; m < M; m += 8) {
+    switch (std::min<int64_t>(8, M - m)) {
+      case 1: fn(integral_constant<int, 1>{}, m); break;
+      case 2: fn(integral_constant<int, 2>{}, m); break;
+      case 3: fn(integral_constant<int, 3>{}, m); break;
+      case 4: fn(integral_constant<int, 4>{}, m); break;
+      case 5: fn(integral_constant<int, 5>{}, m); break;
+      case 6: fn(integral_constant<int, 6>{}, m); break;
+      case 7: fn(integral_constant<int, 7>{}, m); break;
+      default: fn(integral_constant<int, 8>{}, m); break;
+    }
+  }
+}
+
+// Up to 4 rows of A take 4 pairs (8 weight rows, up to 16 + 4 + 1 of the 32
+// zmm registers); more rows take 2 pairs (8 rows: 16 accumulators, 2 weight
+// vectors, one broadcast). A batch-16 decode runs two 8-row passes per
+// weight block, the block (4 rows x kb) staying in L1 between them.
+
+template <typename TB, class L>
+void MmadNTLanes(float* lanes, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
+                 bool acc) {
+  if (K == 0) {  // an all-tail K (< 8): the lanes still start from zero
+    if (!acc) std::fill(lanes, lanes + M * N * 8, 0.0f);
+    return;
+  }
+  // With more than one pass of A rows over the same weight rows, walk K in
+  // blocks so those rows stay in L1 between passes; one pass streams each
+  // weight row exactly once.
+  const int64_t kb = M <= 8 ? K : 512;
+  int64_t n = 0;
+  auto block = [&](auto rows, int64_t m, auto pairs, int64_t n0, int64_t k) {
+    constexpr int R = decltype(rows)::value, P = decltype(pairs)::value;
+    LanesBlock<TB, L, R, P>(lanes + (m * N + n0) * 8, N, A + m * lda + k, lda, B + n0 * ldb + k, ldb,
+                            std::min(kb, K - k), acc || k > 0);
+  };
+  using std::integral_constant;
+  auto panel = [&](auto pairs, int64_t n0) {
+    for (int64_t k = 0; k < K; k += kb)
+      ForRowBlocks(M, [&](auto rows, int64_t m) { block(rows, m, pairs, n0, k); });
+  };
+  // Wide panels where every row count fits (4 pairs up to 4 rows, else 2),
+  // then single pairs, then the odd row.
+  if (M <= 4) {
+    for (; n + 8 <= N; n += 8) panel(integral_constant<int, 4>{}, n);
+  } else {
+    for (; n + 4 <= N; n += 4) panel(integral_constant<int, 2>{}, n);
+  }
+  for (; n + 2 <= N; n += 2) panel(integral_constant<int, 1>{}, n);
+  if (n < N) panel(integral_constant<int, 0>{}, n);
+}
+
+// ---- Few-row NT Mmad (decode attention's Q K^T) ------------------------------
+// All R (<= 8) A rows against CN B rows per block: a B row is widened once.
+// Each element: 16 fp32 lanes over k (the k tail masked into the last step),
+// then a fixed reduction tree; independent of M, N and blocking.
+template <int R> constexpr int kPanelsForRows = R <= 2 ? 8 : R <= 4 ? 5 : R <= 6 ? 4 : 3;
+
+template <typename TB, V (*L16)(const TB*), V (*L16M)(const TB*, __mmask16), int R, int CN>
+void BlockNTRows(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t K, bool acc) {
+  constexpr int kOut = R * CN, kPad = (kOut + 3) / 4 * 4;
+  V s[kPad];
+#pragma GCC unroll 32
+  for (int i = 0; i < kPad; ++i) s[i] = _mm512_setzero_ps();
+  auto step = [&](int64_t k, auto loadB, auto loadA) {
+    V b[CN];
+#pragma GCC unroll 8
+    for (int c = 0; c < CN; ++c) b[c] = loadB(B + c * ldb + k);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      V a = loadA(A + r * lda + k);
+#pragma GCC unroll 8
+      for (int c = 0; c < CN; ++c) s[r * CN + c] = _mm512_fmadd_ps(a, b[c], s[r * CN + c]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) step(k, [](const TB* p) { return L16(p); }, [](const float* p) { return _mm512_loadu_ps(p); });
+  if (k < K) {
+    __mmask16 m = Tail(K - k);
+    step(k, [m](const TB* p) { return L16M(p, m); }, [m](const float* p) { return MaskLoad(m, p); });
+  }
+  alignas(16) float sums[kPad];
+#pragma GCC unroll 8
+  for (int i = 0; i < kPad; i += 4) _mm_store_ps(sums + i, HSum4(s[i], s[i + 1], s[i + 2], s[i + 3]));
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CN; ++c) {
+      float* out = C + r * ldc + c;
+      *out = acc ? *out + sums[r * CN + c] : sums[r * CN + c];
+    }
+}
+
+template <typename TB, V (*L16)(const TB*), V (*L16M)(const TB*, __mmask16)>
+void MmadNTRows(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N,
+                int64_t K, bool acc) {
+  ForRowBlocks(M, [&](auto rows, int64_t m) {
+    constexpr int R = decltype(rows)::value, CN = kPanelsForRows<R>;
+    float* c = C + m * ldc;
+    const float* a = A + m * lda;
+    int64_t n = 0;
+    for (; n + CN <= N; n += CN) BlockNTRows<TB, L16, L16M, R, CN>(c + n, ldc, a, lda, B + n * ldb, ldb, K, acc);
+    for (; n < N; ++n) BlockNTRows<TB, L16, L16M, R, 1>(c + n, ldc, a, lda, B + n * ldb, ldb, K, acc);
+  });
+}
+
+// General NT Mmad: the few-row kernel over blocks of 8 A rows.
+template <typename TB, V (*L16)(const TB*), V (*L16M)(const TB*, __mmask16)>
+void MmadNT(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N,
+            int64_t K, bool acc) {
+  MmadNTRows<TB, L16, L16M>(C, ldc, A, lda, B, ldb, M, N, K, acc);
+}
+
+// ---- NN / TN Mmad: register-blocked cube tile --------------------------------
+// R rows of C by 16*NV columns in R*NV accumulators; per k step B is loaded
+// once (NV vectors, masked for the last columns) for all R rows and each A
+// element is one broadcast. Every element of C is one fma chain over k in
+// order, whatever block it falls in, as in the AVX2 table (same bits).
+// TA: A[m][k] at A + m*lda + k (NN) or A + k*lda + m (TN).
+template <typename TB, V (*L16M)(const TB*, __mmask16), bool TA, int R, int NV>
+__attribute__((noinline)) void TileNN(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb,
+                                      int64_t K, bool acc, __mmask16 last) {
+  V c[R][NV];
+  auto mask = [last](int v) { return v == NV - 1 ? last : __mmask16(0xffff); };
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+      c[r][v] = acc ? MaskLoad(mask(v), C + r * ldc + 16 * v) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const TB* b = B + k * ldb;
+    V bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = L16M(b + 16 * v, mask(v));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      V a = _mm512_set1_ps(TA ? A[k * lda + r] : A[r * lda + k]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) c[r][v] = _mm512_fmadd_ps(a, bv[v], c[r][v]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) MaskStore(C + r * ldc + 16 * v, mask(v), c[r][v]);
+}
+
+// 12 rows x 2 vectors: 24 accumulators + 2 B + 1 broadcast of the 32 zmm
+// registers; 14 loads per 24 FMAs, so the FMA ports set the pace.
+constexpr int kTileRows = 12;
+
+template <typename TB, V (*L16M)(const TB*, __mmask16), bool TA, int NV>
+void RowsNN(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t K,
+            bool acc, __mmask16 last) {
+  auto a = [&](int64_t row) { return TA ? A + row : A + row * lda; };
+  int64_t m = 0;
+  for (; m + kTileRows <= M; m += kTileRows)
+    TileNN<TB, L16M, TA, kTileRows, NV>(C + m * ldc, ldc, a(m), lda, B, ldb, K, acc, last);
+  auto rest = [&](auto rows) {
+    TileNN<TB, L16M, TA, decltype(rows)::value, NV>(C + m * ldc, ldc, a(m), lda, B, ldb, K, acc, last);
+  };
+  using std::integral_constant;
+  switch (M - m) {
+    case 11: return rest(integral_constant<int, 11>{});
+    case 10: return rest(integral_constant<int, 10>{});
+    case 9: return rest(integral_constant<int, 9>{});
+    case 8: return rest(integral_constant<int, 8>{});
+    case 7: return rest(integral_constant<int, 7>{});
+    case 6: return rest(integral_constant<int, 6>{});
+    case 5: return rest(integral_constant<int, 5>{});
+    case 4: return rest(integral_constant<int, 4>{});
+    case 3: return rest(integral_constant<int, 3>{});
+    case 2: return rest(integral_constant<int, 2>{});
+    case 1: return rest(integral_constant<int, 1>{});
+    default: return;
+  }
+}
+
+// Column panels of 32, then 16, then the masked last columns.
+template <typename TB, V (*L16M)(const TB*, __mmask16), bool TA>
+void MmadBlocked(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N,
+                 int64_t K, bool acc) {
+  int64_t n = 0;
+  for (; n + 32 <= N; n += 32) RowsNN<TB, L16M, TA, 2>(C + n, ldc, A, lda, B + n, ldb, M, K, acc, 0xffff);
+  for (; n < N; n += 16) RowsNN<TB, L16M, TA, 1>(C + n, ldc, A, lda, B + n, ldb, M, K, acc, Tail(std::min<int64_t>(16, N - n)));
+}
+
+template <typename TB, V (*L16M)(const TB*, __mmask16)>
+void MmadNN(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N,
+            int64_t K, bool acc) {
+  MmadBlocked<TB, L16M, false>(C, ldc, A, lda, B, ldb, M, N, K, acc);
+}
+void MmadTN(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb, int64_t M, int64_t N,
+            int64_t K, bool acc) {
+  MmadBlocked<float, Load16, true>(C, ldc, A, lda, B, ldb, M, N, K, acc);
+}
+
+// ---- Few-row NN Mmad (decode attention's P x V) -------------------------------
+// R rows x 16*NV columns of C in registers; per k the B panel is widened once
+// and each A element is one broadcast. One fma chain per element over k in
+// order, so the same bits as the AVX2 table.
+template <int R> constexpr int kVecsForRows = R <= 6 ? 4 : 3;
+
+template <typename TB, V (*L16M)(const TB*, __mmask16)>
+void MmadNNRows(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N,
+                int64_t K, bool acc) {
+  ForRowBlocks(M, [&](auto rows, int64_t m) {
+    constexpr int R = decltype(rows)::value, NV = kVecsForRows<R>;
+    float* c = C + m * ldc;
+    const float* a = A + m * lda;
+    int64_t n = 0;
+    for (; n + 16 * NV <= N; n += 16 * NV) TileNN<TB, L16M, false, R, NV>(c + n, ldc, a, lda, B + n, ldb, K, acc, 0xffff);
+    for (; n < N; n += 16)
+      TileNN<TB, L16M, false, R, 1>(c + n, ldc, a, lda, B + n, ldb, K, acc, Tail(std::min<int64_t>(16, N - n)));
+  });
+}
+
+// Two groups per zmm: swap 128-bit halves and add (l_j + l_j+4), swap 64-bit
+// pairs and add, swap neighbours and add; lanes 0 and 8 then hold the two sums,
+// each formed by exactly sum_lanes8's tree (fp32 addition commutes bitwise).
+void SumLanes8(float* d, const float* l, int64_t n) {
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {
+    V z = _mm512_loadu_ps(l + 8 * i);
+    z = _mm512_add_ps(z, _mm512_shuffle_f32x4(z, z, 0xB1));
+    z = _mm512_add_ps(z, _mm512_shuffle_ps(z, z, 0x4E));
+    z = _mm512_add_ps(z, _mm512_shuffle_ps(z, z, 0xB1));
+    d[i] = _mm_cvtss_f32(_mm512_castps512_ps128(z));
+    d[i + 1] = _mm_cvtss_f32(_mm512_extractf32x4_ps(z, 2));
+  }
+  if (i < n) d[i] = HSum8(_mm256_loadu_ps(l + 8 * i));
+}
+
+const SimdOps ATB_AVX512_TABLE = {
+    ATB_AVX512_NAME, Add, Sub, Mul, Max, Muls, Adds, Axpy, Exp, Silu, SiluMul, Duplicate,
+    ReduceSum, ReduceMax, SumSquares, Dot, F16ToF32, Bf16ToF32, F32ToF16, F32ToBf16,
+    MmadNT<float, Load16, Load16>, MmadNT<uint16_t, Load16H, Load16H>, MmadNT<uint16_t, Load16B, Load16B>,
+    MmadNN<float, Load16>, MmadNN<uint16_t, Load16H>, MmadNN<uint16_t, Load16B>,
+    Rope<F32T>, Rope<F16T>, Rope<Bf16T>, SiluMulT<F16T>, SiluMulT<Bf16T>,
+    MmadNTLanes<float, LanesF>, MmadNTLanes<uint16_t, LanesH>, MmadNTLanes<uint16_t, LanesB>,
+    MmadNTRows<float, Load16, Load16>, MmadNTRows<uint16_t, Load16H, Load16H>, MmadNTRows<uint16_t, Load16B, Load16B>,
+    MmadNNRows<float, Load16>, MmadNNRows<uint16_t, Load16H>, MmadNNRows<uint16_t, Load16B>,
+    MmadTN, ExpSubAcc, SumLanes8,
+};
+
+}  // namespace
+
+const SimdOps* ATB_AVX512_GETTER() { return &ATB_AVX512_TABLE; }
+
+}  // namespace AscendC
+#pragma GCC diagnostic pop
+
+#if defined(ATB_AVX512_NATIVE)
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+#endif
+
+#else  // not x86-64: no native AVX-512 table
+namespace AscendC {
+const SimdOps* Avx512SimdOps() { return nullptr; }
+}  // namespace AscendC
+#endif

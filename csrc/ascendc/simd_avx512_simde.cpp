@@ -1,0 +1,14 @@
+// The AVX-512 table compiled a second time against SIMDe (test-only table
+// "avx512-simde"): its portable implementations of the AVX-512 intrinsics run
+// the AVX-512 code's logic on any CPU. Built when setup.py found SIMDe's
+// headers (the simde-py package); otherwise the table is absent.
+#include "simd.h"
+
+#if __has_include(<simde/x86/avx512.h>)
+#define ATB_SIMD_SIMDE 1
+#include "simd_avx512.cpp"
+#else
+namespace AscendC {
+const SimdOps* Avx512SimdeSimdOps() { return nullptr; }
+}  // namespace AscendC
+#endif

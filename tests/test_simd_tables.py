@@ -1,0 +1,146 @@
+"""Every kernel on every SIMD table this machine runs (the ``isa`` fixture: avx512 / avx2 / portable natively,
+plus avx512-simde, the AVX-512 source built against SIMDe) against the float64 references; and the bit-level
+promises simd.h makes across tables."""
+import pytest
+import torch
+
+import atb
+from conftest import ISAS
+from reference import (DTYPES, add_rms_norm_ref, assert_close, flash_attention_ref, linear_ref,
+                       linear_swiglu_ref, paged_attention_ref, rms_norm_ref, rope_ref, silu_mul_ref)
+
+K = atb.kernels
+
+
+def _scale(k: int) -> float:
+    return max(1.0, k ** 0.5 / 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,n", [(1, 577, 67), (3, 203, 37), (16, 576, 99), (40, 130, 45)])
+def test_linear_forms(isa, dtype, m, k, n):
+    # m = 16: the batch-16 decode shape (two 8-row passes); m = 40: the GEMM kernel; odd K and N: every tail.
+    x, w = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
+    b, r = torch.randn(n).to(dtype), torch.randn(m, n).to(dtype)
+    assert_close(K.linear(x, w, b), linear_ref(x, w, b), scale=_scale(k))
+    # the residual epilogue is HF's separate add: exactly linear's output + r, rounded once
+    assert torch.equal(K.linear_residual(x, w, r), (K.linear(x, w).double() + r.double()).to(dtype))
+    g, u = (torch.randn(n, k) / k ** 0.5).to(dtype), (torch.randn(n, k) / k ** 0.5).to(dtype)  # unit-scale sums
+    assert_close(K.linear_swiglu(x, g, u), linear_swiglu_ref(x, g, u))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 1), (5, 31), (2, 577), (1, 4099)])
+def test_norms(isa, dtype, shape):
+    x, w, res = torch.randn(*shape).to(dtype), torch.randn(shape[-1]).to(dtype), torch.randn(*shape).to(dtype)
+    assert_close(K.rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+    y, s = K.add_rms_norm(x, res, w, 1e-6)
+    y_ref, s_ref = add_rms_norm_ref(x, res, w, 1e-6)
+    assert_close(y, y_ref)
+    assert_close(s, s_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("style", ["neox", "interleave"])
+@pytest.mark.parametrize("head_dim,rotary", [(64, 64), (72, 72), (80, 48), (34, 34)])
+def test_rope_same_bits_on_every_table(isa, dtype, style, head_dim, rotary):
+    # HF's roundings make rope exact: every table gives the portable table's bits.
+    q, k = torch.randn(9, 3, head_dim).to(dtype), torch.randn(9, 1, head_dim).to(dtype)
+    cos, sin = torch.randn(9, rotary).to(dtype), torch.randn(9, rotary).to(dtype)
+    out = K.rope(q, k, cos, sin, style=style)
+    assert_close(out[0], rope_ref(q, cos, sin, style))
+    atb.set_isa("portable")
+    want = K.rope(q, k, cos, sin, style=style)
+    assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 1000])
+def test_silu_mul(isa, dtype, n):
+    g, u = torch.randn(3, n).to(dtype) * 4, torch.randn(3, n).to(dtype)
+    out = K.silu_mul(g, u)
+    assert_close(out, silu_mul_ref(g, u).to(dtype))
+    # a row's values do not depend on where it starts in the call (tails take the vector path)
+    assert torch.equal(K.silu_mul(g[1:], u[1:]), out[1:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (3, 1, 72)])
+def test_flash_attention(isa, dtype, heads, kv_heads, head_dim):
+    lens = [1, 17, 70] if isa == "avx512-simde" else [1, 17, 70, 300]  # SIMDe emulates every intrinsic: keep it short
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    t = int(cu[-1])
+    q = torch.randn(t, heads, head_dim).to(dtype)
+    k, v = torch.randn(t, kv_heads, head_dim).to(dtype), torch.randn(t, kv_heads, head_dim).to(dtype)
+    for causal in (True, False):
+        assert_close(K.flash_attention(q, k, v, cu, causal=causal), flash_attention_ref(q, k, v, cu, causal=causal))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (9, 3, 80), (2, 2, 40)])
+def test_paged_attention_decode(isa, dtype, heads, kv_heads, head_dim):
+    lens, bs = [1, 16, 33, 150], 16
+    width = max((n + bs - 1) // bs for n in lens)
+    blocks = len(lens) * width + 2
+    kc, vc = torch.randn(blocks, bs, kv_heads, head_dim).to(dtype), torch.randn(blocks, bs, kv_heads, head_dim).to(dtype)
+    bt = torch.randperm(blocks)[:len(lens) * width].view(len(lens), width).int()
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), heads, head_dim).to(dtype)
+    assert_close(K.paged_attention(q, kc, vc, bt, ctx), paged_attention_ref(q, kc, vc, bt, ctx))
+
+
+@pytest.mark.skipif(not {"avx512", "avx2"} <= set(ISAS), reason="needs a CPU with AVX-512 and AVX2")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_avx512_and_avx2_tables_give_the_same_bits(dtype):
+    # simd.h's promise: the lanes Mmad (decode linears) keeps the same 8-lane sums, and the NN/TN cube tiles
+    # (the GEMM kernel, flash attention) are one fma chain per element, on both tables.
+    x16, x64, w = torch.randn(16, 579).to(dtype), torch.randn(64, 579).to(dtype), torch.randn(75, 579).to(dtype)
+    cu = torch.tensor([0, 5, 133], dtype=torch.int32)
+    q, kv = torch.randn(133, 4, 64).to(dtype), torch.randn(133, 2, 64).to(dtype)
+
+    def run():
+        return (K.linear(x16[:1], w), K.linear(x16, w), K.linear(x64, w), K.linear_swiglu(x16, w, w),
+                K.flash_attention(q, kv, kv, cu))
+
+    atb.set_isa("avx2")
+    try:
+        want = run()
+    finally:
+        atb.set_isa("auto")
+    atb.set_isa("avx512")
+    try:
+        got = run()
+    finally:
+        atb.set_isa("auto")
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_isa_selection_and_errors():
+    isas = atb.available_isas()
+    assert "portable" in isas and atb.build_info()["isa"] == isas[0]
+    features = atb.build_info()["cpu_features"].split()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= set(features):
+        assert "avx512" in isas  # (unless the OS does not save zmm state; this machine does)
+    for name in isas:
+        atb.set_isa(name)
+        assert atb.build_info()["isa"] == name
+    atb.set_isa("auto")
+    with pytest.raises(ValueError, match="set_isa: unknown ISA 'avx1024'"):
+        atb.set_isa("avx1024")
+    with pytest.raises(TypeError, match="set_isa: isa must be a str"):
+        atb.set_isa(512)
+    assert atb.build_info()["isa"] == isas[0]
+
+
+def test_forcing_an_isa_the_cpu_lacks_fails_at_import():
+    import subprocess
+    import sys
+    missing = [i for i in ("avx512", "avx2") if i not in atb.available_isas()]
+    env_isa = missing[0] if missing else "avx9000"
+    proc = subprocess.run([sys.executable, "-c", "import atb"], capture_output=True, text=True,
+                          env={**__import__("os").environ, "ATB_ISA": env_isa})
+    assert proc.returncode != 0 and f"ATB_ISA={env_isa}" in proc.stderr
+    proc = subprocess.run([sys.executable, "-c", "import atb; print(atb.build_info()['isa'])"], capture_output=True,
+                          text=True, env={**__import__("os").environ, "ATB_ISA": "portable"})
+    assert proc.stdout.strip() == "portable"
