@@ -142,7 +142,11 @@ inline V Exp16(V x) {
 }
 inline V Silu16(V x) {
   V e = Exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+  // Exp16 clamps exp(+inf) to a finite value, so silu(-inf) would be -inf; torch gives
+  // -inf * sigmoid(-inf) = -inf * 0 = NaN (as the AVX2 table): set those lanes to NaN.
+  __mmask16 negInf = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+  return _mm512_mask_mov_ps(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), negInf,
+                            _mm512_set1_ps(NAN));
 }
 
 // Elementwise ops: the tail runs the same vector op on zero-padded (masked)
