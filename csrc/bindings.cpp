@@ -19,6 +19,8 @@
 #include "kernels/reshape_and_cache/reshape_and_cache_tiling.h"
 #include "kernels/paged_attention/paged_attention_tiling.h"
 #include "kernels/flash_attention/flash_attention_tiling.h"
+#include "kernels/quant_linear/quant_linear_tiling.h"
+#include "kernels/quant_linear/quant_simd.h"
 
 namespace py = pybind11;
 using AscendC::DataType;
@@ -383,4 +385,62 @@ PYBIND11_MODULE(_C, m) {
         py::arg("out"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cu_seqlens"), py::arg("batch"),
         py::arg("tokens"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("strides"),
         py::arg("dtype"), py::arg("scale"), py::arg("causal"), py::arg("window"), py::arg("soc"));
+
+  // ---- quant_linear (weight-only W8A16 / W4A16) -----------------------------
+  // segments: [(data, scale, min or 0, bias or 0, out or 0, n, bits, group, scale dtype code)], 1..3 of them.
+  using QuantSegTuple = std::tuple<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, int64_t, int64_t, int64_t, int>;
+  auto quantSegs = [](const std::vector<QuantSegTuple>& segs, std::vector<atb::QuantSegment>& out) {
+    if (segs.empty() || segs.size() > size_t(atb::kLinearMaxSegments))
+      AscendC::ThrowError("quant_linear: 1..", atb::kLinearMaxSegments, " segments, got ", segs.size());
+    for (const auto& t : segs)
+      out.push_back({Ptr(std::get<0>(t)), Ptr(std::get<1>(t)), Ptr(std::get<2>(t)), Ptr(std::get<3>(t)),
+                     Ptr(std::get<4>(t)), std::get<5>(t), std::get<6>(t), std::get<7>(t), Dt(std::get<8>(t))});
+  };
+  m.def("quant_linear_tiling",
+        [quantSegs](int64_t rows, int64_t k, const std::vector<QuantSegTuple>& segs, int epilogue, int dtype,
+                    const SocInfo& soc) {
+          std::vector<atb::QuantSegment> s;
+          quantSegs(segs, s);
+          atb::QuantLinearTilingData q = atb::QuantLinearTiling(rows, k, s.data(), int64_t(s.size()),
+                                                                atb::LinearEpilogue(epilogue), Dt(dtype), soc);
+          const atb::LinearTilingData& t = q.base;
+          py::dict d;
+          d["block_dim"] = t.blockDim;
+          d["block_factor"] = t.blockFactor;
+          d["m_tile"] = t.mTile;
+          d["n_tile"] = t.nTile;
+          d["k_tile"] = t.kTile;
+          d["m_pass"] = t.mPass;
+          d["k_pad"] = q.kPad;
+          d["ub_bytes"] = t.ubBytes;
+          d["tiling_key"] = t.tilingKey;
+          d["gemm"] = t.tilingKey / 100 == atb::LINEAR_GEMM;
+          return d;
+        },
+        py::arg("m"), py::arg("k"), py::arg("segments"), py::arg("epilogue"), py::arg("dtype"), py::arg("soc"));
+  m.def("quant_linear",
+        [quantSegs](uintptr_t x, int64_t rows, int64_t k, const std::vector<QuantSegTuple>& segs, uintptr_t residual,
+                    int epilogue, int dtype, const SocInfo& soc) {
+          if (epilogue < 0 || epilogue > 2) AscendC::ThrowError("quant_linear: epilogue must be 0, 1 or 2, got ", epilogue);
+          std::vector<atb::QuantSegment> s;
+          quantSegs(segs, s);
+          py::gil_scoped_release nogil;
+          atb::QuantLinear(Ptr(x), rows, k, s.data(), int64_t(s.size()), Ptr(residual), atb::LinearEpilogue(epilogue),
+                           Dt(dtype), soc);
+        },
+        py::arg("x"), py::arg("m"), py::arg("k"), py::arg("segments"), py::arg("residual"), py::arg("epilogue"),
+        py::arg("dtype"), py::arg("soc"));
+  m.def("quant_dequant_rows",
+        [quantSegs](const QuantSegTuple& w, int64_t k, uintptr_t idx, int64_t count, uintptr_t out, int dtype,
+                    const SocInfo& soc) {
+          std::vector<atb::QuantSegment> s;
+          quantSegs({w}, s);
+          py::gil_scoped_release nogil;
+          atb::QuantDequantRows(s[0], k, static_cast<const int64_t*>(Ptr(idx)), count, Ptr(out), Dt(dtype), soc);
+        },
+        py::arg("weight"), py::arg("k"), py::arg("idx"), py::arg("count"), py::arg("out"), py::arg("dtype"),
+        py::arg("soc"));
+  m.def("quant_set_isa", [](const std::string& isa) { atb::SelectQuantSimd(isa); }, py::arg("isa"));
+  m.def("quant_isa", []() { return std::string(atb::QuantSimd().isa); });
+  m.def("quant_isa_paths", []() { return atb::QuantIsaPaths(); });
 }
