@@ -85,18 +85,18 @@ class KernelQuantLinear : LinearIo<T> {
   // sums (+)= x chunk . dequant(W rows [row, row + nt), chunk)^T for stream st (segment seg).
   void Compute(int st, int seg, int64_t row, int64_t mt, int64_t nt, int64_t k0, int64_t kl) {
     const QuantSegment& q = q_[seg];
-    float* scale = scaleBuf_[st].Get<float>().GetPhyAddr();
-    float* min = minBuf_[st].Get<float>().GetPhyAddr();
-    int64_t g = LoadScales(q, kPad_, row, nt, k0, kl, scale, min, kChunks_);
+    TileScales sc = LoadScales(q, kPad_, row, nt, k0, kl, scaleBuf_[st].Get<float>().GetPhyAddr(),
+                               minBuf_[st].Get<float>().GetPhyAddr(), kChunks_);
     float* y = sums_[st].Get<float>().GetPhyAddr();
     const float* x = xBuf_.Get<float>().GetPhyAddr();
     const float* xs = xsumBuf_.Get<float>().GetPhyAddr();
     if (q.bits == 4) {
       const uint8_t* w = static_cast<const uint8_t*>(q.data) + row * (kPad_ / 2) + k0 / 2;
-      QuantSimd().gemv_w4(y, nt, x, t_.kTile, xs, kChunks_, w, kPad_ / 2, scale, min, kChunks_, mt, nt, kl, g, k0 > 0);
+      QuantSimd().gemv_w4(y, nt, x, t_.kTile, xs, kChunks_, w, kPad_ / 2, sc.scale, sc.min, sc.lds, mt, nt, kl, sc.group,
+                          k0 > 0);
     } else {
       const int8_t* w = static_cast<const int8_t*>(q.data) + row * kPad_ + k0;
-      QuantSimd().gemv_w8(y, nt, x, t_.kTile, w, kPad_, scale, kChunks_, mt, nt, kl, g, k0 > 0);
+      QuantSimd().gemv_w8(y, nt, x, t_.kTile, w, kPad_, sc.scale, sc.lds, mt, nt, kl, sc.group, k0 > 0);
     }
   }
 

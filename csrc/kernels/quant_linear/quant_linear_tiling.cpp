@@ -4,6 +4,7 @@
 
 #include "ascendc/error.h"
 #include "kernels/common/tiling_utils.h"
+#include "quant_simd.h"
 
 namespace atb {
 
@@ -140,6 +141,8 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
   t.mTile = std::min<int64_t>(m, 32);
   t.nTile = std::min<int64_t>(t.blockFactor, 64);
   t.kTile = q.kPad;
+  // The W4 micro-kernel keeps the group sums of up to 4 x rows on its stack.
+  while (std::min<int64_t>(t.mTile, 4) * (t.kTile / kQuantChunk) > kQuantMaxGroupSums) t.kTile = HalveK(t.kTile);
   while (StreamUb(t.mTile, t.nTile, t.kTile, elt, ep) > soc.ub_size) {
     if (t.kTile > 4 * kQuantKAlign) {
       t.kTile = HalveK(t.kTile);

@@ -22,6 +22,9 @@
 
 namespace atb {
 
+// Bound on min(M, 4) x kLen / 32 of one gemv_w4 call (its x group sums live on the stack).
+constexpr int64_t kQuantMaxGroupSums = 8192;
+
 struct QuantSimdOps {
   const char* isa;
   // W4 GEMV over one K chunk of kLen values (a multiple of 32) and groups of G

@@ -15,8 +15,20 @@
 // (4-cycle FMA latency; one chain per row would stall).
 #pragma once
 
+// sum_i a[i] * b[i] in vector lanes (the W4 min term: one row's mins . x's group sums).
+template <class V>
+float DotLanes(const float* a, const float* b, int64_t n) {
+  constexpr int L = 32 / V::kVecs;
+  typename V::reg acc = V::zero();
+  int64_t i = 0;
+  for (; i + L <= n; i += L) acc = V::fma(V::load(a + i), V::load(b + i), acc);
+  float s = V::hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
 template <class V, int NR, int MB>
-void GemvW4Block(float* y, int64_t ldy, const float* x, int64_t ldx, const float* xsum, int64_t ldxs,
+void GemvW4Block(float* y, int64_t ldy, const float* x, int64_t ldx, const float* xg, int64_t ldxg,
                  const uint8_t* q, int64_t ldq, const float* scale, const float* min, int64_t lds, int64_t kLen,
                  int64_t G, bool accumulate) {
   using R = typename V::reg;
@@ -51,16 +63,9 @@ void GemvW4Block(float* y, int64_t ldy, const float* x, int64_t ldx, const float
       }
     }
   }
-  int64_t cpg = G / 32;  // 32-value chunks per group
   for (int r = 0; r < NR; ++r)
     for (int mb = 0; mb < MB; ++mb) {
-      float v = V::hsum(a[r][mb]);
-      const float* xs = xsum + mb * ldxs;
-      for (int64_t g = 0, c = 0; g < ng; ++g) {
-        float s = 0.0f;
-        for (int64_t e = std::min(kLen / 32, c + cpg); c < e; ++c) s += xs[c];
-        v += min[r * lds + g] * s;
-      }
+      float v = V::hsum(a[r][mb]) + DotLanes<V>(min + r * lds, xg + mb * ldxg, ng);
       float* o = y + mb * ldy + r;
       *o = accumulate ? *o + v : v;
     }
@@ -111,16 +116,16 @@ void GemvW8Block(float* y, int64_t ldy, const float* x, int64_t ldx, const int8_
 
 // Walks M in blocks of up to V::kMB rows and N in blocks of NR rows; tails take NR = 1.
 template <class V, int MB>
-void GemvW4Rows(float* y, int64_t ldy, const float* x, int64_t ldx, const float* xsum, int64_t ldxs,
+void GemvW4Rows(float* y, int64_t ldy, const float* x, int64_t ldx, const float* xg, int64_t ldxg,
                 const uint8_t* q, int64_t ldq, const float* scale, const float* min, int64_t lds, int64_t N,
                 int64_t kLen, int64_t G, bool acc) {
   constexpr int NR = MB == 1 ? V::kNR1 : V::kNR;
   int64_t n = 0;
   for (; n + NR <= N; n += NR)
-    GemvW4Block<V, NR, MB>(y + n, ldy, x, ldx, xsum, ldxs, q + n * ldq, ldq, scale + n * lds, min + n * lds, lds,
+    GemvW4Block<V, NR, MB>(y + n, ldy, x, ldx, xg, ldxg, q + n * ldq, ldq, scale + n * lds, min + n * lds, lds,
                            kLen, G, acc);
   for (; n < N; ++n)
-    GemvW4Block<V, 1, MB>(y + n, ldy, x, ldx, xsum, ldxs, q + n * ldq, ldq, scale + n * lds, min + n * lds, lds,
+    GemvW4Block<V, 1, MB>(y + n, ldy, x, ldx, xg, ldxg, q + n * ldq, ldq, scale + n * lds, min + n * lds, lds,
                           kLen, G, acc);
 }
 
@@ -134,20 +139,31 @@ void GemvW8Rows(float* y, int64_t ldy, const float* x, int64_t ldx, const int8_t
   for (; n < N; ++n) GemvW8Block<V, 1, MB>(y + n, ldy, x, ldx, q + n * ldq, ldq, scale + n * lds, lds, kLen, G, acc);
 }
 
+// Group sums of x rows (at most kQuantMaxGroupSums: the tiling keeps min(mTile, 4) x kTile / 32
+// under it), from their 32-value chunk sums: the W4 min term per row is then one vector dot
+// (mins . group sums) instead of a serial chain per group.
+
 template <class V>
 void GemvW4(float* y, int64_t ldy, const float* x, int64_t ldx, const float* xsum, int64_t ldxs, const uint8_t* q,
             int64_t ldq, const float* scale, const float* min, int64_t lds, int64_t M, int64_t N, int64_t kLen,
             int64_t G, bool acc) {
+  int64_t ng = (kLen + G - 1) / G, chunks = kLen / 32, cpg = G / 32;
+  float xg[kQuantMaxGroupSums];
   for (int64_t m = 0; m < M;) {
     int64_t mb = std::min<int64_t>(V::kMB, M - m);
+    for (int64_t i = 0; i < mb; ++i)
+      for (int64_t g = 0; g < ng; ++g) {
+        float s = 0.0f;
+        for (int64_t c = g * cpg; c < std::min(chunks, (g + 1) * cpg); ++c) s += xsum[(m + i) * ldxs + c];
+        xg[i * ng + g] = s;
+      }
     float* ym = y + m * ldy;
     const float* xm = x + m * ldx;
-    const float* sm = xsum + m * ldxs;
     switch (mb) {
-      case 1: GemvW4Rows<V, 1>(ym, ldy, xm, ldx, sm, ldxs, q, ldq, scale, min, lds, N, kLen, G, acc); break;
-      case 2: GemvW4Rows<V, 2>(ym, ldy, xm, ldx, sm, ldxs, q, ldq, scale, min, lds, N, kLen, G, acc); break;
-      case 3: GemvW4Rows<V, V::kMB >= 3 ? 3 : 1>(ym, ldy, xm, ldx, sm, ldxs, q, ldq, scale, min, lds, N, kLen, G, acc); break;
-      default: GemvW4Rows<V, V::kMB >= 4 ? 4 : 1>(ym, ldy, xm, ldx, sm, ldxs, q, ldq, scale, min, lds, N, kLen, G, acc); break;
+      case 1: GemvW4Rows<V, 1>(ym, ldy, xm, ldx, xg, ng, q, ldq, scale, min, lds, N, kLen, G, acc); break;
+      case 2: GemvW4Rows<V, 2>(ym, ldy, xm, ldx, xg, ng, q, ldq, scale, min, lds, N, kLen, G, acc); break;
+      case 3: GemvW4Rows<V, V::kMB >= 3 ? 3 : 1>(ym, ldy, xm, ldx, xg, ng, q, ldq, scale, min, lds, N, kLen, G, acc); break;
+      default: GemvW4Rows<V, V::kMB >= 4 ? 4 : 1>(ym, ldy, xm, ldx, xg, ng, q, ldq, scale, min, lds, N, kLen, G, acc); break;
     }
     m += mb;
   }
