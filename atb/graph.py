@@ -30,9 +30,9 @@ import torch
 
 from atb import _C
 from atb.kernels._common import DTYPE_CODES, float_code, int_tensor, resolve_soc
+from atb.models.base import LayerWeights
 
 _LAYER_REQUIRED = ("input_norm", "q", "k", "v", "o", "post_attention_norm", "gate", "up", "down")
-_LAYER_OPTIONAL = ("q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm", "gate_bias", "up_bias", "down_bias")
 _STYLES = {"neox": 0, "interleave": 1}
 
 
@@ -50,7 +50,7 @@ def _need(name: str, t, dtype, shape) -> torch.Tensor:
 
 
 class DecodeGraph:
-    """A built decode graph. Use :meth:`from_weights` (or :meth:`from_infer` for a TransformerInfer)."""
+    """A built decode graph. Use :meth:`from_weights` (or :meth:`from_runner` for an engine's ModelRunner)."""
 
     def __init__(self, native, keep: list, *, vocab: int, dtype: torch.dtype, max_batch: int, max_seq_len: int):
         self._g = native
@@ -61,7 +61,7 @@ class DecodeGraph:
         self.max_seq_len = max_seq_len
 
     @classmethod
-    def from_weights(cls, config: Mapping, layers: Sequence[Mapping], *, embed: torch.Tensor, final_norm: torch.Tensor,
+    def from_weights(cls, config: Mapping, layers: Sequence[LayerWeights], *, embed: torch.Tensor, final_norm: torch.Tensor,
                      lm_head: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_caches: Sequence[torch.Tensor],
                      value_caches: Sequence[torch.Tensor], max_batch: int, soc_type: str | None = None) -> DecodeGraph:
         """Builds the graph.
@@ -69,9 +69,7 @@ class DecodeGraph:
         config: ``num_heads, num_kv_heads, head_dim, eps`` (required); optional ``scale`` (default
             head_dim**-0.5), ``rope_style`` ("neox" | "interleave", default "neox"),
             ``sliding_windows`` (per layer: None or a window size).
-        layers: per layer a mapping with the HF tensors ``input_norm, q, k, v, o, post_attention_norm,
-            gate, up, down`` and optionally ``q_bias, k_bias, v_bias, o_bias, q_norm, k_norm, gate_bias,
-            up_bias, down_bias`` (weights ``[out, in]``, contiguous, one dtype).
+        layers: per layer its `LayerWeights` (weights ``[out, in]``, contiguous, one dtype).
         cos/sin: ``[max_seq_len, rotary_dim]`` rope tables (HF layout), the graph's dtype or float32.
         key_caches/value_caches: per layer ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         """
@@ -85,7 +83,7 @@ class DecodeGraph:
             raise TypeError(f"DecodeGraph: embed must be float32, float16 or bfloat16, got {dtype}")
         vocab, hidden = embed.shape
         H, KH, D = int(config["num_heads"]), int(config["num_kv_heads"]), int(config["head_dim"])
-        inter = layers[0]["gate"].shape[0]
+        inter = layers[0].gate.shape[0]
         keep: list = []
 
         def need(name, t, shape):
@@ -104,7 +102,10 @@ class DecodeGraph:
             raise ValueError(f"DecodeGraph: {len(windows)} sliding_windows for {len(layers)} layers")
         native_layers = []
         for i, lw in enumerate(layers):
-            missing = [n for n in _LAYER_REQUIRED if lw.get(n) is None]
+            if not isinstance(lw, LayerWeights):
+                raise TypeError(f"DecodeGraph: layers[{i}] must be a LayerWeights, got {type(lw).__name__}")
+            present = lw.tensors()
+            missing = [n for n in _LAYER_REQUIRED if n not in present]
             if missing:
                 raise ValueError(f"DecodeGraph: layer {i} is missing {', '.join(missing)}")
             shapes = {"input_norm": (hidden,), "q": (H * D, hidden), "k": (KH * D, hidden), "v": (KH * D, hidden),
@@ -113,9 +114,8 @@ class DecodeGraph:
                       "v_bias": (KH * D,), "o_bias": (hidden,), "q_norm": (D,), "k_norm": (D,),
                       "gate_bias": (inter,), "up_bias": (inter,), "down_bias": (hidden,)}
             d = {}
-            for n in _LAYER_REQUIRED + _LAYER_OPTIONAL:
-                if lw.get(n) is not None:
-                    d[n] = need(f"layers[{i}].{n}", lw[n], shapes[n])
+            for n, t in present.items():
+                d[n] = need(f"layers[{i}].{n}", t, shapes[n])
             d["key_cache"] = need(f"key_caches[{i}]", key_caches[i], cache_shape)
             d["value_cache"] = need(f"value_caches[{i}]", value_caches[i], cache_shape)
             d["window"] = int(windows[i] or 0)
@@ -146,19 +146,15 @@ class DecodeGraph:
         return cls(native, keep, vocab=vocab, dtype=dtype, max_batch=max_batch, max_seq_len=cos.shape[0])
 
     @classmethod
-    def from_infer(cls, infer) -> DecodeGraph:
-        """The graph over a TransformerInfer's weights, KV cache and rope tables (shared, not copied)."""
-        names = ("input_norm", "q", "q_bias", "k", "k_bias", "v", "v_bias", "q_norm", "k_norm", "o", "o_bias",
-                 "post_attention_norm", "gate", "gate_bias", "up", "up_bias", "down", "down_bias")
-        layers = [dict(zip(names, layer[:-1])) for layer in infer.layers]
-        windows = [layer[-1] for layer in infer.layers]
-        config = {"num_heads": infer.num_heads, "num_kv_heads": infer.num_kv_heads, "head_dim": infer.head_dim,
-                  "eps": infer.eps, "scale": infer.scale, "rope_style": infer.spec.rope.style,
-                  "sliding_windows": windows}
-        return cls.from_weights(config, layers, embed=infer.embed, final_norm=infer.final_norm, lm_head=infer.lm_head,
-                                cos=infer.cos, sin=infer.sin, key_caches=infer.cache.key_caches,
-                                value_caches=infer.cache.value_caches, max_batch=infer.max_batch_size,
-                                soc_type=infer.soc_type)
+    def from_runner(cls, runner) -> DecodeGraph:
+        """The graph over an engine ModelRunner's weights, KV cache and rope tables (shared, not copied)."""
+        s = runner.shape
+        config = {"num_heads": s.num_heads, "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim, "eps": s.eps,
+                  "scale": s.scale, "rope_style": runner.spec.rope.style, "sliding_windows": runner.windows}
+        return cls.from_weights(config, runner.layers, embed=runner.embed, final_norm=runner.final_norm,
+                                lm_head=runner.lm_head, cos=runner.cos, sin=runner.sin,
+                                key_caches=runner.cache.key_caches, value_caches=runner.cache.value_caches,
+                                max_batch=runner.max_batch_size, soc_type=runner.soc_type)
 
     @classmethod
     def from_model(cls, model, *, key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
@@ -177,8 +173,7 @@ class DecodeGraph:
                              "; ".join(f"{role}: {why}" for role, why in unsupported.items()))
         spec = ad.spec
         dtype = ad.embed_tokens(model).dtype
-        layers = [{k: v.detach() for k, v in ad.layer_weights(model, i).tensors().items()}
-                  for i in range(spec.num_layers)]
+        layers = [ad.layer_weights(model, i).map(torch.Tensor.detach) for i in range(spec.num_layers)]
         cos, sin = RotaryEmbedding.from_hf(ad.rotary(model), max_positions=max_seq_len).table(dtype)
         scale = float(getattr(ad.layers(model)[0].self_attn, "scaling", spec.head_dim ** -0.5))
         config = {"num_heads": spec.num_heads, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,

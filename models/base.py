@@ -16,7 +16,7 @@ Family modules (``llama``, ``mistral``, ``qwen2``, ``qwen3``) subclass
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -93,7 +93,16 @@ class LayerWeights:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The non-None entries by name."""
-        return {k: v for k, v in self.__dict__.items() if v is not None}
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def map(self, fn) -> "LayerWeights":
+        """A new description with ``fn`` applied to every present entry (None stays None)."""
+        return LayerWeights(**{f.name: None if getattr(self, f.name) is None else fn(getattr(self, f.name))
+                               for f in fields(self)})
+
+    @property
+    def has_mlp_bias(self) -> bool:
+        return self.gate_bias is not None or self.up_bias is not None
 
 
 def _bias(linear) -> torch.Tensor | None:
@@ -184,21 +193,28 @@ class FamilyAdapter:
     def layers(self, model):
         return self.decoder(model).layers
 
-    def layer_weights(self, model, i: int) -> LayerWeights:
-        layer = self.layers(model)[i]
-        attn, mlp = layer.self_attn, layer.mlp
+    def attention_weights(self, attn) -> dict:
+        """The attention module's parameters by `LayerWeights` field (q/k/v/o, biases, q/k norm)."""
         q_norm = getattr(attn, "q_norm", None)
         k_norm = getattr(attn, "k_norm", None)
-        return LayerWeights(
-            input_norm=layer.input_layernorm.weight,
-            q=attn.q_proj.weight, k=attn.k_proj.weight, v=attn.v_proj.weight, o=attn.o_proj.weight,
-            q_bias=_bias(attn.q_proj), k_bias=_bias(attn.k_proj), v_bias=_bias(attn.v_proj), o_bias=_bias(attn.o_proj),
-            q_norm=q_norm.weight if q_norm is not None else None,
-            k_norm=k_norm.weight if k_norm is not None else None,
-            post_attention_norm=layer.post_attention_layernorm.weight,
-            gate=mlp.gate_proj.weight, up=mlp.up_proj.weight, down=mlp.down_proj.weight,
-            gate_bias=_bias(mlp.gate_proj), up_bias=_bias(mlp.up_proj), down_bias=_bias(mlp.down_proj),
-        )
+        return dict(q=attn.q_proj.weight, k=attn.k_proj.weight, v=attn.v_proj.weight, o=attn.o_proj.weight,
+                    q_bias=_bias(attn.q_proj), k_bias=_bias(attn.k_proj), v_bias=_bias(attn.v_proj),
+                    o_bias=_bias(attn.o_proj), q_norm=q_norm.weight if q_norm is not None else None,
+                    k_norm=k_norm.weight if k_norm is not None else None)
+
+    def mlp_weights(self, mlp) -> dict:
+        """The MLP module's parameters by `LayerWeights` field (gate/up/down and biases)."""
+        return dict(gate=mlp.gate_proj.weight, up=mlp.up_proj.weight, down=mlp.down_proj.weight,
+                    gate_bias=_bias(mlp.gate_proj), up_bias=_bias(mlp.up_proj), down_bias=_bias(mlp.down_proj))
+
+    def layer_weights_of(self, layer) -> LayerWeights:
+        """One HF decoder layer module's parameters as a `LayerWeights` (the tensors themselves)."""
+        return LayerWeights(input_norm=layer.input_layernorm.weight,
+                            post_attention_norm=layer.post_attention_layernorm.weight,
+                            **self.attention_weights(layer.self_attn), **self.mlp_weights(layer.mlp))
+
+    def layer_weights(self, model, i: int) -> LayerWeights:
+        return self.layer_weights_of(self.layers(model)[i])
 
     def embed_tokens(self, model) -> torch.Tensor:
         return self.decoder(model).embed_tokens.weight

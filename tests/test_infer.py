@@ -202,7 +202,8 @@ def test_warp_matches_hf_logits_processors(kw):
     from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
                                                         TopKLogitsWarper, TopPLogitsWarper)
 
-    from atb.sampling import SamplingParams, warp
+    from atb.engine import SamplingParams
+    from atb.engine.sampling import warp
 
     params = SamplingParams(do_sample=True, **kw)
     hf = LogitsProcessorList()
@@ -334,7 +335,7 @@ def test_dtype_rule_for_socs_without_bf16():
 def test_weights_shared_and_memory_summary(tiny_llama):
     infer = atb.TransformerInfer(tiny_llama, max_seq_len=40, max_batch_size=3, block_size=16)
     layer = tiny_llama.model.layers[1]
-    assert infer.layers[1][1].data_ptr() == layer.self_attn.q_proj.weight.data_ptr()
+    assert infer.layers[1].q.data_ptr() == layer.self_attn.q_proj.weight.data_ptr()
     assert infer.embed.data_ptr() == tiny_llama.model.embed_tokens.weight.data_ptr()
     m = infer.memory_summary()
     params = sum(p.numel() for p in tiny_llama.parameters()) * 4

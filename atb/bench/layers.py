@@ -1,9 +1,10 @@
-"""Per-layer latency of one decoder layer: stock HF modules vs atb kernels.
+"""Per-layer latency of one decoder layer: stock HF modules vs the engine's own layer code.
 
 For a decode shape (``batch`` new tokens over a ``context``-token KV cache)
 and a prefill shape (``prompt_len`` tokens), every row times the stock HF code
-and the atb code that replaces it on the same inputs and weights (layer 0 of
-the model), and reports bytes moved, achieved GB/s (GFLOP/s for GEMM-bound
+and the piece of ``atb.layers.decoder`` (the Python executor, with its
+projections routed by ``atb.layers.linear``) that replaces it, on the same
+inputs and weights (layer 0 of the model), and reports bytes moved, achieved GB/s (GFLOP/s for GEMM-bound
 rows) and the fraction of this machine's roofline measured in the same run:
 ``roofline = max(bytes / bandwidth, flops / gemm_peak) / atb_time``.
 """
@@ -16,10 +17,12 @@ import torch.nn.functional as F
 
 import atb
 from atb.bench.roofline import Machine, time_us
+from atb.layers import decoder
+from atb.layers import linear as routed
 
 ROW_NAMES = [
-    "embedding", "input_norm", "qkv_proj", "rope", "kv_cache_write", "attention", "o_proj",
-    "residual_add_post_norm", "mlp_gate_up", "mlp_swiglu", "mlp_down", "final_norm", "lm_head",
+    "embedding", "input_norm", "qkv_proj", "rope", "kv_cache_write", "attention", "o_proj_residual",
+    "post_norm", "mlp_gate_up_swiglu", "mlp_down_residual", "final_norm", "lm_head",
 ]
 
 
@@ -120,22 +123,14 @@ def layer_table(model, *, phase: str, batch: int, tokens: int, context: int, mac
     cu = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32)
     attn_out = rnd(batch, q_len, H * D)
     residual = rnd(batch, q_len, hid)
-    gate, up = rnd(T, inter), rnd(T, inter)
     mlp_mid = rnd(T, inter)
     last = x[:, -1:, :]
-    qkv_w = torch.cat([lw.q, lw.k, lw.v])  # what TransformerInfer builds once
-    gate_up_w = torch.cat([lw.gate, lw.up])
     lm_w = adapter.lm_head(model)
     embed_w = adapter.embed_tokens(model)
     final_w = adapter.final_norm(model)
     eps = spec.rms_norm_eps
     decode = phase == "decode"
-
-    def lin(t, w):  # atb's policy: native GEMV for decode rows, oneDNN GEMM for prefill
-        return atb.kernels.linear(t, w) if decode else F.linear(t, w)
-
-    def qkv_atb():  # decode: one native launch over the three weights; prefill: one GEMM on the fused weight
-        return atb.kernels.linear_multi(x2, [lw.q, lw.k, lw.v]) if decode else F.linear(x2, qkv_w)
+    res2 = residual.view(T, hid)
 
     def attention_atb():
         if decode:
@@ -151,8 +146,9 @@ def layer_table(model, *, phase: str, batch: int, tokens: int, context: int, mac
          2 * T * hid * esz, 0),
         ("input_norm", lambda: hf_layer.input_layernorm(x), lambda: atb.kernels.rms_norm(x2, lw.input_norm, eps, soc_type=soc_type),
          2 * T * hid * esz + hid * esz, 0),
-        ("qkv_proj", lambda: (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)), qkv_atb,
-         W(qkv_w) + T * (hid + (H + 2 * KH) * D) * esz, 2 * T * hid * (H + 2 * KH) * D),
+        ("qkv_proj", lambda: (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)),
+         lambda: routed.linear_multi(x2, (lw.q, lw.k, lw.v), (lw.q_bias, lw.k_bias, lw.v_bias), soc_type=soc_type),
+         W(lw.q, lw.k, lw.v) + T * (hid + (H + 2 * KH) * D) * esz, 2 * T * hid * (H + 2 * KH) * D),
         ("rope", lambda: apply_rope(q4, k4, cos, sin), lambda: atb.kernels.rope(q3, k3, cos2, sin2, soc_type=soc_type),
          2 * T * (H + KH) * D * esz + 2 * cos2.numel() * esz, 0),
         ("kv_cache_write", lambda: (torch.cat([k_hist, k4], 2), torch.cat([v_hist, v4], 2)),
@@ -160,20 +156,21 @@ def layer_table(model, *, phase: str, batch: int, tokens: int, context: int, mac
          2 * T * KH * D * esz * 2, 0),
         ("attention", lambda: sdpa(attn, q4, k_full, v_full, stock_mask, scaling=attn.scaling, is_causal=not decode),
          attention_atb, kv_bytes + 2 * T * H * D * esz, 4 * batch * H * D * (q_len * ctx if decode else q_len * (q_len + 1) // 2)),
-        ("o_proj", lambda: attn.o_proj(attn_out), lambda: lin(attn_out.view(T, -1), lw.o),
-         W(lw.o) + T * (H * D + hid) * esz, 2 * T * H * D * hid),
-        ("residual_add_post_norm", lambda: hf_layer.post_attention_layernorm(residual + x),
-         lambda: atb.kernels.add_rms_norm(x2, residual.view(T, hid), lw.post_attention_norm, eps, soc_type=soc_type),
-         4 * T * hid * esz + hid * esz, 0),
-        ("mlp_gate_up", lambda: (hf_layer.mlp.gate_proj(x), hf_layer.mlp.up_proj(x)), lambda: lin(x2, gate_up_w),
-         W(gate_up_w) + T * (hid + 2 * inter) * esz, 4 * T * hid * inter),
-        ("mlp_swiglu", lambda: hf_layer.mlp.act_fn(gate) * up, lambda: atb.kernels.silu_mul(gate, up, soc_type=soc_type),
-         3 * T * inter * esz, 0),
-        ("mlp_down", lambda: hf_layer.mlp.down_proj(mlp_mid), lambda: lin(mlp_mid, lw.down),
-         W(lw.down) + T * (inter + hid) * esz, 2 * T * inter * hid),
+        ("o_proj_residual", lambda: residual + attn.o_proj(attn_out),
+         lambda: decoder.o_proj(attn_out.view(T, -1), lw, res2, soc_type=soc_type),
+         W(lw.o) + T * (H * D + 2 * hid) * esz, 2 * T * H * D * hid),
+        ("post_norm", lambda: hf_layer.post_attention_layernorm(x),
+         lambda: atb.kernels.rms_norm(x2, lw.post_attention_norm, eps, soc_type=soc_type),
+         2 * T * hid * esz + hid * esz, 0),
+        ("mlp_gate_up_swiglu", lambda: hf_layer.mlp.act_fn(hf_layer.mlp.gate_proj(x)) * hf_layer.mlp.up_proj(x),
+         lambda: routed.swiglu(x2, lw.gate, lw.up, lw.gate_bias, lw.up_bias, soc_type=soc_type),
+         W(lw.gate, lw.up) + T * (hid + inter) * esz, 4 * T * hid * inter),
+        ("mlp_down_residual", lambda: residual + hf_layer.mlp.down_proj(mlp_mid),
+         lambda: routed.linear(mlp_mid, lw.down, lw.down_bias, residual=res2, soc_type=soc_type),
+         W(lw.down) + T * (inter + 2 * hid) * esz, 2 * T * inter * hid),
         ("final_norm", lambda: model.model.norm(x), lambda: atb.kernels.rms_norm(x2, final_w, eps, soc_type=soc_type),
          2 * T * hid * esz + hid * esz, 0),
-        ("lm_head", lambda: model.lm_head(last), lambda: lin(last.reshape(batch, hid), lm_w),
+        ("lm_head", lambda: model.lm_head(last), lambda: routed.linear(last.reshape(batch, hid), lm_w, soc_type=soc_type),
          W(lm_w) + batch * (hid + spec.vocab) * esz, 2 * batch * hid * spec.vocab),
     ]
     out = []

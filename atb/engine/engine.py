@@ -1,0 +1,212 @@
+"""The request-level engine: ``add_request``, ``step``, ``abort``, ``has_unfinished``, ``stats``.
+
+A `Scheduler` (requests, queues, block manager) plus a `ModelRunner`
+(weights, executors), as vLLM splits them. One lock serializes every public
+call, so any thread may add or abort requests while another drives ``step``
+(an HTTP server's engine thread does exactly that). Each step:
+
+1. admits waiting requests into the running batch (batch slots, KV blocks, a
+   per-step prefill token budget) and prefills them together, each producing
+   its first token;
+2. runs one decode step of the whole running batch (the just-admitted
+   requests included), one token each;
+3. returns a `RequestOutput` for every request that produced tokens or
+   finished, and frees the blocks of finished requests at once.
+
+Tokens of a request do not depend on its batch mates: the kernels compute each
+row on its own and each request samples from its own generator.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+
+import torch
+
+from atb.engine.params import RequestOutput, SamplingParams
+from atb.engine.runner import ModelRunner
+from atb.engine.sampling import generator, select
+from atb.engine.scheduler import Request, Scheduler
+
+
+class Engine:
+    """Scheduler + model runner behind one lock. ``TransformerInfer`` is the public face of this class."""
+
+    runner: ModelRunner
+    scheduler: Scheduler
+
+    def _init_engine(self, runner: ModelRunner, scheduler: Scheduler) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self._lock = threading.RLock()
+        self._local = threading.local()   # per thread: inside a stream callback?
+        self._ids = itertools.count()
+        # Decode metadata lives in a preallocated int32 buffer, refreshed in place when the batch changes.
+        self._block_tables = torch.zeros(runner.max_batch_size, scheduler.cache.blocks_needed(runner.max_seq_len),
+                                         dtype=torch.int32)
+
+    # ---- guards -------------------------------------------------------------------------------------
+    def _not_in_callback(self, op: str) -> None:
+        if getattr(self._local, "in_callback", False):
+            raise RuntimeError(f"TransformerInfer.{op}: called from inside a generate() stream callback; the engine "
+                               f"is in the middle of that generate call (collect the tokens and call it afterwards)")
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def check_prompt(self, op: str, what: str, prompt) -> list[int]:
+        """A prompt as a list of ints, or a ValueError/TypeError naming ``what``."""
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1 or prompt.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"{op}: {what} must be a 1-D integer tensor, got {prompt.dtype} {tuple(prompt.shape)}")
+            prompt = prompt.tolist()
+        elif isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__") or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise TypeError(f"{op}: {what} must be a list of int token ids")
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError(f"{op}: {what} is empty")
+        if len(prompt) > self.runner.max_seq_len:
+            raise ValueError(f"{op}: {what} has {len(prompt)} tokens, more than max_seq_len={self.runner.max_seq_len}")
+        lo, hi = min(prompt), max(prompt)
+        if lo < 0 or hi >= self.runner.vocab_size:
+            raise ValueError(f"{op}: {what} contains token id {lo if lo < 0 else hi}, outside the vocabulary "
+                             f"[0, {self.runner.vocab_size})")
+        return prompt
+
+    def _new_request(self, request_id: str | None, prompt: list[int], params: SamplingParams,
+                     report: bool = True) -> Request:
+        """Under the lock: a Request with its generator and EOS set, queued."""
+        sched = self.scheduler
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while request_id in sched.requests:
+                request_id = f"req-{next(self._ids)}"
+        elif request_id in sched.requests:
+            raise ValueError(f"add_request: request_id {request_id!r} is already in use")
+        gen = None
+        if params.do_sample:
+            # Without a seed the request's generator follows torch's global RNG (torch.manual_seed).
+            gen = generator(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
+        if params.ignore_eos:
+            eos = frozenset()
+        elif params.eos_token_id is None:
+            eos = frozenset(self.runner.default_eos)
+        elif isinstance(params.eos_token_id, int):
+            eos = frozenset((params.eos_token_id,))
+        else:
+            eos = frozenset(params.eos_token_id)
+        req = Request(request_id, prompt, params, eos, gen)
+        sched.add(req, report)
+        return req
+
+    def add_request(self, prompt_ids: list[int], sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queues a prompt; returns its request id. Everything is validated before anything is allocated.
+
+        ``request_id`` None gets a fresh id; an id already in use (waiting or running) is a ValueError.
+        The request joins the running batch at a following ``step``.
+        """
+        prompt = self.check_prompt("add_request", "prompt_ids", prompt_ids)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        elif not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"add_request: sampling_params must be an atb.engine.SamplingParams, got "
+                            f"{type(sampling_params).__name__}")
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"add_request: request_id must be a str or None, got {type(request_id).__name__}")
+        with self._lock:
+            return self._new_request(request_id, prompt, sampling_params).request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stops a waiting or running request and frees its KV blocks at once; False if no such request.
+
+        The next ``step`` reports it once more, finished with reason ``"abort"``."""
+        with self._lock:
+            req = self.scheduler.requests.get(request_id)
+            if req is None:
+                return False
+            self.scheduler.finish(req, "abort")
+            self.scheduler.done.append(req)
+            return True
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self.scheduler.requests)
+
+    def stats(self) -> dict:
+        """``running``, ``waiting`` request counts and KV block accounting (ints)."""
+        with self._lock:
+            s, cache = self.scheduler, self.scheduler.cache
+            return {"running": len(s.running), "waiting": len(s.waiting), "kv_blocks_total": cache.num_blocks,
+                    "kv_blocks_used": cache.num_blocks - cache.free_blocks, "kv_blocks_free": cache.free_blocks}
+
+    # ---- the step -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> list[RequestOutput]:
+        """One scheduler iteration (admit + prefill, then one decode step); the outputs of every request that
+        produced tokens or finished in it."""
+        self._not_in_callback("step")
+        with self._lock:
+            return [r.output() for r in self._step_locked()]
+
+    def _emit(self, req: Request, tok: int) -> bool:
+        """Appends a token; True when the request is finished (its reason is set, blocks not yet freed)."""
+        req.out.append(tok)
+        if req.seen is not None and tok not in req.seen:
+            req.seen = torch.cat([req.seen, torch.tensor([tok])])
+        if tok in req.eos:
+            req.reason = "eos"
+        elif len(req.out) >= req.params.max_new_tokens:
+            req.reason = "length"
+        elif req.length >= self.runner.max_seq_len:
+            req.reason = "max_seq_len"
+        return req.reason is not None
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+        return select(logits.float(), [r.params for r in reqs], [r.seen for r in reqs], [r.gen for r in reqs])
+
+    def _step_locked(self) -> list[Request]:
+        sched, runner = self.scheduler, self.runner
+        touched: dict[int, Request] = {id(r): r for r in sched.done}
+        sched.done.clear()
+        admitted = sched.admit()
+        if admitted:
+            # Registered before the forward: if it raises, the requests are running and abort frees them.
+            sched.running.extend(admitted)
+            sched.rows_dirty = True
+            toks = self._sample(self._prefill(admitted), admitted)
+            for r, t in zip(admitted, toks):
+                touched[id(r)] = r
+                if self._emit(r, t):
+                    sched.finish(r, r.reason)
+        running = sched.running
+        if running:
+            bs, bt = sched.cache.block_size, self._block_tables
+            n = len(running)
+            if sched.rows_dirty:
+                for i, r in enumerate(running):
+                    bt[i, :len(r.table)] = torch.tensor(r.table, dtype=torch.int32)
+                sched.rows_dirty = False
+            # The last token of each request goes in at position length - 1.
+            meta = []
+            for r in running:
+                pos = r.length - 1
+                meta.append((r.out[-1], pos, pos + 1, r.table[pos // bs] * bs + pos % bs))
+            tok_ids, positions, ctx, slots = torch.tensor(meta, dtype=torch.int32).t().contiguous()
+            greedy = all(r.params.greedy_only for r in running)
+            logits, toks = runner.decode(tok_ids, positions, bt[:n], ctx, slots, greedy)
+            if toks is None:
+                toks = self._sample(logits, running)
+            for r, t in zip(list(running), toks):
+                touched[id(r)] = r
+                if self._emit(r, t):
+                    sched.finish(r, r.reason)
+        return list(touched.values())
+
+    def _prefill(self, reqs: list[Request]) -> torch.Tensor:
+        """Prefills a group of admitted prompts into their blocks; logits of each prompt's last token."""
+        lens = [len(r.prompt) for r in reqs]
+        tokens = torch.tensor([t for r in reqs for t in r.prompt], dtype=torch.int32)
+        positions = torch.cat([torch.arange(n, dtype=torch.int32) for n in lens])
+        cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        slots = self.scheduler.cache.slot_mapping(reqs, [0] * len(reqs), lens)
+        return self.runner.prefill(tokens, positions, cu, slots, (cu[1:] - 1).long())

@@ -1,0 +1,82 @@
+"""What a request asks for (`SamplingParams`) and what a step reports about it (`RequestOutput`)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+def _number(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float))
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation settings, HF ``generate`` semantics; validated on construction.
+
+    ``eos_token_id`` None means the model's default (its generation config); ``ignore_eos`` generates
+    through EOS tokens. ``seed`` seeds this request's own generator (None: drawn from torch's global RNG
+    when the request is added), so its draws do not depend on its batch mates.
+    """
+
+    max_new_tokens: int = 32
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    eos_token_id: int | list[int] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        n = self.max_new_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"SamplingParams: max_new_tokens must be an int >= 0, got {n!r}")
+        for name in ("do_sample", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"SamplingParams: {name} must be a bool, got {type(getattr(self, name)).__name__}")
+        t = self.temperature
+        if not _number(t) or not t > 0 or t == float("inf"):
+            raise ValueError(f"SamplingParams: temperature must be a finite number > 0, got {t!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"SamplingParams: top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")
+        p = self.top_p
+        if not _number(p) or not 0 < p <= 1:
+            raise ValueError(f"SamplingParams: top_p must be in (0, 1], got {p!r}")
+        r = self.repetition_penalty
+        if not _number(r) or not r > 0 or r == float("inf"):
+            raise ValueError(f"SamplingParams: repetition_penalty must be a finite number > 0, got {r!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise TypeError(f"SamplingParams: seed must be an int or None, got {type(self.seed).__name__}")
+        e = self.eos_token_id
+        if e is not None:
+            ok = (isinstance(e, int) and not isinstance(e, bool)) or (
+                isinstance(e, Sequence) and not isinstance(e, (str, bytes))
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in e))
+            if not ok:
+                raise TypeError(f"SamplingParams: eos_token_id must be an int, a list of ints or None, got {e!r}")
+
+    @property
+    def greedy_only(self) -> bool:
+        """Plain argmax over the logits, nothing else to apply."""
+        return not self.do_sample and self.repetition_penalty == 1.0
+
+
+FINISH_REASONS = ("eos", "length", "max_seq_len", "abort")
+
+
+@dataclass
+class RequestOutput:
+    """One request's progress after a step: the tokens it produced in that step and all so far.
+
+    ``finish_reason``: ``"eos"`` (an EOS token was produced; it is included), ``"length"``
+    (``max_new_tokens`` reached), ``"max_seq_len"`` (prompt + output reached the engine's ``max_seq_len``),
+    ``"abort"``; None while running. When several hold at once the first in that order is reported.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    prompt_len: int = 0
+    finished: bool = False
+    finish_reason: str | None = None

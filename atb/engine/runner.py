@@ -1,0 +1,160 @@
+"""The model runner: weights, rope tables and the two executors over one KV cache.
+
+vLLM's ``ModelRunner``. Built from a loaded HF model through its family
+adapter: every layer is a `LayerWeights` (the HF parameter tensors
+themselves unless a dtype conversion was asked for). Prefill and the Python
+decode step run the decoder layer of ``atb.layers.decoder``; the native
+``DecodeGraph`` (graph mode) is built from the same descriptions. Both take
+token-major metadata and return logits, so the scheduler does not care which
+one runs.
+"""
+from __future__ import annotations
+
+import torch
+
+from atb import kernels as K
+from atb.layers.decoder import AttentionShape, decoder_layer, lm_head
+from atb.layers.kv_cache import PagedKVCache
+from atb.layers.rotary import RotaryEmbedding
+
+
+def as_id_list(v, name: str = "eos_token_id") -> list[int]:
+    if v is None:
+        return []
+    if isinstance(v, int) and not isinstance(v, bool):
+        return [v]
+    if isinstance(v, torch.Tensor):
+        return [int(t) for t in v.reshape(-1)]
+    if isinstance(v, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        return list(v)
+    raise TypeError(f"{name} must be an int or a list of ints, got {v!r}")
+
+
+class ModelRunner:
+    """Weights and executors of one model in one compute dtype, over ``cache``."""
+
+    def __init__(self, model, adapter, *, dtype: torch.dtype, soc_type: str, max_seq_len: int, max_batch_size: int,
+                 cache: PagedKVCache, graph_mode: bool):
+        spec = adapter.spec
+        unsupported = adapter.unsupported_reasons()
+        if unsupported:
+            raise ValueError("TransformerInfer: this model cannot run fused: " +
+                             "; ".join(f"{role}: {why}" for role, why in unsupported.items()))
+        self.spec = spec
+        self.dtype = dtype
+        self.soc_type = soc_type
+        self.cache = cache
+        self.max_seq_len = max_seq_len
+        self.max_batch_size = max_batch_size
+        self.shared_with_model = dtype == next(model.parameters()).dtype
+        w = self._w
+        embed = adapter.embed_tokens(model)
+        self.embed = w(embed)
+        self.final_norm = w(adapter.final_norm(model))
+        head = adapter.lm_head(model)
+        self.lm_head = self.embed if head is embed else w(head)
+        self.vocab_size = self.embed.shape[0]
+        self.layers = [adapter.layer_weights(model, i).map(w) for i in range(spec.num_layers)]
+        self.windows = tuple(spec.sliding_windows)
+        # HF's own attention scale (``scaling``), not head_dim ** -0.5: some configs override it.
+        scale = float(getattr(adapter.layers(model)[0].self_attn, "scaling", spec.head_dim ** -0.5))
+        self.shape = AttentionShape.from_spec(spec, scale)
+        # Rotary tables from the model's own HF rotary module; with max_seq_len <= max_position_embeddings
+        # every rope type (dynamic NTK included) uses the unscaled table, as HF does at those lengths.
+        rotary = RotaryEmbedding.from_hf(adapter.rotary(model), max_positions=max_seq_len)
+        cos, sin = rotary.table(dtype)
+        self.cos = cos[:max_seq_len].contiguous()
+        self.sin = sin[:max_seq_len].contiguous()
+        gen_cfg = getattr(model, "generation_config", None)
+        eos = getattr(gen_cfg, "eos_token_id", None)
+        self.default_eos = as_id_list(eos if eos is not None else getattr(model.config, "eos_token_id", None))
+        self.graph = None
+        if graph_mode:
+            from atb.graph import DecodeGraph
+
+            self.graph = DecodeGraph.from_runner(self)
+            self._logits_buf = torch.empty(max_batch_size, self.vocab_size, dtype=dtype)
+            self._argmax_buf = torch.empty(max_batch_size, dtype=torch.int32)
+
+    def _w(self, t: torch.Tensor) -> torch.Tensor:
+        """The runner's view of a parameter: the same storage unless a dtype conversion was asked for."""
+        t = t.detach()
+        if t.dtype != self.dtype:
+            t = t.to(self.dtype)
+        return t.contiguous()
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        ts = [self.embed, self.final_norm, self.lm_head]
+        for lw in self.layers:
+            ts += list(lw.tensors().values())
+        return ts
+
+    # ---- executors ----------------------------------------------------------------------------------
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend_for) -> torch.Tensor:
+        """Embedding and every decoder layer; ``attend_for(i)`` is layer i's attention core."""
+        x = torch.nn.functional.embedding(tokens, self.embed)
+        cos = self.cos.index_select(0, positions)
+        sin = self.sin.index_select(0, positions)
+        for i, lw in enumerate(self.layers):
+            x = decoder_layer(x, lw, self.shape, cos, sin, attend_for(i), soc_type=self.soc_type)
+        return x
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return lm_head(x, self.final_norm, self.lm_head, self.shape.eps, soc_type=self.soc_type)
+
+    def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                slot_mapping: torch.Tensor | None, last: torch.Tensor | None) -> torch.Tensor:
+        """Packed prompts (varlen, ``cu_seqlens``) through flash attention; K/V cached at ``slot_mapping``
+        (None: not cached). Logits of the rows ``last`` (all rows when None), in the compute dtype."""
+        soc, scale, kcs, vcs = self.soc_type, self.shape.scale, self.cache.key_caches, self.cache.value_caches
+
+        def attend_for(i):
+            window = self.windows[i]
+
+            def attend(q, k, v):
+                if slot_mapping is not None:
+                    K.reshape_and_cache(k, v, kcs[i], vcs[i], slot_mapping)
+                return K.flash_attention(q, k, v, cu_seqlens, scale=scale, causal=True, window=window, soc_type=soc)
+            return attend
+
+        x = self._layers(tokens, positions, attend_for)
+        if last is not None:
+            x = x.index_select(0, last)
+        return self._logits(x)
+
+    def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+               context_lens: torch.Tensor, slot_mapping: torch.Tensor, greedy: bool):
+        """One decode step of ``B`` sequences: ``(logits [B, vocab], greedy tokens or None)``.
+
+        With ``greedy`` the graph computes the argmax natively and returns it as a list."""
+        if self.graph is not None:
+            n = token_ids.shape[0]
+            am = self._argmax_buf[:n] if greedy else None
+            logits = self.graph.step(token_ids, positions, block_tables, context_lens, slot_mapping,
+                                     self._logits_buf[:n], argmax_out=am)
+            return logits, (am.tolist() if am is not None else None)
+        soc, scale, kcs, vcs = self.soc_type, self.shape.scale, self.cache.key_caches, self.cache.value_caches
+
+        def attend_for(i):
+            window = self.windows[i]
+
+            def attend(q, k, v):
+                K.reshape_and_cache(k, v, kcs[i], vcs[i], slot_mapping)
+                return K.paged_attention(q, kcs[i], vcs[i], block_tables, context_lens, scale=scale, window=window,
+                                         soc_type=soc)
+            return attend
+
+        return self._logits(self._layers(token_ids, positions, attend_for)), None
+
+    def scratch_bytes(self, block_tables: torch.Tensor) -> int:
+        scratch = self.cos.nbytes + self.sin.nbytes + block_tables.nbytes
+        if self.graph is not None:
+            return scratch + self.graph.scratch_bytes + self._logits_buf.nbytes + self._argmax_buf.nbytes
+        # Python decode step at full batch: residual, normed input, q/k/v, attention out, gate/up/act,
+        # logits (allocated per step by the kernels).
+        item = self.embed.element_size()
+        hidden, inter = self.embed.shape[1], self.layers[0].gate.shape[0]
+        s = self.shape
+        qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        return scratch + self.max_batch_size * item * (3 * hidden + qkv + s.num_heads * s.head_dim + 3 * inter
+                                                       + self.vocab_size)

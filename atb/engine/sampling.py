@@ -1,0 +1,72 @@
+"""Token selection: greedy and sampling with HF semantics, per request.
+
+The order of operations is HF ``generate``'s: repetition penalty on the raw
+logits (over every token already in the sequence, prompt included), then
+temperature, top-k, top-p, softmax, multinomial draw. Each request has its own
+parameters and draws from its own ``torch.Generator``, so its tokens do not
+depend on which other requests happen to share its batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from atb.engine.params import SamplingParams
+
+_MASK_SEED = (1 << 63) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # spreads consecutive indices over the seed space
+
+
+def request_seed(seed: int, index: int) -> int:
+    """The seed of the ``index``-th of several requests sharing one user seed (``generate(seed=...)``)."""
+    return (seed + index * _GOLDEN) & _MASK_SEED
+
+
+def generator(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed & _MASK_SEED)
+    return g
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: list[torch.Tensor], penalty: float) -> None:
+    """In place, HF semantics: a seen token's logit is divided by the penalty if positive, multiplied if negative."""
+    for row, ids in zip(logits, seen):
+        score = row.gather(0, ids)
+        row.scatter_(0, ids, torch.where(score < 0, score * penalty, score / penalty))
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (HF order); removed tokens get -inf."""
+    if params.temperature != 1.0:
+        logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        # Drop the least likely tokens whose total probability is at most
+        # 1 - top_p; the most likely token always survives.
+        ascending, order = torch.sort(logits, dim=-1)
+        cum = ascending.softmax(-1).cumsum(-1)
+        drop = cum <= 1 - params.top_p
+        drop[..., -1] = False
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def select(logits: torch.Tensor, params: list[SamplingParams], seen: list, generators: list) -> list[int]:
+    """One token per row of float32 ``logits [batch, vocab]``, row i with ``params[i]``, ``seen[i]`` (token ids
+    for the repetition penalty, or None) and ``generators[i]``."""
+    if all(p.greedy_only for p in params):
+        return logits.argmax(-1).tolist()
+    return [_select_one(row, p, s, g) for row, p, s, g in zip(logits, params, seen, generators)]
+
+
+def _select_one(row: torch.Tensor, params: SamplingParams, seen, gen) -> int:
+    if params.repetition_penalty != 1.0:
+        row = row.clone().unsqueeze(0)
+        apply_repetition_penalty(row, [seen], params.repetition_penalty)
+        row = row[0]
+    if not params.do_sample:
+        return int(row.argmax())
+    probs = warp(row.unsqueeze(0), params).softmax(-1)[0]
+    return int(torch.multinomial(probs, 1, generator=gen))

@@ -1,0 +1,131 @@
+"""The scheduler: requests, the waiting and running queues, and the block manager (the paged KV pool).
+
+vLLM's ``Scheduler``. A request waits until a batch slot, its KV blocks and the
+step's prefill token budget allow it in; it is then prefilled and decoded with
+the running batch until it finishes (or is aborted), when its blocks return to
+the pool at once. A request's blocks are reserved on admission for its longest
+possible length (prompt + ``max_new_tokens``, at most ``max_seq_len``), so a
+running request never has to wait for a block.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from atb.engine.params import RequestOutput, SamplingParams
+from atb.layers.kv_cache import CacheFullError, PagedKVCache
+
+
+class Request:
+    """One prompt being generated: its tokens so far, its sampling state and where it stands."""
+
+    __slots__ = ("request_id", "prompt", "params", "eos", "out", "table", "seen", "gen", "reason", "reported",
+                 "streamed")
+
+    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, eos: frozenset,
+                 gen: torch.Generator | None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.eos = eos
+        self.out: list[int] = []
+        self.table: list[int] = []   # the block manager's table of this request (the live list)
+        self.seen = torch.tensor(sorted(set(prompt)), dtype=torch.int64) if params.repetition_penalty != 1.0 else None
+        self.gen = gen
+        self.reason: str | None = None
+        self.reported = 0            # tokens already handed out in a RequestOutput
+        self.streamed = 0            # tokens already handed to generate's stream callback
+
+    @property
+    def length(self) -> int:
+        """Tokens in the sequence: prompt + generated."""
+        return len(self.prompt) + len(self.out)
+
+    @property
+    def finished(self) -> bool:
+        return self.reason is not None
+
+    def output(self) -> RequestOutput:
+        """What happened since the last report (and marks it reported)."""
+        new = self.out[self.reported:]
+        self.reported = len(self.out)
+        return RequestOutput(self.request_id, new, list(self.out), len(self.prompt), self.finished, self.reason)
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id!r}, prompt_len={len(self.prompt)}, out={len(self.out)}, reason={self.reason})"
+
+
+class Scheduler:
+    """Owns the requests and the block manager; decides who is prefilled and who decodes each step."""
+
+    def __init__(self, cache: PagedKVCache, *, max_batch_size: int, max_seq_len: int, max_prefill_tokens: int):
+        self.cache = cache
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.max_prefill_tokens = max_prefill_tokens
+        self.requests: dict[str, Request] = {}     # every unfinished request by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.done: list[Request] = []              # finished outside a step (at add or abort), reported next step
+        # True when the running batch (its order or a block table) changed since the decode metadata was built.
+        self.rows_dirty = True
+
+    def add(self, req: Request, report: bool = True) -> None:
+        """Queues a request; one that is finished before it starts is reported by the next step if ``report``."""
+        p = req.params
+        if p.max_new_tokens == 0:
+            req.reason = "length"
+        elif req.length >= self.max_seq_len:
+            req.reason = "max_seq_len"
+        if req.finished:
+            if report:
+                self.done.append(req)
+        else:
+            self.requests[req.request_id] = req
+            self.waiting.append(req)
+
+    def reserve_tokens(self, req: Request) -> int:
+        return min(len(req.prompt) + req.params.max_new_tokens, self.max_seq_len)
+
+    def admit(self) -> list[Request]:
+        """Waiting requests that join the batch this step, their blocks allocated.
+
+        First come, first served, while there is a batch slot, the blocks, and room in the step's prefill
+        token budget (a prompt longer than the budget is admitted alone), so arrivals do not stall the
+        running decodes for long.
+        """
+        out: list[Request] = []
+        budget = self.max_prefill_tokens
+        while self.waiting and len(self.running) + len(out) < self.max_batch_size:
+            req = self.waiting[0]
+            n = len(req.prompt)
+            if out and n > budget:
+                break
+            need = self.cache.blocks_needed(self.reserve_tokens(req))
+            if need > self.cache.free_blocks:
+                if not out and not self.running:
+                    raise CacheFullError(f"TransformerInfer: request {req.request_id!r} needs {need} KV blocks, only "
+                                         f"{self.cache.free_blocks} of {self.cache.num_blocks} are free and nothing "
+                                         f"is running (blocks held outside the engine?)")
+                break
+            self.waiting.popleft()
+            req.table = self.cache.allocate(req, self.reserve_tokens(req))
+            out.append(req)
+            budget -= n
+        return out
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Marks a request finished and returns its blocks (it must be waiting or running)."""
+        req.reason = reason
+        del self.requests[req.request_id]
+        if req in self.cache:
+            self.cache.free(req)
+        try:
+            self.running.remove(req)
+            self.rows_dirty = True
+        except ValueError:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass

@@ -1,0 +1,250 @@
+"""The request-level engine under TransformerInfer: add_request / step / abort / stats, threads, re-entrancy."""
+import threading
+
+import pytest
+import torch
+
+import atb
+from atb.checkpoints import random_model
+from atb.engine import RequestOutput, SamplingParams
+
+CFG = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           head_dim=16, vocab_size=128, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(CFG, dtype=torch.float32, model_type="llama", seed=7)
+
+
+def engine(model, **kw):
+    kw = dict(dict(max_seq_len=64, max_batch_size=4, block_size=4), **kw)
+    return atb.TransformerInfer(model, **kw)
+
+
+def drain(infer) -> dict:
+    """Steps until nothing is unfinished; the last output of every request."""
+    last = {}
+    while infer.has_unfinished():
+        for o in infer.step():
+            last[o.request_id] = o
+    for o in infer.step():  # reports of requests finished outside a step (abort)
+        last[o.request_id] = o
+    return last
+
+
+def solo(model, prompt, params, **kw) -> list[int]:
+    infer = engine(model, max_batch_size=1, **kw)
+    infer.add_request(prompt, params, request_id="x")
+    return drain(infer)["x"].output_token_ids
+
+
+def idle(infer) -> bool:
+    s = infer.stats()
+    return (s["running"], s["waiting"], s["kv_blocks_used"]) == (0, 0, 0) and s["kv_blocks_free"] == s[
+        "kv_blocks_total"]
+
+
+PROMPTS = [[1, 5, 9], [3, 4, 4, 8, 2, 7], [17], [2, 90, 33, 6, 6], [11, 12, 13, 14, 15, 16, 17, 18], [40, 41]]
+
+
+def params_of(i: int) -> SamplingParams:
+    if i % 3 == 0:
+        return SamplingParams(max_new_tokens=6 + i, ignore_eos=True)
+    if i % 3 == 1:
+        return SamplingParams(max_new_tokens=9, do_sample=True, temperature=1.3, top_p=0.9, seed=100 + i,
+                              ignore_eos=True)
+    return SamplingParams(max_new_tokens=7, repetition_penalty=1.5, ignore_eos=True)
+
+
+def test_step_api_outputs_and_finish_reasons(model):
+    infer = engine(model)
+    assert not infer.has_unfinished() and idle(infer)
+    rid = infer.add_request([1, 5, 9], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert infer.has_unfinished() and infer.stats()["waiting"] == 1
+    seen = []
+    while infer.has_unfinished():
+        for o in infer.step():
+            assert isinstance(o, RequestOutput) and o.request_id == rid and o.prompt_len == 3
+            seen += o.new_token_ids
+            assert o.output_token_ids == seen
+            last = o
+    assert last.finished and last.finish_reason == "length" and len(seen) == 3
+    assert seen == infer.generate([[1, 5, 9]], 3, eos_token_id=[])[0]
+    # eos, max_seq_len, max_new_tokens=0 and a prompt that fills max_seq_len
+    eos = seen[1]
+    a = infer.add_request([1, 5, 9], SamplingParams(max_new_tokens=10, eos_token_id=eos))
+    b = infer.add_request(list(range(60)), SamplingParams(max_new_tokens=10, ignore_eos=True))
+    c = infer.add_request([1, 2], SamplingParams(max_new_tokens=0))
+    d = infer.add_request(list(range(64)), SamplingParams(max_new_tokens=5))
+    out = drain(infer)
+    assert out[a].finish_reason == "eos" and out[a].output_token_ids == seen[:2]
+    assert out[b].finish_reason == "max_seq_len" and len(out[b].output_token_ids) == 4
+    assert (out[c].finish_reason, out[c].output_token_ids) == ("length", [])
+    assert (out[d].finish_reason, out[d].output_token_ids) == ("max_seq_len", [])
+    assert idle(infer)
+
+
+def test_add_request_validates_before_allocating(model):
+    infer = engine(model)
+    infer.add_request([1, 2], request_id="dup")
+    with pytest.raises(ValueError, match="'dup' is already in use"):
+        infer.add_request([1, 2], request_id="dup")
+    for bad, err, msg in [([], ValueError, "prompt_ids is empty"), ([1, 128], ValueError, "token id 128"),
+                          ([1] * 65, ValueError, "max_seq_len=64"), ([1, "a"], TypeError, "list of int")]:
+        with pytest.raises(err, match=msg):
+            infer.add_request(bad)
+    with pytest.raises(TypeError, match="sampling_params must be"):
+        infer.add_request([1], {"max_new_tokens": 3})
+    assert infer.stats()["waiting"] == 1 and infer.stats()["kv_blocks_used"] == 0
+    assert infer.abort("dup") and idle(infer)
+    for kw, msg in [(dict(max_new_tokens=-1), "max_new_tokens"), (dict(temperature=0.0), "temperature"),
+                    (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"), (dict(repetition_penalty=0), "repetition"),
+                    (dict(eos_token_id="x"), "eos_token_id"), (dict(seed=1.5), "seed"), (dict(do_sample=1), "do_sample")]:
+        with pytest.raises((ValueError, TypeError), match=f"SamplingParams: {msg}"):
+            SamplingParams(**kw)
+
+
+def test_abort_returns_blocks_at_once(model):
+    infer = engine(model)
+    rid = infer.add_request([1, 2, 3, 4, 5], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    keep = infer.add_request([7, 8], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    infer.step()
+    used = infer.stats()["kv_blocks_used"]
+    assert infer.stats()["running"] == 2 and used > 0
+    assert infer.abort(rid)
+    assert infer.stats()["running"] == 1 and infer.stats()["kv_blocks_used"] < used
+    assert not infer.abort(rid) and not infer.abort("nope")
+    out = drain(infer)
+    assert out[rid].finished and out[rid].finish_reason == "abort" and len(out[rid].output_token_ids) == 2
+    assert out[keep].output_token_ids == solo(model, [7, 8], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    # Aborting a waiting request
+    w = infer.add_request([1, 2])
+    assert infer.abort(w) and idle(infer)
+
+
+def test_prefill_budget_lets_running_decodes_continue(model):
+    infer = engine(model, max_prefill_tokens=8)
+    first = infer.add_request([1] * 6, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    infer.step()
+    for _ in range(3):
+        infer.add_request([2] * 6, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    outs = {o.request_id for o in infer.step()}
+    # One 6-token prompt fits in the budget per step; the running request decoded anyway.
+    assert first in outs and infer.stats()["waiting"] == 2 and infer.stats()["running"] == 2
+    # A prompt longer than the whole budget is admitted alone.
+    big = infer.add_request(list(range(20)), SamplingParams(max_new_tokens=2, ignore_eos=True))
+    drain(infer)
+    assert big not in infer.scheduler.requests and idle(infer)
+
+
+def test_requests_do_not_depend_on_batch_mates(model):
+    infer = engine(model, max_batch_size=6)
+    ids = [infer.add_request(p, params_of(i)) for i, p in enumerate(PROMPTS)]
+    out = drain(infer)
+    for i, (rid, p) in enumerate(zip(ids, PROMPTS)):
+        assert out[rid].output_token_ids == solo(model, p, params_of(i)), i
+
+
+@pytest.mark.parametrize("graph_mode", [True, False])
+def test_three_threads_add_abort_step_get_single_threaded_tokens(model, graph_mode):
+    expected = {i: solo(model, p, params_of(i), graph_mode=graph_mode) for i, p in enumerate(PROMPTS)}
+    infer = engine(model, max_batch_size=3, graph_mode=graph_mode)
+    results: dict = {}
+    errors: list = []
+    mu = threading.Lock()
+
+    def record(outs):
+        with mu:
+            for o in outs:
+                results[o.request_id] = o
+
+    def worker(t):
+        try:
+            mine = []
+            for rep in range(2):
+                for i in range(t, len(PROMPTS), 3):
+                    mine.append(infer.add_request(PROMPTS[i], params_of(i), request_id=f"{t}-{rep}-{i}"))
+                    record(infer.step())
+                victim = infer.add_request([5, 6, 7], SamplingParams(max_new_tokens=30, ignore_eos=True),
+                                           request_id=f"{t}-{rep}-victim")
+                record(infer.step())
+                infer.abort(victim)
+            while any(not (r in results and results[r].finished) for r in mine):
+                record(infer.step())
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not errors, errors
+    record(infer.step())
+    for rid, o in results.items():
+        t, rep, i = rid.split("-")
+        if i == "victim":
+            assert o.finish_reason == "abort"
+        else:
+            assert o.finished and o.output_token_ids == expected[int(i)], rid
+    assert len([r for r in results if not r.endswith("victim")]) == 2 * len(PROMPTS)
+    assert idle(infer)
+
+
+def test_concurrent_generate_calls_match_sequential(model):
+    infer = engine(model, max_batch_size=4)
+    jobs = [([[1, 5, 9], [3, 4]], {}), ([[17, 2, 2, 90]], dict(do_sample=True, seed=3, top_k=20)),
+            ([[8, 8, 8], [9], [10, 11]], dict(repetition_penalty=1.4)), ([[4, 4]], {})]
+    expected = [infer.generate(p, 10, eos_token_id=[], **kw) for p, kw in jobs]
+    got = [None] * len(jobs)
+    reasons = [None] * len(jobs)
+
+    def run(j):
+        p, kw = jobs[j]
+        for _ in range(3):
+            got[j] = infer.generate(p, 10, eos_token_id=[], **kw)
+            reasons[j] = infer.last_stop_reasons
+            assert got[j] == expected[j]
+
+    threads = [threading.Thread(target=run, args=(j,)) for j in range(len(jobs))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert got == expected
+    assert all(r == ["length"] * len(jobs[j][0]) for j, r in enumerate(reasons))
+    assert idle(infer)
+
+
+def test_generate_leaves_other_sequences_alone(model):
+    infer = engine(model)
+    infer.cache.allocate("mine", 16)
+    other = infer.add_request([3, 1, 4], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    out = infer.generate([[1, 2, 3]], 2)
+    assert len(out[0]) <= 2 and "mine" in infer.cache
+    assert infer.has_unfinished()  # generate stepped the other request, never finished or freed it
+    last = drain(infer)
+    assert last[other].output_token_ids == solo(model, [3, 1, 4], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert "mine" in infer.cache
+    infer.cache.free("mine")
+    assert idle(infer)
+
+
+def test_reentrant_calls_from_a_stream_callback_raise(model):
+    infer = engine(model)
+    expected = infer.generate([[1, 2, 3]], 4)
+
+    for call in (lambda: infer.generate([[4, 5]], 2), infer.step, lambda: infer.forward(torch.tensor([[1, 2]]))):
+        def cb(i, t, call=call):
+            call()
+
+        with pytest.raises(RuntimeError, match="inside a generate\\(\\) stream callback"):
+            infer.generate([[1, 2, 3]], 4, stream=cb)
+        assert idle(infer)
+    # abort and stats are fine from a callback (the engine lock is not held while it runs)
+    infer.add_request([9, 9], request_id="bg")
+    assert infer.generate([[1, 2, 3]], 4, stream=lambda i, t: (infer.stats(), infer.abort("bg"))) == expected
+    assert not infer.has_unfinished()
+    infer.step()
+    assert idle(infer) and infer.generate([[1, 2, 3]], 4) == expected
