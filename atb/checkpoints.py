@@ -68,6 +68,8 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32):
     finally:
         hf_logging.set_verbosity(verbosity)
     model.eval()
+    # Where the weights came from, so quantize="native" can read a GGUF file's blocks as shipped.
+    model.atb_source_path = os.path.abspath(path)
     return model, tokenizer
 
 

@@ -2,6 +2,8 @@
 // Tensors cross as (data pointer, shape ints, dtype code); the Python
 // wrappers in atb/kernels/ validate them, so kernels here trust their inputs.
 // C++ std::invalid_argument surfaces as Python ValueError.
+#include <optional>
+
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -32,6 +34,13 @@ void* Ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
 DataType Dt(int code) {
   if (code < 0 || code > 2) AscendC::ThrowError("dtype code must be 0 (float32), 1 (float16) or 2 (bfloat16), got ", code);
   return DataType(code);
+}
+
+// A quantized weight as the decode graph takes it: (data, scale, min or 0, bits, group, scale dtype code).
+using QuantTuple = std::tuple<uintptr_t, uintptr_t, uintptr_t, int64_t, int64_t, int>;
+atb::QuantRef QuantRefOf(const QuantTuple& t) {
+  return {Ptr(std::get<0>(t)), Ptr(std::get<1>(t)), Ptr(std::get<2>(t)), std::get<3>(t), std::get<4>(t),
+          Dt(std::get<5>(t))};
 }
 
 py::dict RmsNormTilingDict(const atb::RmsNormTilingData& t) {
@@ -326,6 +335,19 @@ PYBIND11_MODULE(_C, m) {
                l.keyCache = p("key_cache");
                l.valueCache = p("value_cache");
                l.window = d.contains("window") ? d["window"].cast<int64_t>() : 0;
+               // Quantized projections: "<name>_quant" = (data, scale, min or 0, bits, group, scale dtype code).
+               auto qr = [&](const char* k) {
+                 atb::QuantRef r;
+                 if (d.contains(k)) r = QuantRefOf(d[k].cast<QuantTuple>());
+                 return r;
+               };
+               l.qQ = qr("q_quant");
+               l.kQ = qr("k_quant");
+               l.vQ = qr("v_quant");
+               l.oQ = qr("o_quant");
+               l.gateQ = qr("gate_quant");
+               l.upQ = qr("up_quant");
+               l.downQ = qr("down_quant");
                ls.push_back(l);
              }
              return new atb::DecodeGraph(c, std::move(ls), Ptr(embed), Ptr(final_norm), Ptr(lm_head), Ptr(cos),
@@ -345,6 +367,11 @@ PYBIND11_MODULE(_C, m) {
            py::arg("token_ids"), py::arg("positions"), py::arg("block_tables"), py::arg("max_blocks"),
            py::arg("context_lens"), py::arg("slot_mapping"), py::arg("batch"), py::arg("logits"),
            py::arg("argmax_out"))
+      .def("set_quant_tables",
+           [](atb::DecodeGraph& g, const std::optional<QuantTuple>& embed, const std::optional<QuantTuple>& head) {
+             g.SetQuantTables(embed ? QuantRefOf(*embed) : atb::QuantRef{}, head ? QuantRefOf(*head) : atb::QuantRef{});
+           },
+           py::arg("embed"), py::arg("lm_head"))
       .def_property("profiling", &atb::DecodeGraph::Profiling, &atb::DecodeGraph::SetProfiling)
       .def("reset_profile", &atb::DecodeGraph::ResetProfile)
       .def("profile",
@@ -436,7 +463,7 @@ PYBIND11_MODULE(_C, m) {
           std::vector<atb::QuantSegment> s;
           quantSegs({w}, s);
           py::gil_scoped_release nogil;
-          atb::QuantDequantRows(s[0], k, static_cast<const int64_t*>(Ptr(idx)), count, Ptr(out), Dt(dtype), soc);
+          atb::QuantDequantRows(s[0], k, static_cast<const int32_t*>(Ptr(idx)), count, Ptr(out), Dt(dtype), soc);
         },
         py::arg("weight"), py::arg("k"), py::arg("idx"), py::arg("count"), py::arg("out"), py::arg("dtype"),
         py::arg("soc"));

@@ -89,6 +89,11 @@ class QuantizedWeight:
         return (self.data.data_ptr(), self.scale.data_ptr(), 0 if self.min is None else self.min.data_ptr(), bias_ptr,
                 out_ptr, self.shape[0], self.bits, self.group_size, DTYPE_CODES[self.scale.dtype])
 
+    def storage(self) -> tuple:
+        """``(data, scale, min or 0, bits, group, scale dtype code)``: how the native decode graph holds it."""
+        return (self.data.data_ptr(), self.scale.data_ptr(), 0 if self.min is None else self.min.data_ptr(), self.bits,
+                self.group_size, DTYPE_CODES[self.scale.dtype])
+
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32, *, soc_type: str | None = None) -> torch.Tensor:
         """Rows ``ids`` (any shape of int indices) dequantized to ``dtype``: the embedding lookup."""
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
@@ -96,7 +101,7 @@ class QuantizedWeight:
                             f"{type(ids).__name__ if not isinstance(ids, torch.Tensor) else ids.dtype}")
         if dtype not in DTYPE_CODES:
             raise TypeError(f"QuantizedWeight.rows: dtype must be float32, float16 or bfloat16, got {dtype}")
-        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        flat = ids.reshape(-1).to(torch.int32).contiguous()
         n = self.shape[0]
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
             raise ValueError(f"QuantizedWeight.rows: ids must be in [0, {n}), got values in "
@@ -109,7 +114,7 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float ``[N, K]`` weight (native kernel)."""
-        return self.rows(torch.arange(self.shape[0]), dtype)
+        return self.rows(torch.arange(self.shape[0], dtype=torch.int32), dtype)
 
 
 def _validate(op: str, data, scale, min, n: int, k: int, bits: int, group: int) -> None:

@@ -111,7 +111,7 @@ constexpr int64_t kDequantPiece = 4096;  // fp32 values per piece: 16 KiB of row
 template <typename T>
 class KernelQuantDequantRows {
  public:
-  void Init(const QuantSegment& w, int64_t k, const int64_t* idx, int64_t count, void* out, int64_t blockFactor) {
+  void Init(const QuantSegment& w, int64_t k, const int32_t* idx, int64_t count, void* out, int64_t blockFactor) {
     w_ = w;
     k_ = k;
     kPad_ = AlignUp(k, kQuantChunk);
@@ -137,7 +137,7 @@ class KernelQuantDequantRows {
  private:
   QuantSegment w_;
   int64_t k_ = 0, kPad_ = 0, piece_ = 0, first_ = 0, last_ = 0;
-  const int64_t* idx_ = nullptr;
+  const int32_t* idx_ = nullptr;
   T* out_ = nullptr;
   TPipe pipe_;
   TBuf<TPosition::VECCALC> rowBuf_, scaleBuf_, minBuf_;
@@ -152,7 +152,29 @@ void QuantLinear(const void* x, int64_t m, int64_t k, const QuantSegment* segs, 
   LaunchQuantKernel<KernelQuantLinear>(x, segs, residual, t, soc);
 }
 
-void QuantDequantRows(const QuantSegment& w, int64_t k, const int64_t* idx, int64_t count, void* out, DataType dtype,
+void LinearOrQuant(const void* x, int64_t m, int64_t k, const LinearSegment* segs, const QuantRef* const* quant,
+                   int64_t numSegments, const void* residual, LinearEpilogue ep, DataType dtype, const SocInfo& soc) {
+  int64_t nq = 0;
+  QuantSegment qs[kLinearMaxSegments];
+  for (int64_t s = 0; s < numSegments; ++s) {
+    const QuantRef* q = quant ? quant[s] : nullptr;
+    if (q && q->data) {
+      ++nq;
+      qs[s] = {q->data, q->scale, q->min, segs[s].bias, segs[s].out, segs[s].n, q->bits, q->group, q->scaleType};
+    }
+  }
+  if (nq == 0) return Linear(x, m, k, segs, numSegments, residual, ep, dtype, soc);
+  if (nq == numSegments) return QuantLinear(x, m, k, qs, numSegments, residual, ep, dtype, soc);
+  ATB_CHECK(ep == LINEAR_PLAIN, "linear: a fused SWIGLU/RESIDUAL launch cannot mix float and quantized weights");
+  for (int64_t s = 0; s < numSegments; ++s) {
+    if (quant && quant[s] && quant[s]->data)
+      QuantLinear(x, m, k, &qs[s], 1, nullptr, LINEAR_PLAIN, dtype, soc);
+    else
+      Linear(x, m, k, &segs[s], 1, nullptr, LINEAR_PLAIN, dtype, soc);
+  }
+}
+
+void QuantDequantRows(const QuantSegment& w, int64_t k, const int32_t* idx, int64_t count, void* out, DataType dtype,
                       const SocInfo& soc) {
   if (count <= 0) return;
   int64_t rowBytes = AlignUp(k, kQuantChunk) * w.bits / 8;

@@ -58,7 +58,25 @@ void QuantLinearGemm(const void* x, const QuantSegment* segs, const void* residu
 
 // Rows idx[0..count) of one quantized weight, dequantized into out [count, k] of dtype
 // (the embedding lookup; with idx = 0..N-1, the whole dequantization).
-void QuantDequantRows(const QuantSegment& w, int64_t k, const int64_t* idx, int64_t count, void* out,
+void QuantDequantRows(const QuantSegment& w, int64_t k, const int32_t* idx, int64_t count, void* out,
                       AscendC::DataType dtype, const AscendC::SocInfo& soc);
+
+// A weight as a graph holds it: data == nullptr means a float weight (the LinearSegment's own
+// pointer); otherwise the quantized storage of QuantSegment.
+struct QuantRef {
+  const void* data = nullptr;
+  const void* scale = nullptr;
+  const void* min = nullptr;
+  int64_t bits = 0;
+  int64_t group = 0;
+  AscendC::DataType scaleType = AscendC::DataType::FLOAT32;
+};
+
+// The linear entry for weights that may be quantized: segs as for Linear, quant[s] the storage of
+// segment s (null or data == nullptr: float). All float -> Linear; all quantized -> QuantLinear;
+// a PLAIN launch mixing both runs each segment on its own (SWIGLU/RESIDUAL must not mix).
+void LinearOrQuant(const void* x, int64_t m, int64_t k, const LinearSegment* segs, const QuantRef* const* quant,
+                   int64_t numSegments, const void* residual, LinearEpilogue ep, AscendC::DataType dtype,
+                   const AscendC::SocInfo& soc);
 
 }  // namespace atb
