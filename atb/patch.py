@@ -54,6 +54,7 @@ from atb import kernels
 from atb.kernels.linear import LINEAR_CROSSOVER_M, native_linear_wins
 from atb.layers.attention import hf_attention
 from atb.layers.rotary import RotaryEmbedding, SUPPORTED as ROPE_SUPPORTED
+from atb.quant.formats import QuantizedWeight
 from atb.registry import get_adapter, supported_model_types
 
 ATTN_NAME = "atb"
@@ -171,6 +172,42 @@ class PatchReport:
 
 
 # ---- the fused forwards (closures over the module's own parameters; lean per-call path) -------------------------
+# With patch_hf_model(quantize=...), a projection module carries its quantized weight as ``_atb_qweight``; the
+# forwards below read it in place of ``weight``, and route it to the native kernels at every size.
+_QWEIGHT_ATTR = "_atb_qweight"
+
+
+def _weight(mod):
+    q = mod.__dict__.get(_QWEIGHT_ATTR)
+    return mod.weight if q is None else q
+
+
+def _wins(rows: int, dtype, w) -> bool:
+    return isinstance(w, QuantizedWeight) or native_linear_wins(rows, dtype)
+
+
+def _flinear(x, w, b=None):
+    """``F.linear``, or for a quantized weight the native kernel (it has no torch path)."""
+    return kernels.linear_auto(x, w, b) if isinstance(w, QuantizedWeight) else F.linear(x, w, b)
+
+
+def _quant_linear_forward(mod, soc_type):
+    w, b = mod.__dict__[_QWEIGHT_ATTR], mod.bias
+    linear_auto = kernels.linear_auto
+
+    def forward(x):
+        return linear_auto(x, w, b, soc_type=soc_type)
+    return forward
+
+
+def _quant_embedding_forward(mod, soc_type):
+    w = mod.__dict__[_QWEIGHT_ATTR]
+    dtype = mod.weight.dtype
+
+    def forward(ids):
+        return w.rows(ids, dtype, soc_type=soc_type)  # each token's row dequantized
+    return forward
+
 def _norm_forward(module, soc_type):
     weight, eps = module.weight, float(module.variance_epsilon)
     rms_norm = kernels.rms_norm
@@ -182,14 +219,14 @@ def _norm_forward(module, soc_type):
 
 def _mlp_forward(module, soc_type, use_linear):
     g, u, d = module.gate_proj, module.up_proj, module.down_proj
-    gw, gb, uw, ub, dw, db = g.weight, g.bias, u.weight, u.bias, d.weight, d.bias
-    silu_mul, linear = kernels.silu_mul, F.linear
+    gw, gb, uw, ub, dw, db = _weight(g), g.bias, _weight(u), u.bias, _weight(d), d.bias
+    silu_mul, linear = kernels.silu_mul, _flinear
     linear_swiglu, atb_linear = kernels.linear_swiglu, kernels.linear
 
     def forward(x):
         if use_linear and gb is None and ub is None:
             rows = x.numel() // x.shape[-1]
-            if native_linear_wins(rows, x.dtype):
+            if _wins(rows, x.dtype, gw):
                 # One pass over gate and up with silu(gate) * up fused in, then down.
                 h = linear_swiglu(x.reshape(rows, -1), gw, uw, soc_type=soc_type)
                 return atb_linear(h, dw, db, soc_type=soc_type).view(*x.shape[:-1], -1)
@@ -200,22 +237,25 @@ def _mlp_forward(module, soc_type, use_linear):
 def _attention_forward(module, spec, layer_idx, soc_type, use_linear):
     H, KH, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
     qp, kp, vp, op = module.q_proj, module.k_proj, module.v_proj, module.o_proj
-    qw, qb, kw, kb, vw, vb, ow, ob = qp.weight, qp.bias, kp.weight, kp.bias, vp.weight, vp.bias, op.weight, op.bias
+    qw, qb, kw, kb, vw, vb, ow, ob = (_weight(qp), qp.bias, _weight(kp), kp.bias, _weight(vp), vp.bias, _weight(op),
+                                      op.bias)
     q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
     window = spec.sliding_windows[layer_idx]
     config, scaling, attn_dropout = module.config, module.scaling, module.attention_dropout
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
-    rope, linear = kernels.rope, F.linear
+    rope, linear = kernels.rope, _flinear
     linear_multi, atb_linear = kernels.linear_multi, kernels.linear
+    # q/k/v in one launch needs all three float or all three quantized (a GGUF file may mix).
+    same_kind = len({isinstance(w, QuantizedWeight) for w in (qw, kw, vw)}) == 1
 
     def forward(hidden_states, position_embeddings=None, attention_mask=None, cache=None, past_key_values=None,
                 **kwargs):
         if cache is None:
             cache = past_key_values
         B, S, hidden = hidden_states.shape
-        fast = use_linear and native_linear_wins(B * S, hidden_states.dtype)
+        fast = use_linear and same_kind and _wins(B * S, hidden_states.dtype, qw)
         if fast:
             # q/k/v in one launch over the three weights.
             q, k, v = linear_multi(hidden_states.reshape(B * S, hidden), (qw, kw, vw), (qb, kb, vb),
@@ -237,7 +277,7 @@ def _attention_forward(module, spec, layer_idx, soc_type, use_linear):
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager)
         out, weights = attend(module, q, k, v, attention_mask, dropout=attn_dropout if module.training else 0.0,
                               scaling=scaling, sliding_window=window, **kwargs)
-        if fast:
+        if fast or isinstance(ow, QuantizedWeight):
             return atb_linear(out.reshape(B * S, -1), ow, ob, soc_type=soc_type).view(B, S, -1), weights
         return linear(out.reshape(B, S, -1), ow, ob), weights
     return forward
@@ -250,7 +290,8 @@ def _decoder_layer_forward(layer, soc_type, mlp_native: bool):
     modules otherwise, so every other hook keeps working."""
     attn, mlp, ln1, ln2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
     w2, eps2 = ln2.weight, float(ln2.variance_epsilon)
-    gw, uw, dw, db = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, mlp.down_proj.bias
+    gw, uw, dw, db = _weight(mlp.gate_proj), _weight(mlp.up_proj), _weight(mlp.down_proj), mlp.down_proj.bias
+    same_kind = isinstance(gw, QuantizedWeight) == isinstance(uw, QuantizedWeight) == isinstance(dw, QuantizedWeight)
     add_rms_norm, linear_swiglu, linear_residual = kernels.add_rms_norm, kernels.linear_swiglu, kernels.linear_residual
 
     def forward(hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
@@ -261,7 +302,7 @@ def _decoder_layer_forward(layer, soc_type, mlp_native: bool):
                            cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
         normed, residual = add_rms_norm(attn_out, hidden_states, w2, eps2, soc_type=soc_type)
         rows = normed.numel() // normed.shape[-1]
-        if mlp_native and native_linear_wins(rows, normed.dtype):
+        if mlp_native and same_kind and _wins(rows, normed.dtype, gw):
             h = linear_swiglu(normed.reshape(rows, -1), gw, uw, soc_type=soc_type)
             return linear_residual(h, dw, residual.reshape(rows, -1), db, soc_type=soc_type).view(residual.shape)
         return residual + mlp(normed)
@@ -269,7 +310,7 @@ def _decoder_layer_forward(layer, soc_type, mlp_native: bool):
 
 
 def _lm_head_forward(module, soc_type):
-    w, b = module.weight, module.bias
+    w, b = _weight(module), module.bias
     linear_auto = kernels.linear_auto
 
     def forward(x):
@@ -482,8 +523,27 @@ class _PatchState:
     attn_set: bool
 
 
+def _attach_quantized(model, adapter, quantized, rebind, soc_type) -> None:
+    """Gives every projection module, the embedding and the LM head its quantized weight (``_atb_qweight``,
+    read by the fused forwards) and a forward over it, so stock paths run quantized too."""
+    names = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+             "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+    for layer, lw in zip(adapter.layers(model), quantized.layers):
+        for field_name, path in names.items():
+            w = getattr(lw, field_name)
+            if isinstance(w, QuantizedWeight):
+                mod = layer.get_submodule(path)
+                mod.__dict__[_QWEIGHT_ATTR] = w
+                rebind(mod, _quant_linear_forward(mod, soc_type))
+    for mod, w in ((model.get_input_embeddings(), quantized.embed), (model.get_output_embeddings(), quantized.lm_head)):
+        if mod is not None and isinstance(w, QuantizedWeight):
+            mod.__dict__[_QWEIGHT_ATTR] = w
+            rebind(mod, _quant_embedding_forward(mod, soc_type) if isinstance(mod, torch.nn.Embedding)
+                   else _quant_linear_forward(mod, soc_type))
+
+
 def patch_hf_model(model, *, soc_type: str | None = None, rms_norm: bool = True, rope: bool = True,
-                   attention: bool = True, mlp: bool = True, linear: bool = True) -> PatchReport:
+                   attention: bool = True, mlp: bool = True, linear: bool = True, quantize=None) -> PatchReport:
     """Accelerates a loaded HF LLaMA-family model in place; returns a `PatchReport`.
 
     The model keeps its parameters (same tensors, ``data_ptr`` unchanged) and its ``generate``; patching again
@@ -494,6 +554,10 @@ def patch_hf_model(model, *, soc_type: str | None = None, rms_norm: bool = True,
     attention forward), ``attention`` (the "atb" attention function), ``mlp`` (SwiGLU with silu_mul),
     ``linear`` (projections and the LM head through ``atb.kernels.linear*`` where ``native_linear_wins``:
     decode sizes, and prefill in fp16/bf16; fp32 prefill stays on torch's GEMM). ``soc_type`` is the SoC every kernel tiles for.
+    ``quantize`` (``"w8a16"``, ``"w4a16[-gN]"``, ``"native"`` or an ``atb.quantize(model)`` result, as for
+    ``TransformerInfer``): every projection, the embedding and the LM head run on quantized copies of their
+    weights through the native kernels (fewer bytes per token); the float parameters stay in place for
+    ``unpatch_hf_model``, so memory grows by the quantized copies rather than shrinking.
     """
     version = check_transformers_version()
     options = dict(rms_norm=bool(rms_norm), rope=bool(rope), attention=bool(attention), mlp=bool(mlp),
@@ -503,7 +567,7 @@ def patch_hf_model(model, *, soc_type: str | None = None, rms_norm: bool = True,
         from atb.soc import get_soc
 
         get_soc(soc_type)          # validate the name now, not at the first forward
-    all_options = dict(options, soc_type=soc_type)
+    all_options = dict(options, soc_type=soc_type, quantize=quantize)
     state = getattr(model, _STATE_ATTR, None)
     if state is not None:
         if state.options == all_options:
@@ -525,7 +589,12 @@ def patch_hf_model(model, *, soc_type: str | None = None, rms_norm: bool = True,
     rope_fused = options["rope"] and "rope" not in config_reasons
     attn_fused = options["attention"] and "attention" not in config_reasons
     layer_of = {id(layer.self_attn): i for i, layer in enumerate(adapter.layers(model))}
+    from atb.quant.engine import resolve
+
+    quantized = resolve(model, quantize)
     try:
+        if quantized is not None:
+            _attach_quantized(model, adapter, quantized, rebind, soc_type)
         for name, st in status.items():
             if st.status != "fused":
                 continue
@@ -559,6 +628,10 @@ def patch_hf_model(model, *, soc_type: str | None = None, rms_norm: bool = True,
                          plan, (attn_before, model.config._attn_implementation),
                          "HF DynamicCache (created by generate), contiguous [B, KH, L, D]; with attention=True decode "
                          "reads it in place through paged_attention")
+    if quantized is not None:
+        report.notes.append(f"quantized ({quantize if isinstance(quantize, str) else 'custom'}): every projection, "
+                            f"the embedding and the LM head read their quantized copies; per tensor: "
+                            + "; ".join(f"{k}: {v}" for k, v in list(quantized.report.items())[:3]) + "; ...")
     if config_reasons:
         report.notes.append("partial patch: " + "; ".join(f"{k} stays stock: {v}" for k, v in config_reasons.items()))
     setattr(model, _STATE_ATTR, _PatchState(all_options, report, forwards, attn_before, attn_set))
@@ -574,6 +647,7 @@ def _restore(model, forwards, attn_before, attn_set) -> None:
         mod.__dict__.pop("_atb_soc_type", None)
     for mod in model.modules():
         mod.__dict__.pop("_atb_soc_type", None)
+        mod.__dict__.pop(_QWEIGHT_ATTR, None)
     if attn_set:
         model.set_attn_implementation(attn_before)
 

@@ -16,7 +16,7 @@ from atb.quant.formats import FORMATS, QuantizedWeight, quantize_weight
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
-@dataclass
+@dataclass(eq=False)
 class QuantizedModelWeights:
     """A model's weights for the engine, quantized: per-layer ``LayerWeights`` whose projections are
     :class:`QuantizedWeight`, the embedding table and the LM head (the same object when tied), the
