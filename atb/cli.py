@@ -124,7 +124,7 @@ def cmd_generate(args) -> int:
     if tok is None:
         raise UserError("generate needs a tokenizer: use the default model or --model with a tokenizer")
     progress("building engine")
-    infer = atb.TransformerInfer(model, max_seq_len=args.max_seq_len, soc_type=args.soc_type)
+    infer = atb.TransformerInfer(model, max_seq_len=args.max_seq_len, soc_type=args.soc_type, quantize=args.quantize)
     progress.done()
     if tok.chat_template and not args.raw:
         ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
@@ -279,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--soc-type", default="host")
     g.add_argument("--threads", type=int, default=0)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--quantize", default=None,
+                   help="weight-only quantization: w8a16 | w4a16 (| -g64 | -g128 suffix) | native (a GGUF file's "
+                        "Q8_0/Q4_0/Q4_1 tensors as shipped)")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("check", help="which modules of a model run fused, stay stock, or are unsupported")
