@@ -189,23 +189,24 @@ def quantize_weight(w: torch.Tensor, fmt: str = "w8a16", group_size: int | None 
     kp = k_pad_of(k)
     g = kp if group == 0 else group
     groups = -(-kp // g)
-    wf = w.detach().to(torch.float64)
-    padded = torch.zeros(n, groups * g, dtype=torch.float64)
+    # fp32 math: the weights are fp32 or narrower, min/max are exact and the scale is rounded to its dtype anyway.
+    wf = w.detach().to(torch.float32)
+    padded = torch.zeros(n, groups * g, dtype=torch.float32)
     padded[:, :k] = wf
     valid = torch.zeros(groups * g, dtype=torch.bool)
     valid[:k] = True
     wg, vg = padded.reshape(n, groups, g), valid.reshape(1, groups, g)
-    hi = torch.where(vg, wg, torch.tensor(-torch.inf, dtype=torch.float64)).amax(-1)
-    lo = torch.where(vg, wg, torch.tensor(torch.inf, dtype=torch.float64)).amin(-1)
+    hi = torch.where(vg, wg, torch.tensor(-torch.inf)).amax(-1)
+    lo = torch.where(vg, wg, torch.tensor(torch.inf)).amin(-1)
     if bits == 8:
         scale = (torch.maximum(hi.abs(), lo.abs()) / 127).to(scale_dtype)
-        s = scale.double()
+        s = scale.float()
         q = torch.round(wg / torch.where(s > 0, s, 1.0)[..., None]).clamp(-127, 127)
         q = torch.where(vg, q, 0.0).reshape(n, -1)[:, :kp].to(torch.int8).contiguous()
         return QuantizedWeight(q, scale.contiguous(), None, (n, k), 8, group, source="quantize")
     scale = ((hi - lo) / 15).to(scale_dtype)
     mn = lo.to(scale_dtype)
-    s, m = scale.double(), mn.double()
+    s, m = scale.float(), mn.float()
     q = torch.round((wg - m[..., None]) / torch.where(s > 0, s, 1.0)[..., None]).clamp(0, 15)
     q = torch.where(vg, q, 0.0).reshape(n, -1)[:, :kp].to(torch.uint8)
     return QuantizedWeight(pack_int4(q), scale.contiguous(), mn.contiguous(), (n, k), 4, group, source="quantize")
