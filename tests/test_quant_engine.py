@@ -101,12 +101,13 @@ def test_patched_model_matches_engine(spec, graph_mode):
     report = atb.patch_hf_model(model, quantize=q)
     try:
         assert any("quantized" in n for n in report.notes)
-        assert isinstance(model.model.layers[0].mlp.gate_proj.__dict__["_atb_qweight"], QuantizedWeight)
+        assert isinstance(model.model.layers[0].mlp.gate_proj.__dict__["_atb_conf"].quant["weight"], QuantizedWeight)
+        assert isinstance(model.model.embed_tokens.__dict__["_atb_conf"].quant["weight"], QuantizedWeight)
         got = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
     finally:
         atb.unpatch_hf_model(model)
     assert got == want
-    assert not any("_atb_qweight" in m.__dict__ for m in model.modules())
+    assert not any("_atb_conf" in m.__dict__ for m in model.modules())
 
 
 def test_bad_quantize_spec():

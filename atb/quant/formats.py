@@ -171,6 +171,8 @@ def quantize_weight(w: torch.Tensor, fmt: str = "w8a16", group_size: int | None 
     rounded with the *stored* scale and min, so ``dequantize`` is the nearest grid point.
     """
     op = "quantize"
+    if isinstance(w, torch.Tensor):
+        w = w.detach()  # a parameter is read, never differentiated: the quantized copy is a new constant
     float_code(op, "weight", w)
     if w.dim() != 2 or w.shape[0] == 0 or w.shape[1] == 0:
         raise ValueError(f"{op}: weight must be 2-D [N, K] with N, K >= 1, got shape {tuple(w.shape)}")
