@@ -62,6 +62,6 @@ ext = Pybind11Extension(
 setup(
     ext_modules=[ext],
     cmdclass={"build_ext": ParallelBuildExt},
-    packages=["atb", "atb.kernels", "atb.layers", "atb.bench", "atb.models"],
+    packages=["atb", "atb.kernels", "atb.layers", "atb.bench", "atb.quant", "atb.models"],
     package_dir={"atb.models": "models"},
 )

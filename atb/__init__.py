@@ -13,11 +13,12 @@ from atb.runtime import available_isas, build_info, get_num_threads, set_isa, se
 from atb.soc import default_soc, get_soc, set_soc, soc_names
 from atb.infer import TransformerInfer
 from atb.engine import RequestOutput, SamplingParams
+from atb.quant import dequantize, quantize
 
 __version__ = "0.1.0"
 
 __all__ = [
     "kernels", "build_info", "get_num_threads", "set_num_threads", "set_isa", "available_isas", "set_threading",
     "get_soc", "set_soc", "soc_names", "default_soc", "TransformerInfer", "SamplingParams", "RequestOutput",
-    "patch_hf_model", "unpatch_hf_model", "check_model", "PatchReport",
+    "patch_hf_model", "unpatch_hf_model", "check_model", "PatchReport", "quantize", "dequantize",
 ]

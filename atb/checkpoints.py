@@ -167,6 +167,8 @@ def _from_pretrained(directory: str, label: str, dtype: torch.dtype, progress: b
         if bars:
             hf_logging.enable_progress_bar()
     model.eval()
+    # Where the weights came from, so quantize="native" can read a GGUF file's blocks as shipped.
+    model.atb_source_path = os.path.abspath(label)
     return model, tokenizer
 
 

@@ -216,7 +216,7 @@ def _engine(args):
     if tok is None:
         raise UserError("this command needs a tokenizer: use the default model or --model with a tokenizer")
     progress("building engine")
-    infer = atb.TransformerInfer(model, max_seq_len=max_seq_len, soc_type=args.soc_type)
+    infer = atb.TransformerInfer(model, max_seq_len=max_seq_len, soc_type=args.soc_type, quantize=args.quantize)
     progress.done()
     return infer, tok, max_seq_len
 
@@ -458,6 +458,9 @@ def _engine_args(sp):
     sp.add_argument("--seed", type=int, default=None)
     sp.add_argument("--soc-type", default="host")
     sp.add_argument("--threads", type=_threads, default=None, help="atb threads (default: as set)")
+    sp.add_argument("--quantize", default=None,
+                    help="weight-only quantization: w8a16 | w4a16 (| -g64 | -g128 suffix) | native (a GGUF file's "
+                         "Q8_0/Q4_0/Q4_1 tensors as shipped)")
 
 
 def _add_bench(sub):

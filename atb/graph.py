@@ -31,6 +31,7 @@ import torch
 from atb import _C
 from atb.kernels._common import DTYPE_CODES, float_code, int_tensor, resolve_soc
 from atb.models.base import LayerWeights
+from atb.quant.formats import QuantizedWeight
 
 _LAYER_REQUIRED = ("input_norm", "q", "k", "v", "o", "post_attention_norm", "gate", "up", "down")
 _STYLES = {"neox": 0, "interleave": 1}
@@ -69,7 +70,9 @@ class DecodeGraph:
         config: ``num_heads, num_kv_heads, head_dim, eps`` (required); optional ``scale`` (default
             head_dim**-0.5), ``rope_style`` ("neox" | "interleave", default "neox"),
             ``sliding_windows`` (per layer: None or a window size).
-        layers: per layer its `LayerWeights` (weights ``[out, in]``, contiguous, one dtype).
+        layers: per layer its `LayerWeights` (weights ``[out, in]``, contiguous, one dtype); any projection may be
+            an ``atb.quant.QuantizedWeight`` (gate and up both or neither), and so may ``embed`` / ``lm_head``
+            (the embedding lookup then dequantizes each token's row); the graph's dtype is then final_norm's.
         cos/sin: ``[max_seq_len, rotary_dim]`` rope tables (HF layout), the graph's dtype or float32.
         key_caches/value_caches: per layer ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         """
@@ -81,7 +84,7 @@ class DecodeGraph:
                 raise TypeError(f"DecodeGraph: layers[{i}] must be a LayerWeights, got {type(lw).__name__}")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"DecodeGraph: max_batch must be a positive int, got {max_batch!r}")
-        dtype = embed.dtype
+        dtype = final_norm.dtype if isinstance(embed, QuantizedWeight) else embed.dtype
         if dtype not in DTYPE_CODES:
             raise TypeError(f"DecodeGraph: embed must be float32, float16 or bfloat16, got {dtype}")
         vocab, hidden = embed.shape
@@ -90,6 +93,11 @@ class DecodeGraph:
         keep: list = []
 
         def need(name, t, shape):
+            if isinstance(t, QuantizedWeight):
+                if tuple(t.shape) != tuple(shape):
+                    raise ValueError(f"DecodeGraph: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+                keep.append(t)
+                return t.data.data_ptr()
             keep.append(_need(name, t, dtype, shape))
             return t.data_ptr()
 
@@ -118,6 +126,10 @@ class DecodeGraph:
             nl = _C.DecodeLayer()
             for n, t in present.items():
                 setattr(nl, n, need(f"layers[{i}].{n}", t, shapes[n]))
+                if isinstance(t, QuantizedWeight):
+                    nl.set_quant(n, t.storage())
+            if isinstance(lw.gate, QuantizedWeight) != isinstance(lw.up, QuantizedWeight):
+                raise TypeError(f"DecodeGraph: layer {i} has only one of gate/up quantized; quantize both or neither")
             nl.key_cache = need(f"key_caches[{i}]", key_caches[i], cache_shape)
             nl.value_cache = need(f"value_caches[{i}]", value_caches[i], cache_shape)
             nl.window = int(windows[i] or 0)
@@ -145,6 +157,9 @@ class DecodeGraph:
         cfg.dtype, cfg.cos_dtype = DTYPE_CODES[dtype], DTYPE_CODES[cos.dtype]
         native = _C.DecodeGraph(cfg, native_layers, embed_p, final_p, head_p, cos.data_ptr(), sin.data_ptr(),
                                 resolve_soc(soc_type))
+        if isinstance(embed, QuantizedWeight) or isinstance(lm_head, QuantizedWeight):
+            native.set_quant_tables(embed.storage() if isinstance(embed, QuantizedWeight) else None,
+                                    lm_head.storage() if isinstance(lm_head, QuantizedWeight) else None)
         return cls(native, keep, vocab=vocab, dtype=dtype, max_batch=max_batch, max_seq_len=cos.shape[0])
 
     @classmethod

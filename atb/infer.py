@@ -65,11 +65,16 @@ class TransformerInfer(Engine):
             exposed as ``infer.decode_graph``); False runs the same kernels from Python.
         max_prefill_tokens: prompt tokens admitted into the running batch per step (a longer prompt
             is admitted alone), so arrivals do not stall running decodes for long.
+        quantize: weight-only quantization of every projection, the embedding and the LM head:
+            ``"w8a16"``, ``"w4a16"`` (``"-g64"`` / ``"-g128"`` suffix for the group size; the embedding /
+            LM head stay 8-bit), ``"native"`` (the GGUF file the model was loaded from, at its own
+            precision), or an ``atb.quantize(model, ...)`` result. Python and graph mode alike.
+            ``memory_summary()`` reports the bytes saved.
     """
 
     def __init__(self, model, max_seq_len: int = 2048, soc_type: str = "host", *, max_batch_size: int = 8,
                  block_size: int = 128, dtype: torch.dtype | None = None, graph_mode: bool = True,
-                 max_prefill_tokens: int | None = None):
+                 max_prefill_tokens: int | None = None, quantize=None):
         from atb.registry import get_adapter
 
         config = getattr(model, "config", None)
@@ -104,10 +109,11 @@ class TransformerInfer(Engine):
                                           max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                           block_size=block_size, dtype=self.dtype)
         runner = ModelRunner(model, self.adapter, dtype=self.dtype, soc_type=soc_type, max_seq_len=max_seq_len,
-                             max_batch_size=max_batch_size, cache=cache, graph_mode=graph_mode)
+                             max_batch_size=max_batch_size, cache=cache, graph_mode=graph_mode, quantize=quantize)
         self._init_engine(runner, Scheduler(cache, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                             max_prefill_tokens=max_prefill_tokens))
         self.graph_mode = graph_mode
+        self.quantize = quantize if quantize is None or isinstance(quantize, str) else "custom"
 
     # ---- construction -------------------------------------------------------
     def _resolve_dtype(self, model, dtype):
@@ -155,6 +161,10 @@ class TransformerInfer(Engine):
                 seen.add(key)
                 weights += t.nbytes
         scratch = self.runner.scratch_bytes(self._block_tables)
+        quant = {}
+        if self.quantize is not None:
+            full = self.runner.unquantized_weight_bytes()
+            quant = {"quantize": self.quantize, "weights_bytes_unquantized": full, "weights_bytes_saved": full - weights}
         return {
             "dtype": str(self.dtype).replace("torch.", ""),
             "weights_bytes": weights,
@@ -164,6 +174,7 @@ class TransformerInfer(Engine):
             "kv_blocks": self.cache.num_blocks,
             "scratch_bytes": scratch,
             "total_bytes": weights + self.cache.nbytes + scratch,
+            **quant,
         }
 
     # ---- validation ---------------------------------------------------------

@@ -60,6 +60,7 @@ from atb.layers.attention import hf_attention
 from atb.layers.decoder import AttentionShape
 from atb.layers.linear import linear
 from atb.layers.rotary import RotaryEmbedding, SUPPORTED as ROPE_SUPPORTED
+from atb.quant.formats import QuantizedWeight
 from atb.registry import get_adapter, supported_model_types
 
 ATTN_NAME = "atb"
@@ -192,6 +193,9 @@ class _Conf:
     layer_idx: int = 0
     window: int | None = None
     mlp_fused: bool = False           # decoder layer: the MLP runs the fused SwiGLU
+    # patch_hf_model(quantize=...): quantized copies by LayerWeights field name ("q", ..., "down"; "weight" for a
+    # plain linear / embedding module), read in place of the module's parameters.
+    quant: dict = field(default_factory=dict)
 
 
 _CONF = "_atb_conf"
@@ -231,7 +235,7 @@ def _norm(self, hidden_states):
 @_or_stock
 def _mlp(self, x):
     c = self.__dict__[_CONF]
-    w = SimpleNamespace(**c.adapter.mlp_weights(self))
+    w = SimpleNamespace(**{**c.adapter.mlp_weights(self), **c.quant})
     return decoder.mlp(_rows(x), w, soc_type=c.soc_type, native=c.native).view(*x.shape[:-1], -1)
 
 
@@ -247,7 +251,7 @@ def _attention(self, hidden_states, position_embeddings=None, attention_mask=Non
         cache = past_key_values
     B, S, _ = hidden_states.shape
     H, KH, D = c.shape.num_heads, c.shape.num_kv_heads, c.shape.head_dim
-    w = SimpleNamespace(**c.adapter.attention_weights(self))
+    w = SimpleNamespace(**{**c.adapter.attention_weights(self), **c.quant})
     cos, sin = position_embeddings
     if cos.shape[0] != B:
         cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
@@ -283,14 +287,29 @@ def _decoder_layer(self, hidden_states, attention_mask=None, position_ids=None, 
                                             soc_type=c.soc_type)
     if not c.mlp_fused:
         return residual + self.mlp(normed)
-    w = SimpleNamespace(**c.adapter.mlp_weights(self.mlp))
+    w = SimpleNamespace(**{**c.adapter.mlp_weights(self.mlp), **c.quant})
     return decoder.mlp(_rows(normed), w, _rows(residual), soc_type=c.soc_type, native=c.native).view(residual.shape)
 
 
 @_or_stock
 def _lm_head(self, x):
     c = self.__dict__[_CONF]
-    return linear(_rows(x), self.weight, self.bias, soc_type=c.soc_type, native=c.native).view(*x.shape[:-1], -1)
+    w = c.quant.get("weight", self.weight)
+    return linear(_rows(x), w, self.bias, soc_type=c.soc_type, native=c.native).view(*x.shape[:-1], -1)
+
+
+@_or_stock
+def _quant_linear(self, x):
+    """A projection module on its quantized copy (any path that calls the module itself)."""
+    c = self.__dict__[_CONF]
+    return linear(_rows(x), c.quant["weight"], self.bias, soc_type=c.soc_type).view(*x.shape[:-1], -1)
+
+
+@_or_stock
+def _quant_embedding(self, ids):
+    """The embedding lookup in a quantized table: each token's row dequantized natively."""
+    c = self.__dict__[_CONF]
+    return c.quant["weight"].rows(ids, self.weight.dtype, soc_type=c.soc_type)
 
 
 @_or_stock
@@ -520,8 +539,29 @@ class _PatchState:
     attn_set: bool
 
 
+_PROJECTIONS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+                "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+
+
+def _quant_of(adapter, model, quantized) -> dict:
+    """id(module) -> its quantized weights by field: attention / MLP / decoder-layer modules get their
+    projections, each projection Linear, the embedding and the LM head their own (``"weight"``)."""
+    out = {}
+    for layer, lw in zip(adapter.layers(model), quantized.layers):
+        q = {f: getattr(lw, f) for f in _PROJECTIONS if isinstance(getattr(lw, f), QuantizedWeight)}
+        out[id(layer.self_attn)] = {f: q[f] for f in ("q", "k", "v", "o") if f in q}
+        out[id(layer.mlp)] = out[id(layer)] = {f: q[f] for f in ("gate", "up", "down") if f in q}
+        for f, path in _PROJECTIONS.items():
+            if f in q:
+                out[id(layer.get_submodule(path))] = {"weight": q[f]}
+    for mod, w in ((model.get_input_embeddings(), quantized.embed), (model.get_output_embeddings(), quantized.lm_head)):
+        if mod is not None and isinstance(w, QuantizedWeight):
+            out[id(mod)] = {"weight": w}
+    return out
+
+
 def patch_hf_model(model, *, soc_type: str | None = None, rms_norm: bool = True, rope: bool = True,
-                   attention: bool = True, mlp: bool = True, linear: bool = True) -> PatchReport:
+                   attention: bool = True, mlp: bool = True, linear: bool = True, quantize=None) -> PatchReport:
     """Accelerates a loaded HF LLaMA-family model in place; returns a `PatchReport`.
 
     The model keeps its parameters (same tensors, ``data_ptr`` unchanged) and its ``generate``; patching again
@@ -532,6 +572,10 @@ def patch_hf_model(model, *, soc_type: str | None = None, rms_norm: bool = True,
     attention forward), ``attention`` (the "atb" attention function), ``mlp`` (SwiGLU with silu_mul),
     ``linear`` (projections and the LM head through ``atb.kernels.linear*`` where ``native_linear_wins``:
     decode sizes, and prefill in fp16/bf16; fp32 prefill stays on torch's GEMM). ``soc_type`` is the SoC every kernel tiles for.
+    ``quantize`` (``"w8a16"``, ``"w4a16[-gN]"``, ``"native"`` or an ``atb.quantize(model)`` result, as for
+    ``TransformerInfer``): every projection, the embedding and the LM head run on quantized copies of their
+    weights through the native kernels (fewer bytes per token); the float parameters stay in place for
+    ``unpatch_hf_model`` and for gradients, so memory grows by the quantized copies rather than shrinking.
     """
     version = check_transformers_version()
     options = dict(rms_norm=bool(rms_norm), rope=bool(rope), attention=bool(attention), mlp=bool(mlp),
@@ -541,7 +585,7 @@ def patch_hf_model(model, *, soc_type: str | None = None, rms_norm: bool = True,
         from atb.soc import get_soc
 
         get_soc(soc_type)          # validate the name now, not at the first forward
-    all_options = dict(options, soc_type=soc_type)
+    all_options = dict(options, soc_type=soc_type, quantize=quantize)
     state = getattr(model, _STATE_ATTR, None)
     if state is not None:
         if state.options == all_options:
@@ -554,7 +598,14 @@ def patch_hf_model(model, *, soc_type: str | None = None, rms_norm: bool = True,
     modules = dict(model.named_modules())
     forwards = []
 
+    from atb.quant.engine import resolve
+
+    quantized = resolve(model, quantize)
+    quant = {} if quantized is None else _quant_of(adapter, model, quantized)
+
     def rebind(mod, fused, conf):
+        if id(mod) in quant:
+            conf = replace(conf, quant=quant[id(mod)])
         had = "forward" in mod.__dict__
         forwards.append((mod, had, mod.__dict__.get("forward")))
         mod.__dict__[_CONF] = conf
@@ -589,6 +640,13 @@ def patch_hf_model(model, *, soc_type: str | None = None, rms_norm: bool = True,
                     scale = float(getattr(mod, "scaling", spec.head_dim ** -0.5))
                     rebind(mod, _attention, replace(base, shape=AttentionShape.from_spec(spec, scale), layer_idx=i,
                                                     window=spec.sliding_windows[i]))
+        if quantized is not None:
+            # Every module holding a quantized copy that the plan left on its stock forward (projection Linears,
+            # the embedding, an unfused LM head) runs on the copy too.
+            rebound = {id(m) for m, _, _ in forwards}
+            for mod in model.modules():
+                if id(mod) in quant and "weight" in quant[id(mod)] and id(mod) not in rebound:
+                    rebind(mod, _quant_embedding if isinstance(mod, torch.nn.Embedding) else _quant_linear, base)
         attn_before = model.config._attn_implementation
         attn_set = False
         if attn_fused:
@@ -606,6 +664,9 @@ def patch_hf_model(model, *, soc_type: str | None = None, rms_norm: bool = True,
     report.notes.append("with autograd recording (grad mode on and a parameter or input requiring grad) every patched "
                         "module runs its stock forward, so gradients are exact; inference (torch.no_grad, "
                         "inference_mode, generate) runs fused")
+    if quantized is not None:
+        report.notes.append(f"quantized ({quantize if isinstance(quantize, str) else 'custom'}): every projection, "
+                            "the embedding and the LM head read their quantized copies (float parameters kept)")
     if config_reasons:
         report.notes.append("partial patch: " + "; ".join(f"{k} stays stock: {v}" for k, v in config_reasons.items()))
     setattr(model, _STATE_ATTR, _PatchState(all_options, report, forwards, attn_before, attn_set))

@@ -2,6 +2,8 @@
 // Tensors cross as (data pointer, shape ints, dtype code); the Python
 // wrappers in atb/kernels/ validate them, so kernels here trust their inputs.
 // C++ std::invalid_argument surfaces as Python ValueError.
+#include <optional>
+
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <type_traits>
@@ -20,6 +22,8 @@
 #include "kernels/reshape_and_cache/reshape_and_cache_tiling.h"
 #include "kernels/paged_attention/paged_attention_tiling.h"
 #include "kernels/flash_attention/flash_attention_tiling.h"
+#include "kernels/quant_linear/quant_linear_tiling.h"
+#include "kernels/quant_linear/quant_simd.h"
 
 namespace py = pybind11;
 using AscendC::DataType;
@@ -31,6 +35,13 @@ void* Ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
 DataType Dt(int code) {
   if (code < 0 || code > 2) AscendC::ThrowError("dtype code must be 0 (float32), 1 (float16) or 2 (bfloat16), got ", code);
   return DataType(code);
+}
+
+// A quantized weight as the decode graph takes it: (data, scale, min or 0, bits, group, scale dtype code).
+using QuantTuple = std::tuple<uintptr_t, uintptr_t, uintptr_t, int64_t, int64_t, int>;
+atb::QuantRef QuantRefOf(const QuantTuple& t) {
+  return {Ptr(std::get<0>(t)), Ptr(std::get<1>(t)), Ptr(std::get<2>(t)), std::get<3>(t), std::get<4>(t),
+          Dt(std::get<5>(t))};
 }
 
 py::dict RmsNormTilingDict(const atb::RmsNormTilingData& t) {
@@ -335,6 +346,23 @@ PYBIND11_MODULE(_C, m) {
   pointer("down_bias", &atb::DecodeLayer::downBias);
   pointer("key_cache", &atb::DecodeLayer::keyCache);
   pointer("value_cache", &atb::DecodeLayer::valueCache);
+  // A quantized projection: its LayerWeights field name and (data, scale, min or 0, bits, group, scale dtype
+  // code); the float pointer field of the same name holds the data pointer.
+  layer.def(
+      "set_quant",
+      [](atb::DecodeLayer& l, const std::string& name, const QuantTuple& t) {
+        atb::QuantRef* r = name == "q"      ? &l.qQ
+                           : name == "k"    ? &l.kQ
+                           : name == "v"    ? &l.vQ
+                           : name == "o"    ? &l.oQ
+                           : name == "gate" ? &l.gateQ
+                           : name == "up"   ? &l.upQ
+                           : name == "down" ? &l.downQ
+                                            : nullptr;
+        if (!r) AscendC::ThrowError("DecodeLayer.set_quant: ", name, " is not a projection (q, k, v, o, gate, up, down)");
+        *r = QuantRefOf(t);
+      },
+      py::arg("name"), py::arg("storage"));
 
   py::class_<atb::DecodeGraph>(m, "DecodeGraph")
       .def(py::init([](const atb::DecodeGraphConfig& c, std::vector<atb::DecodeLayer> layers, uintptr_t embed,
@@ -356,6 +384,11 @@ PYBIND11_MODULE(_C, m) {
            py::arg("token_ids"), py::arg("positions"), py::arg("block_tables"), py::arg("max_blocks"),
            py::arg("context_lens"), py::arg("slot_mapping"), py::arg("batch"), py::arg("logits"),
            py::arg("argmax_out"))
+      .def("set_quant_tables",
+           [](atb::DecodeGraph& g, const std::optional<QuantTuple>& embed, const std::optional<QuantTuple>& head) {
+             g.SetQuantTables(embed ? QuantRefOf(*embed) : atb::QuantRef{}, head ? QuantRefOf(*head) : atb::QuantRef{});
+           },
+           py::arg("embed"), py::arg("lm_head"))
       .def_property("profiling", &atb::DecodeGraph::Profiling, &atb::DecodeGraph::SetProfiling)
       .def("reset_profile", &atb::DecodeGraph::ResetProfile)
       .def("profile",
@@ -396,4 +429,62 @@ PYBIND11_MODULE(_C, m) {
         py::arg("out"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cu_seqlens"), py::arg("batch"),
         py::arg("tokens"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("strides"),
         py::arg("dtype"), py::arg("scale"), py::arg("causal"), py::arg("window"), py::arg("soc"));
+
+  // ---- quant_linear (weight-only W8A16 / W4A16) -----------------------------
+  // segments: [(data, scale, min or 0, bias or 0, out or 0, n, bits, group, scale dtype code)], 1..3 of them.
+  using QuantSegTuple = std::tuple<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, int64_t, int64_t, int64_t, int>;
+  auto quantSegs = [](const std::vector<QuantSegTuple>& segs, std::vector<atb::QuantSegment>& out) {
+    if (segs.empty() || segs.size() > size_t(atb::kLinearMaxSegments))
+      AscendC::ThrowError("quant_linear: 1..", atb::kLinearMaxSegments, " segments, got ", segs.size());
+    for (const auto& t : segs)
+      out.push_back({Ptr(std::get<0>(t)), Ptr(std::get<1>(t)), Ptr(std::get<2>(t)), Ptr(std::get<3>(t)),
+                     Ptr(std::get<4>(t)), std::get<5>(t), std::get<6>(t), std::get<7>(t), Dt(std::get<8>(t))});
+  };
+  m.def("quant_linear_tiling",
+        [quantSegs](int64_t rows, int64_t k, const std::vector<QuantSegTuple>& segs, int epilogue, int dtype,
+                    const SocInfo& soc) {
+          std::vector<atb::QuantSegment> s;
+          quantSegs(segs, s);
+          atb::QuantLinearTilingData q = atb::QuantLinearTiling(rows, k, s.data(), int64_t(s.size()),
+                                                                atb::LinearEpilogue(epilogue), Dt(dtype), soc);
+          const atb::LinearTilingData& t = q.base;
+          py::dict d;
+          d["block_dim"] = t.blockDim;
+          d["block_factor"] = t.blockFactor;
+          d["m_tile"] = t.mTile;
+          d["n_tile"] = t.nTile;
+          d["k_tile"] = t.kTile;
+          d["m_pass"] = t.mPass;
+          d["k_pad"] = q.kPad;
+          d["ub_bytes"] = t.ubBytes;
+          d["tiling_key"] = t.tilingKey;
+          d["gemm"] = t.tilingKey / 100 == atb::LINEAR_GEMM;
+          return d;
+        },
+        py::arg("m"), py::arg("k"), py::arg("segments"), py::arg("epilogue"), py::arg("dtype"), py::arg("soc"));
+  m.def("quant_linear",
+        [quantSegs](uintptr_t x, int64_t rows, int64_t k, const std::vector<QuantSegTuple>& segs, uintptr_t residual,
+                    int epilogue, int dtype, const SocInfo& soc) {
+          if (epilogue < 0 || epilogue > 2) AscendC::ThrowError("quant_linear: epilogue must be 0, 1 or 2, got ", epilogue);
+          std::vector<atb::QuantSegment> s;
+          quantSegs(segs, s);
+          py::gil_scoped_release nogil;
+          atb::QuantLinear(Ptr(x), rows, k, s.data(), int64_t(s.size()), Ptr(residual), atb::LinearEpilogue(epilogue),
+                           Dt(dtype), soc);
+        },
+        py::arg("x"), py::arg("m"), py::arg("k"), py::arg("segments"), py::arg("residual"), py::arg("epilogue"),
+        py::arg("dtype"), py::arg("soc"));
+  m.def("quant_dequant_rows",
+        [quantSegs](const QuantSegTuple& w, int64_t k, uintptr_t idx, int64_t count, uintptr_t out, int dtype,
+                    const SocInfo& soc) {
+          std::vector<atb::QuantSegment> s;
+          quantSegs({w}, s);
+          py::gil_scoped_release nogil;
+          atb::QuantDequantRows(s[0], k, static_cast<const int32_t*>(Ptr(idx)), count, Ptr(out), Dt(dtype), soc);
+        },
+        py::arg("weight"), py::arg("k"), py::arg("idx"), py::arg("count"), py::arg("out"), py::arg("dtype"),
+        py::arg("soc"));
+  m.def("quant_set_isa", [](const std::string& isa) { atb::SelectQuantSimd(isa); }, py::arg("isa"));
+  m.def("quant_isa", []() { return std::string(atb::QuantSimd().isa); });
+  m.def("quant_isa_paths", []() { return atb::QuantIsaPaths(); });
 }

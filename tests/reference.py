@@ -87,6 +87,26 @@ def linear_swiglu_ref(x, gate_weight, up_weight) -> torch.Tensor:
 
 
 
+def quant_dequant_ref(qw) -> torch.Tensor:
+    """A QuantizedWeight's float64 [N, K] weight from its stored bytes: scale[g] * q (+ min[g]), g = k // group.
+
+    w4: each 32-value chunk is 16 bytes, byte j = value j (low nibble) | value j + 16 (high nibble).
+    """
+    n, k = qw.shape
+    kp = -(-k // 32) * 32
+    if qw.bits == 8:
+        q = qw.data.double()
+    else:
+        b = qw.data.reshape(n, kp // 32, 16).to(torch.int64)
+        q = torch.cat((b & 15, b >> 4), dim=-1).reshape(n, kp).double()
+    g = kp if qw.group_size == 0 else qw.group_size
+    gi = torch.arange(kp) // g
+    w = q * qw.scale.double()[:, gi]
+    if qw.bits == 4:
+        w = w + qw.min.double()[:, gi]
+    return w[:, :k]
+
+
 def reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping):
     """New (key_cache, value_cache): token i's rows at slot slot_mapping[i] (negative = skipped)."""
     kc, vc = key_cache.clone(), value_cache.clone()

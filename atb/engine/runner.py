@@ -16,6 +16,7 @@ from atb import kernels as K
 from atb.layers.decoder import AttentionShape, decoder_layer, lm_head
 from atb.layers.kv_cache import PagedKVCache
 from atb.layers.rotary import RotaryEmbedding
+from atb.quant.formats import QuantizedWeight
 
 
 def as_id_list(v, name: str = "eos_token_id") -> list[int]:
@@ -34,7 +35,7 @@ class ModelRunner:
     """Weights and executors of one model in one compute dtype, over ``cache``."""
 
     def __init__(self, model, adapter, *, dtype: torch.dtype, soc_type: str, max_seq_len: int, max_batch_size: int,
-                 cache: PagedKVCache, graph_mode: bool):
+                 cache: PagedKVCache, graph_mode: bool, quantize=None):
         spec = adapter.spec
         unsupported = adapter.unsupported_reasons()
         if unsupported:
@@ -46,15 +47,28 @@ class ModelRunner:
         self.cache = cache
         self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size
-        self.shared_with_model = dtype == next(model.parameters()).dtype
         w = self._w
-        embed = adapter.embed_tokens(model)
-        self.embed = w(embed)
-        self.final_norm = w(adapter.final_norm(model))
-        head = adapter.lm_head(model)
-        self.lm_head = self.embed if head is embed else w(head)
+        from atb.quant.engine import resolve
+
+        quantized = resolve(model, quantize)
+        self.quant_report = None if quantized is None else quantized.report
+        if quantized is None:
+            self.shared_with_model = dtype == next(model.parameters()).dtype
+            embed = adapter.embed_tokens(model)
+            self.embed = w(embed)
+            self.final_norm = w(adapter.final_norm(model))
+            head = adapter.lm_head(model)
+            self.lm_head = self.embed if head is embed else w(head)
+            self.layers = [adapter.layer_weights(model, i).map(w) for i in range(spec.num_layers)]
+        else:
+            # Quantized projections (and tables) are the engine's own; norms and biases follow the dtype rule.
+            self.shared_with_model = False
+            keep = lambda t: t if isinstance(t, QuantizedWeight) else w(t)  # noqa: E731
+            self.embed = keep(quantized.embed)
+            self.final_norm = w(quantized.final_norm)
+            self.lm_head = self.embed if quantized.tied else keep(quantized.lm_head)
+            self.layers = [lw.map(keep) for lw in quantized.layers]
         self.vocab_size = self.embed.shape[0]
-        self.layers = [adapter.layer_weights(model, i).map(w) for i in range(spec.num_layers)]
         self.windows = tuple(spec.sliding_windows)
         # HF's own attention scale (``scaling``), not head_dim ** -0.5: some configs override it.
         scale = float(getattr(adapter.layers(model)[0].self_attn, "scaling", spec.head_dim ** -0.5))
@@ -84,15 +98,34 @@ class ModelRunner:
         return t.contiguous()
 
     def weight_tensors(self) -> list[torch.Tensor]:
-        ts = [self.embed, self.final_norm, self.lm_head]
-        for lw in self.layers:
-            ts += list(lw.tensors().values())
+        """Every tensor the weights occupy (a quantized weight's data, scales and mins)."""
+        ts = []
+        for t in self._weights():
+            ts += [x for x in (t.data, t.scale, t.min) if x is not None] if isinstance(t, QuantizedWeight) else [t]
         return ts
+
+    def _weights(self) -> list:
+        ws = [self.embed, self.final_norm, self.lm_head]
+        for lw in self.layers:
+            ws += list(lw.tensors().values())
+        return ws
+
+    def unquantized_weight_bytes(self) -> int:
+        """What the weights would occupy in the compute dtype (each distinct weight once)."""
+        seen, total = set(), 0
+        for t in self._weights():
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.shape.numel() * self.dtype.itemsize
+        return total
 
     # ---- executors ----------------------------------------------------------------------------------
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend_for) -> torch.Tensor:
         """Embedding and every decoder layer; ``attend_for(i)`` is layer i's attention core."""
-        x = torch.nn.functional.embedding(tokens, self.embed)
+        if isinstance(self.embed, QuantizedWeight):
+            x = self.embed.rows(tokens, self.dtype, soc_type=self.soc_type)  # each token's row dequantized
+        else:
+            x = torch.nn.functional.embedding(tokens, self.embed)
         cos = self.cos.index_select(0, positions)
         sin = self.sin.index_select(0, positions)
         for i, lw in enumerate(self.layers):
@@ -152,7 +185,7 @@ class ModelRunner:
             return scratch + self.graph.scratch_bytes + self._logits_buf.nbytes + self._argmax_buf.nbytes
         # Python decode step at full batch: residual, normed input, q/k/v, attention out, gate/up/act,
         # logits (allocated per step by the kernels).
-        item = self.embed.element_size()
+        item = self.dtype.itemsize
         hidden, inter = self.embed.shape[1], self.layers[0].gate.shape[0]
         s = self.shape
         qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim

@@ -18,6 +18,7 @@ import time
 import torch
 
 from atb import _C
+from atb.kernels import quant_linear as _q
 from atb.kernels._common import float_code, resolve_soc, same_dtype
 
 # The policy the AVX2 host measured (native below 32 rows, the STREAM kernel's
@@ -217,7 +218,12 @@ def _ptr(t) -> int:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            soc_type: str | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``: x ``[M, K]``, weight ``[N, K]``, bias ``[N]``; fp32 accumulation, x's dtype out."""
+    """``x @ weight.T + bias``: x ``[M, K]``, weight ``[N, K]``, bias ``[N]``; fp32 accumulation, x's dtype out.
+
+    ``weight`` may be an ``atb.quant.QuantizedWeight`` (W8A16 / W4A16); so may every weight of the entries below.
+    """
+    if _q.is_quantized(weight):
+        return _q.linear(x, weight, bias, soc_type=soc_type)
     code = _check_x("linear", x)
     _check_weight("linear", "weight", weight, x)
     _check_bias("linear", "bias", bias, weight, x)
@@ -236,8 +242,10 @@ def linear_multi(x: torch.Tensor, weights, biases=None, *, soc_type: str | None 
     Equivalent to ``tuple(linear(x, w, b) for w, b in zip(weights, biases))``; the
     cores split the concatenated rows, so small k/v projections do not each pay a launch.
     """
-    code = _check_x("linear_multi", x)
     weights = list(weights)
+    if any(_q.is_quantized(w) for w in weights):
+        return _q.linear_multi(x, weights, biases, soc_type=soc_type)
+    code = _check_x("linear_multi", x)
     if not 1 <= len(weights) <= 3:
         raise ValueError(f"linear_multi: weights must hold 1 to 3 tensors, got {len(weights)}")
     biases = [None] * len(weights) if biases is None else list(biases)
@@ -263,6 +271,8 @@ def linear_multi(x: torch.Tensor, weights, biases=None, *, soc_type: str | None 
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, bias: torch.Tensor | None = None, *,
                     soc_type: str | None = None) -> torch.Tensor:
     """``residual + linear(x, weight, bias)`` (o_proj / down_proj), each rounded to x's dtype as HF does."""
+    if _q.is_quantized(weight):
+        return _q.linear_residual(x, weight, residual, bias, soc_type=soc_type)
     code = _check_x("linear_residual", x)
     _check_weight("linear_residual", "weight", weight, x)
     _check_bias("linear_residual", "bias", bias, weight, x)
@@ -283,6 +293,8 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
 def linear_swiglu(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, *,
                   soc_type: str | None = None) -> torch.Tensor:
     """``silu(x @ gate_weight.T) * (x @ up_weight.T)`` in one weight pass (LLaMA MLP's first half)."""
+    if _q.is_quantized(gate_weight) or _q.is_quantized(up_weight):
+        return _q.linear_swiglu(x, gate_weight, up_weight, soc_type=soc_type)
     code = _check_x("linear_swiglu", x)
     _check_weight("linear_swiglu", "gate_weight", gate_weight, x)
     _check_weight("linear_swiglu", "up_weight", up_weight, x)
@@ -308,6 +320,6 @@ def linear_auto(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError("linear_auto: x must have at least 1 dimension, got a scalar")
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), x.shape[-1])  # not -1: that is ambiguous when K = 0
-    if not native_linear_wins(x2.shape[0], x.dtype):
+    if not _q.is_quantized(weight) and not native_linear_wins(x2.shape[0], x.dtype):
         return torch.nn.functional.linear(x, weight, bias)
     return linear(x2, weight, bias, soc_type=soc_type).reshape(*lead, weight.shape[0])

@@ -84,6 +84,8 @@ DecodeGraph::DecodeGraph(const DecodeGraphConfig& cfg, std::vector<DecodeLayer> 
                   l.valueCache,
               "DecodeGraph: layer ", i, " is missing a required weight or cache pointer");
     ATB_CHECK((l.qNorm == nullptr) == (l.kNorm == nullptr), "DecodeGraph: layer ", i, " has only one of q_norm/k_norm");
+    ATB_CHECK((l.gateQ.data == nullptr) == (l.upQ.data == nullptr), "DecodeGraph: layer ", i,
+              " has only one of gate/up quantized (their fused launch needs both or neither)");
   }
   if (c.scale == 0.0f) cfg_.scale = 1.0f / std::sqrt(float(c.headDim));
   for (const DecodeLayer& l : layers_) {
@@ -177,10 +179,16 @@ void DecodeGraph::Step(const int32_t* tokenIds, const int32_t* positions, const 
 
   {
     auto t = timer(NODE_EMBED);
-    const auto* emb = static_cast<const uint8_t*>(embed_);
-    for (int64_t b = 0; b < B; ++b)
-      std::memcpy(static_cast<uint8_t*>(x) + b * c.hidden * elt, emb + int64_t(tokenIds[b]) * c.hidden * elt,
-                  size_t(c.hidden * elt));
+    if (embedQ_.data) {
+      QuantSegment e{embedQ_.data, embedQ_.scale, embedQ_.min, nullptr, nullptr, c.vocab, embedQ_.bits,
+                     embedQ_.group, embedQ_.scaleType};
+      QuantDequantRows(e, c.hidden, tokenIds, B, x, dt, soc_);
+    } else {
+      const auto* emb = static_cast<const uint8_t*>(embed_);
+      for (int64_t b = 0; b < B; ++b)
+        std::memcpy(static_cast<uint8_t*>(x) + b * c.hidden * elt, emb + int64_t(tokenIds[b]) * c.hidden * elt,
+                    size_t(c.hidden * elt));
+    }
     // Shared by every layer: the plan, and the rope rows of this step's positions.
     Plan(contextLens, maxBlocks, B);
     const auto* cs = static_cast<const uint8_t*>(cos_);
@@ -201,7 +209,8 @@ void DecodeGraph::Step(const int32_t* tokenIds, const int32_t* positions, const 
     {
       auto t = timer(NODE_QKV);
       LinearSegment segs[3] = {{L.q, L.qBias, q, qSize}, {L.k, L.kBias, k, kvSize}, {L.v, L.vBias, v, kvSize}};
-      Linear(h, B, c.hidden, segs, 3, nullptr, LINEAR_PLAIN, dt, soc_);
+      const QuantRef* qs[3] = {&L.qQ, &L.kQ, &L.vQ};
+      LinearOrQuant(h, B, c.hidden, segs, qs, 3, nullptr, LINEAR_PLAIN, dt, soc_);
       if (L.qNorm) {
         RmsNorm(q, nullptr, q, nullptr, L.qNorm, B * c.numHeads, c.headDim, dt, c.eps, soc_);
         RmsNorm(k, nullptr, k, nullptr, L.kNorm, B * c.numKvHeads, c.headDim, dt, c.eps, soc_);
@@ -224,15 +233,18 @@ void DecodeGraph::Step(const int32_t* tokenIds, const int32_t* positions, const 
     {
       auto t = timer(NODE_O_PROJ);
       LinearSegment seg{L.o, L.oBias, x, c.hidden};
-      Linear(attn, B, qSize, &seg, 1, x, LINEAR_RESIDUAL, dt, soc_);  // x += o_proj(attn), in place
+      const QuantRef* qs[1] = {&L.oQ};
+      LinearOrQuant(attn, B, qSize, &seg, qs, 1, x, LINEAR_RESIDUAL, dt, soc_);  // x += o_proj(attn), in place
     }
     {
       auto t = timer(NODE_MLP);
       RmsNorm(h, nullptr, x, nullptr, L.postNorm, B, c.hidden, dt, c.eps, soc_);
       LinearSegment gu[2] = {{L.gate, L.gateBias, act, c.intermediate}, {L.up, L.upBias, nullptr, c.intermediate}};
-      Linear(h, B, c.hidden, gu, 2, nullptr, LINEAR_SWIGLU, dt, soc_);
+      const QuantRef* guq[2] = {&L.gateQ, &L.upQ};
+      LinearOrQuant(h, B, c.hidden, gu, guq, 2, nullptr, LINEAR_SWIGLU, dt, soc_);
       LinearSegment down{L.down, L.downBias, x, c.hidden};
-      Linear(act, B, c.intermediate, &down, 1, x, LINEAR_RESIDUAL, dt, soc_);
+      const QuantRef* dq[1] = {&L.downQ};
+      LinearOrQuant(act, B, c.intermediate, &down, dq, 1, x, LINEAR_RESIDUAL, dt, soc_);
     }
   }
 
@@ -240,7 +252,8 @@ void DecodeGraph::Step(const int32_t* tokenIds, const int32_t* positions, const 
     auto t = timer(NODE_LM_HEAD);
     RmsNorm(h, nullptr, x, nullptr, finalNorm_, B, c.hidden, dt, c.eps, soc_);
     LinearSegment head{lmHead_, nullptr, logits, c.vocab};
-    Linear(h, B, c.hidden, &head, 1, nullptr, LINEAR_PLAIN, dt, soc_);
+    const QuantRef* hq[1] = {&headQ_};
+    LinearOrQuant(h, B, c.hidden, &head, hq, 1, nullptr, LINEAR_PLAIN, dt, soc_);
     if (argmaxOut) {
       switch (dt) {
         case DataType::FLOAT32: ArgmaxRows(static_cast<const float*>(logits), B, c.vocab, argmaxOut); break;

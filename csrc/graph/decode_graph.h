@@ -16,6 +16,7 @@
 #include "ascendc/dtype.h"
 #include "ascendc/soc.h"
 #include "kernels/paged_attention/paged_attention_tiling.h"
+#include "kernels/quant_linear/quant_linear_tiling.h"
 #include "kernels/reshape_and_cache/reshape_and_cache_tiling.h"
 #include "kernels/rope/rope_tiling.h"
 
@@ -58,6 +59,9 @@ struct DecodeLayer {
   void* keyCache = nullptr;     // [numBlocks, blockSize, numKvHeads, headDim]
   void* valueCache = nullptr;
   int64_t window = 0;           // sliding window; <= 0: full attention
+  // Quantized projections (W8A16 / W4A16): storage of each weight; data == nullptr keeps it float.
+  // gate and up are both quantized or both float (they share one fused launch).
+  QuantRef qQ, kQ, vQ, oQ, gateQ, upQ, downQ;
 };
 
 // Profiled nodes, in execution order. "embed" also covers the per-step work
@@ -80,6 +84,13 @@ class DecodeGraph {
   // greedy tokens (first maximum, as torch.argmax).
   void Step(const int32_t* tokenIds, const int32_t* positions, const int32_t* blockTables, int64_t maxBlocks,
             const int32_t* contextLens, const int32_t* slotMapping, int64_t batch, void* logits, int32_t* argmaxOut);
+
+  // Quantized embedding table / LM head (data == nullptr: the float pointers given at build).
+  // The embedding lookup then dequantizes each token's row.
+  void SetQuantTables(const QuantRef& embed, const QuantRef& head) {
+    embedQ_ = embed;
+    headQ_ = head;
+  }
 
   void SetProfiling(bool on) { profiling_ = on; }
   bool Profiling() const { return profiling_; }
@@ -105,6 +116,7 @@ class DecodeGraph {
   const void* embed_;
   const void* finalNorm_;
   const void* lmHead_;
+  QuantRef embedQ_, headQ_;
   const void* cos_;
   const void* sin_;
   AscendC::SocInfo soc_;

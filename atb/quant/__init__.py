@@ -1,0 +1,38 @@
+"""Weight-only quantization (W8A16 / W4A16) and GGUF checkpoints at their own precision.
+
+* :class:`QuantizedWeight` and the formats: :mod:`atb.quant.formats` (README "Quantized weights").
+* :func:`quantize` converts a float weight, or every projection (and the embedding / LM head)
+  of a model, to a format; :func:`dequantize` gives float back.
+* :mod:`atb.quant.gguf` loads GGUF Q8_0 / Q4_0 / Q4_1 tensors straight into these formats.
+* :func:`set_isa` / :func:`isa_paths`: the quantized kernels' SIMD path (AVX-512, AVX2, portable).
+"""
+from __future__ import annotations
+
+from atb import _C
+from atb.quant.formats import (FORMATS, GROUP_SIZES, QuantizedWeight, dequantize_reference, pack_int4,
+                               quantize_weight, unpack_int4)
+from atb.quant.api import dequantize, quantize
+
+
+def set_isa(isa: str) -> None:
+    """Forces the quantized kernels' SIMD path: 'auto' (CPUID), 'avx512', 'avx2' or 'portable'.
+
+    The environment variable ``ATB_QUANT_ISA`` does the same at start-up.
+    """
+    if isa not in ("auto", "avx512", "avx2", "portable"):
+        raise ValueError(f"quant.set_isa: isa must be 'auto', 'avx512', 'avx2' or 'portable', got {isa!r}")
+    _C.quant_set_isa(isa)
+
+
+def isa() -> str:
+    """The quantized kernels' active SIMD path."""
+    return _C.quant_isa()
+
+
+def isa_paths() -> list[str]:
+    """The SIMD paths this CPU can run, fastest first (tests run every one)."""
+    return list(_C.quant_isa_paths())
+
+
+__all__ = ["QuantizedWeight", "quantize", "quantize_weight", "dequantize", "dequantize_reference", "pack_int4",
+           "unpack_int4", "FORMATS", "GROUP_SIZES", "set_isa", "isa", "isa_paths"]

@@ -1,0 +1,51 @@
+"""What ``TransformerInfer(model, quantize=...)`` and ``patch_hf_model(model, quantize=...)`` accept, resolved
+to a model's quantized weights (:class:`atb.quant.api.QuantizedModelWeights`).
+
+* ``"w8a16"``, ``"w4a16"``, with an optional group suffix ``"-g32"`` / ``"-g64"`` / ``"-g128"``
+  (w4a16 defaults to 32, w8a16 to per channel): :func:`atb.quantize` of the model's float weights,
+  embedding / LM head at 8 bits;
+* ``"native"`` (alias ``"gguf"``), or ``"gguf:<path>"``: the GGUF file the model was loaded from, at its
+  own precision (:func:`atb.quant.gguf.load_native`);
+* a ``QuantizedModelWeights`` built by the caller (any other option of :func:`atb.quantize`).
+"""
+from __future__ import annotations
+
+import os
+
+from atb.quant.api import QuantizedModelWeights, quantize_model
+
+_GROUPS = {"": None, "-g32": 32, "-g64": 64, "-g128": 128}
+
+
+def parse_spec(spec: str) -> tuple[str, int | None]:
+    """``"w4a16-g128"`` -> ``("w4a16", 128)``; ValueError naming the valid forms."""
+    for fmt in ("w8a16", "w4a16"):
+        if spec.startswith(fmt) and spec[len(fmt):] in _GROUPS:
+            return fmt, _GROUPS[spec[len(fmt):]]
+    raise ValueError(f"quantize: unknown spec {spec!r}; valid: 'w8a16', 'w4a16' (optionally with -g32, -g64, -g128), "
+                     f"'native', 'gguf', 'gguf:<path>', or an atb.quantize(model, ...) result")
+
+
+def gguf_path_of(model) -> str | None:
+    """The GGUF file a model was loaded from by ``atb.checkpoints.load_model`` (None if unknown)."""
+    path = getattr(model, "atb_source_path", None)
+    return path if isinstance(path, str) and path.endswith(".gguf") and os.path.isfile(path) else None
+
+
+def resolve(model, quantize) -> QuantizedModelWeights | None:
+    if quantize is None:
+        return None
+    if isinstance(quantize, QuantizedModelWeights):
+        return quantize
+    if not isinstance(quantize, str):
+        raise TypeError(f"quantize: expected a spec string or a QuantizedModelWeights, got {type(quantize).__name__}")
+    if quantize in ("native", "gguf") or quantize.startswith("gguf:"):
+        from atb.quant.gguf import load_native
+
+        path = quantize[5:] if quantize.startswith("gguf:") else gguf_path_of(model)
+        if not path:
+            raise ValueError("quantize='native' runs the GGUF file the model came from, but this model was not loaded "
+                             "from one by atb.checkpoints.load_model; pass quantize='gguf:<path to the file>'")
+        return load_native(model, path)
+    fmt, group = parse_spec(quantize)
+    return quantize_model(model, fmt, group)

@@ -1,0 +1,137 @@
+"""GGUF checkpoints at their own precision: Q8_0, Q4_0 and Q4_1 tensors loaded straight into
+:class:`QuantizedWeight` (no float round trip), through the ``gguf`` package's reader.
+
+Block layouts (32 values along K per block, ``d`` and ``m`` fp16):
+
+* Q8_0: ``d, q[32] (int8)``, w = d * q             -> w8a16, group 32, fp16 scale d;
+* Q4_0: ``d, qs[16]``,        w = d * (q - 8)       -> w4a16, group 32, scale d, min -8 d
+  (exact in fp16 and fp32: a power-of-two multiple; ``d * q - 8 d`` equals ``d * (q - 8)`` in
+  fp32 because ``d * q`` is exact);
+* Q4_1: ``d, m, qs[16]``,     w = d * q + m         -> w4a16, group 32, scale d, min m.
+
+``qs`` byte j holds value j (low nibble) and value j + 16 (high nibble): the W4 layout of
+:mod:`atb.quant.formats` itself, so the nibbles are copied as they are. Tensors of any other
+GGUF type (F32, F16, Q6_K, ...) are dequantized to float by ``gguf`` and reported per tensor.
+
+llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` (its rope layout); HF's GGUF
+loader undoes that, and so does :func:`load_native`, on whole quantized rows.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from atb.quant.formats import QuantizedWeight
+
+NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+
+# GGUF tensor name (after "blk.{i}.") -> LayerWeights field.
+LAYER_NAMES = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate", "ffn_up": "up",
+               "ffn_down": "down"}
+
+
+def _blocks(t, block_bytes: int) -> tuple[np.ndarray, int, int]:
+    n = int(t.shape[1]) if len(t.shape) > 1 else 1
+    k = int(t.shape[0])
+    raw = np.ascontiguousarray(t.data).view(np.uint8).reshape(n, k // 32, block_bytes)
+    return raw, n, k
+
+
+def _f16(raw: np.ndarray, off: int) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(raw[..., off:off + 2]).view(np.float16)[..., 0].copy())
+
+
+def tensor_to_quantized(t, name: str = "") -> QuantizedWeight:
+    """One ``gguf.ReaderTensor`` of type Q8_0 / Q4_0 / Q4_1 as a :class:`QuantizedWeight` ``[N, K]``."""
+    kind = t.tensor_type.name
+    if kind not in NATIVE_TYPES:
+        raise ValueError(f"gguf: tensor {name or t.name} is {kind}; natively loadable types are {NATIVE_TYPES}")
+    if len(t.shape) != 2:
+        raise ValueError(f"gguf: tensor {name or t.name} has shape {list(t.shape)}, expected 2-D")
+    src = f"gguf:{kind}"
+    if kind == "Q8_0":
+        raw, n, k = _blocks(t, 34)
+        scale = _f16(raw, 0)
+        q = torch.from_numpy(np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(n, k).copy())
+        return QuantizedWeight(q, scale.contiguous(), None, (n, k), 8, 32, source=src)
+    if kind == "Q4_0":
+        raw, n, k = _blocks(t, 18)
+        scale = _f16(raw, 0)
+        mn = -8 * scale.float()
+        if not torch.isfinite(mn.half()).all():  # -8 d overflows fp16: keep both in fp32 (still exact)
+            scale = scale.float()
+        else:
+            mn = mn.half()
+        qs = raw[..., 2:]
+    else:
+        raw, n, k = _blocks(t, 20)
+        scale, mn = _f16(raw, 0), _f16(raw, 2)
+        qs = raw[..., 4:]
+    data = torch.from_numpy(np.ascontiguousarray(qs).reshape(n, k // 2).copy())
+    return QuantizedWeight(data, scale.contiguous(), mn.contiguous(), (n, k), 4, 32, source=src)
+
+
+def permute_rows(w: QuantizedWeight, n_head: int) -> QuantizedWeight:
+    """HF's ``reverse_permute_weights`` for attn_q / attn_k, applied to whole quantized rows."""
+    n = w.shape[0]
+    idx = torch.arange(n).reshape(n_head, n // n_head // 2, 2).transpose(1, 2).reshape(n)
+    mn = None if w.min is None else w.min[idx].contiguous()
+    return QuantizedWeight(w.data[idx].contiguous(), w.scale[idx].contiguous(), mn, tuple(w.shape), w.bits,
+                           w.group_size, source=w.source)
+
+
+def load_native(model, path: str | None = None):
+    """The weights of ``model`` (an HF model loaded from the GGUF file ``path``, default the embedded
+    SmolLM2) for the engine at the file's own precision: every Q8_0/Q4_0/Q4_1 projection, embedding and
+    LM head as a :class:`QuantizedWeight` read from the file; other types stay as the float tensors HF
+    loaded. Norms and biases are the model's own tensors. Returns a ``QuantizedModelWeights`` whose
+    ``report`` says, per tensor, what it became.
+    """
+    import dataclasses
+
+    import gguf
+
+    from atb.checkpoints import default_model_path
+    from atb.quant.api import QuantizedModelWeights
+    from atb.registry import get_adapter
+
+    path = default_model_path() if path is None else path
+    adapter = get_adapter(model)
+    spec = adapter.spec
+    reader = gguf.GGUFReader(path)
+    by_name = {t.name: t for t in reader.tensors}
+    report = {}
+
+    def native(gname: str, fallback: torch.Tensor, label: str, n_head: int | None = None):
+        t = by_name.get(gname)
+        if t is None:
+            report[label] = f"not in file: float {fallback.dtype} from the model"
+            return fallback
+        if t.tensor_type.name not in NATIVE_TYPES:
+            report[label] = f"{t.tensor_type.name}: float {fallback.dtype} (dequantized by gguf)"
+            return fallback
+        w = tensor_to_quantized(t, gname)
+        if tuple(w.shape) != tuple(fallback.shape):
+            raise ValueError(f"gguf: {gname} has shape {tuple(w.shape)} but the model's {label} is "
+                             f"{tuple(fallback.shape)}; is the model loaded from {path}?")
+        if n_head is not None:
+            w = permute_rows(w, n_head)
+        report[label] = repr(w)
+        return w
+
+    layers = []
+    for i in range(spec.num_layers):
+        lw = adapter.layer_weights(model, i)
+        heads = {"q": spec.num_heads, "k": spec.num_kv_heads}
+        changes = {field: native(f"blk.{i}.{g}.weight", getattr(lw, field), f"layers.{i}.{field}", heads.get(field))
+                   for g, field in LAYER_NAMES.items()}
+        layers.append(dataclasses.replace(lw, **changes))
+    embed_w, head_w = adapter.embed_tokens(model), adapter.lm_head(model)
+    tied = head_w is embed_w or head_w.data_ptr() == embed_w.data_ptr()
+    embed = native("token_embd.weight", embed_w, "embed")
+    if tied or "output.weight" not in by_name:
+        head = embed if tied else native("output.weight", head_w, "lm_head")
+        report["lm_head"] = "tied to embed" if tied else report["lm_head"]
+    else:
+        head = native("output.weight", head_w, "lm_head")
+    return QuantizedModelWeights(layers, embed, head, adapter.final_norm(model), tied, report)

@@ -1,0 +1,103 @@
+// What the quantized STREAM and GEMM kernels add to the float linear's LinearIo:
+// the quantized segments, their group scales widened to fp32 in UB, and the launch.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+
+#include "ascendc/kernel_operator.h"
+#include "kernels/linear/linear_io.h"
+#include "quant_linear_tiling.h"
+#include "quant_simd.h"
+
+namespace atb {
+
+inline float ScaleAt(const void* p, AscendC::DataType type, int64_t i) {
+  switch (type) {
+    case AscendC::DataType::FLOAT16: return AscendC::ToFloat(static_cast<const AscendC::half*>(p)[i]);
+    case AscendC::DataType::BFLOAT16: return AscendC::ToFloat(static_cast<const AscendC::bfloat16_t*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+// n scales from element i of p, widened to fp32 by the vector unit (at group 32 a scalar
+// fp16 conversion per scale and min cost more than the GEMV's FMAs).
+inline void WidenScales(float* dst, const void* p, AscendC::DataType type, int64_t i, int64_t n) {
+  switch (type) {
+    case AscendC::DataType::FLOAT16:
+      return AscendC::CastRaw<float, AscendC::half>(dst, static_cast<const AscendC::half*>(p) + i, n);
+    case AscendC::DataType::BFLOAT16:
+      return AscendC::CastRaw<float, AscendC::bfloat16_t>(dst, static_cast<const AscendC::bfloat16_t*>(p) + i, n);
+    default: std::copy_n(static_cast<const float*>(p) + i, n, dst);
+  }
+}
+
+// Group scales (and mins) of weight rows [row, row + nt) for the K chunk [k0, k0 + kl) of segment q, as
+// the micro-kernels take them: fp32 rows of stride lds. fp32 scales are used where they lie in GM
+// (copying them would stream their bytes twice); fp16/bf16 ones are widened into the UB buffers
+// scaleUb/minUb ([nt, ldUb]). group: the segment's group, or kl for a per-channel segment (one group
+// per chunk, holding the row's scale).
+struct TileScales {
+  const float* scale;
+  const float* min;
+  int64_t lds;
+  int64_t group;
+};
+
+inline TileScales LoadScales(const QuantSegment& q, int64_t kPad, int64_t row, int64_t nt, int64_t k0, int64_t kl,
+                             float* scaleUb, float* minUb, int64_t ldUb) {
+  bool f32 = q.scaleType == AscendC::DataType::FLOAT32;
+  if (q.group == 0) {
+    if (f32) return {static_cast<const float*>(q.scale) + row, nullptr, 1, kl};
+    for (int64_t n = 0; n < nt; ++n) scaleUb[n * ldUb] = ScaleAt(q.scale, q.scaleType, row + n);
+    return {scaleUb, nullptr, ldUb, kl};
+  }
+  int64_t perRow = AscendC::CeilDiv(kPad, q.group), g0 = k0 / q.group, ng = AscendC::CeilDiv(kl, q.group);
+  if (f32) {
+    int64_t off = row * perRow + g0;
+    const float* mn = q.bits == 4 ? static_cast<const float*>(q.min) + off : nullptr;
+    return {static_cast<const float*>(q.scale) + off, mn, perRow, q.group};
+  }
+  for (int64_t n = 0; n < nt; ++n) {
+    int64_t i = (row + n) * perRow + g0;
+    WidenScales(scaleUb + n * ldUb, q.scale, q.scaleType, i, ng);
+    if (q.bits == 4) WidenScales(minUb + n * ldUb, q.min, q.scaleType, i, ng);
+  }
+  return {scaleUb, minUb, ldUb, q.group};
+}
+
+// Dequantized row `row` of segment q over [k0, k0 + kl) into dst (fp32); scale/min: kl/32 floats of scratch.
+inline void DequantRow(const QuantSegment& q, int64_t kPad, int64_t row, int64_t k0, int64_t kl, float* dst,
+                       float* scale, float* min) {
+  TileScales s = LoadScales(q, kPad, row, 1, k0, kl, scale, min, 0);
+  if (q.bits == 4)
+    QuantSimd().dequant_w4(dst, static_cast<const uint8_t*>(q.data) + row * (kPad / 2) + k0 / 2, s.scale, s.min, kl,
+                           s.group);
+  else
+    QuantSimd().dequant_w8(dst, static_cast<const int8_t*>(q.data) + row * kPad + k0, s.scale, kl, s.group);
+}
+
+// KernelLaunch of Kernel<T> (Init + Process) for the tiling's activation dtype.
+template <template <typename> class Kernel>
+void LaunchQuantKernel(const void* x, const QuantSegment* segs, const void* residual, const QuantLinearTilingData& t,
+                       const AscendC::SocInfo& soc) {
+  using AscendC::DataType;
+  // The float linear's epilogue, bias and output plumbing sees the segments as LinearSegments.
+  LinearSegment ls[kLinearMaxSegments];
+  for (int64_t s = 0; s < t.base.numSegments; ++s) ls[s] = {segs[s].data, segs[s].bias, segs[s].out, segs[s].n};
+  auto gm = [](const void* p) { return reinterpret_cast<AscendC::GM_ADDR>(const_cast<void*>(p)); };
+  auto run = [&](auto tag) {
+    Kernel<decltype(tag)> op;
+    op.Init(gm(x), ls, segs, gm(residual), t);
+    op.Process();
+  };
+  auto kernel = [&]() {
+    switch (DataType(t.base.tilingKey / 10 % 10)) {
+      case DataType::FLOAT32: return run(float{});
+      case DataType::FLOAT16: return run(AscendC::half{});
+      case DataType::BFLOAT16: return run(AscendC::bfloat16_t{});
+    }
+  };
+  AscendC::KernelLaunch(t.base.blockDim, soc.ub_size, kernel);
+}
+
+}  // namespace atb

@@ -1,0 +1,198 @@
+// Decode-shaped quantized linear (the STREAM kernel; quant_linear_gemm_kernel.cpp has the
+// prefill one): y = x dequant(W)^T (+ bias) with the float linear's fused epilogues.
+// Each core owns blockFactor consecutive weight rows (across the segments'
+// concatenation) and streams their packed bytes from GM once per pass over x,
+// dequantizing in registers: x sits widened to fp32 (zero-padded to kPad) in UB
+// with its per-32-value sums (the W4 min term), the tile's group scales are
+// widened to fp32 in UB, and the micro-kernel (quant_simd.h) keeps every group's
+// partial dot in registers and scales it once per group.
+#include <algorithm>
+
+#include "kernels/common/tiling_utils.h"
+#include "quant_linear_io.h"
+
+using namespace AscendC;
+
+namespace atb {
+namespace {
+
+template <typename T>
+class KernelQuantLinear : LinearIo<T> {
+  using Io = LinearIo<T>;
+  using Io::t_, Io::ep_, Io::streams_, Io::pipe_, Io::xGm_;
+
+ public:
+  void Init(GM_ADDR x, const LinearSegment* ls, const QuantSegment* qs, GM_ADDR residual,
+            const QuantLinearTilingData& t) {
+    Io::InitIo(x, ls, residual, t.base);
+    q_ = qs;
+    kPad_ = t.kPad;
+    kChunks_ = t.kChunks;
+    first_ = GetBlockIdx() * t_.blockFactor;
+    last_ = std::min(t_.rows, first_ + t_.blockFactor);
+    int64_t mt = t_.mTile, nt = t_.nTile;
+    pipe_.InitBuffer(xBuf_, mt * t_.kTile * sizeof(float));
+    pipe_.InitBuffer(xsumBuf_, mt * kChunks_ * sizeof(float));
+    for (int s = 0; s < streams_; ++s) {
+      pipe_.InitBuffer(scaleBuf_[s], nt * kChunks_ * sizeof(float));
+      pipe_.InitBuffer(minBuf_[s], nt * kChunks_ * sizeof(float));
+      pipe_.InitBuffer(sums_[s], mt * nt * sizeof(float));
+    }
+  }
+
+  void Process() {
+    if (first_ >= last_) return;
+    // x stays in UB for the whole launch when one pass covers all of M and K.
+    bool xResident = t_.mTile >= t_.m && t_.kTile >= kPad_;
+    if (xResident) CopyInX(0, t_.m, 0, kPad_);
+    for (int64_t m0 = 0; m0 < t_.m; m0 += t_.mTile) {
+      int64_t mt = std::min(t_.mTile, t_.m - m0);
+      int64_t base = 0;
+      for (int64_t s = 0; s < (ep_ == LINEAR_SWIGLU ? 1 : t_.numSegments); ++s) {
+        int64_t lo = std::max(first_, base), hi = std::min(last_, base + t_.segRows[s]);
+        for (int64_t g = lo; g < hi; g += t_.nTile) ProcessTile(int(s), g - base, m0, mt, std::min(t_.nTile, hi - g), xResident);
+        base += t_.segRows[s];
+      }
+    }
+  }
+
+ private:
+  void ProcessTile(int s, int64_t row, int64_t m0, int64_t mt, int64_t nt, bool xResident) {
+    for (int64_t k0 = 0; k0 < kPad_; k0 += t_.kTile) {
+      int64_t kl = std::min(t_.kTile, kPad_ - k0);
+      if (!xResident) CopyInX(m0, mt, k0, kl);
+      for (int st = 0; st < streams_; ++st) Compute(st, st == 1 ? 1 : s, row, mt, nt, k0, kl);
+    }
+    if (ep_ == LINEAR_RESIDUAL) Io::CopyInResidual(row, m0, mt, nt);
+    Io::Epilogue(s, row, sums_[0].Get<float>().GetPhyAddr(),
+                 streams_ == 2 ? sums_[1].Get<float>().GetPhyAddr() : nullptr, nt, mt, nt);
+    Io::CopyOut(s, row, m0, mt, nt);
+  }
+
+  // x[m0 : m0 + mt, k0 : k0 + kl] widened to fp32 (zeros past K) and its sums per 32 values.
+  void CopyInX(int64_t m0, int64_t mt, int64_t k0, int64_t kl) {
+    float* x = xBuf_.Get<float>().GetPhyAddr();
+    float* xs = xsumBuf_.Get<float>().GetPhyAddr();
+    int64_t valid = std::max<int64_t>(0, std::min(kl, t_.k - k0));
+    for (int64_t m = 0; m < mt; ++m) {
+      float* row = x + m * t_.kTile;
+      CastRaw<float, T>(row, xGm_.GetPhyAddr((m0 + m) * t_.k + k0), valid);
+      std::fill(row + valid, row + kl, 0.0f);
+      for (int64_t c = 0; c < kl / kQuantChunk; ++c) xs[m * kChunks_ + c] = Simd().reduce_sum(row + c * kQuantChunk, kQuantChunk);
+    }
+  }
+
+  // sums (+)= x chunk . dequant(W rows [row, row + nt), chunk)^T for stream st (segment seg).
+  void Compute(int st, int seg, int64_t row, int64_t mt, int64_t nt, int64_t k0, int64_t kl) {
+    const QuantSegment& q = q_[seg];
+    TileScales sc = LoadScales(q, kPad_, row, nt, k0, kl, scaleBuf_[st].Get<float>().GetPhyAddr(),
+                               minBuf_[st].Get<float>().GetPhyAddr(), kChunks_);
+    float* y = sums_[st].Get<float>().GetPhyAddr();
+    const float* x = xBuf_.Get<float>().GetPhyAddr();
+    const float* xs = xsumBuf_.Get<float>().GetPhyAddr();
+    if (q.bits == 4) {
+      const uint8_t* w = static_cast<const uint8_t*>(q.data) + row * (kPad_ / 2) + k0 / 2;
+      QuantSimd().gemv_w4(y, nt, x, t_.kTile, xs, kChunks_, w, kPad_ / 2, sc.scale, sc.min, sc.lds, mt, nt, kl, sc.group,
+                          k0 > 0);
+    } else {
+      const int8_t* w = static_cast<const int8_t*>(q.data) + row * kPad_ + k0;
+      QuantSimd().gemv_w8(y, nt, x, t_.kTile, w, kPad_, sc.scale, sc.lds, mt, nt, kl, sc.group, k0 > 0);
+    }
+  }
+
+  const QuantSegment* q_ = nullptr;
+  int64_t kPad_ = 0, kChunks_ = 0, first_ = 0, last_ = 0;
+  TBuf<TPosition::VECCALC> xBuf_, xsumBuf_, scaleBuf_[2], minBuf_[2], sums_[2];
+};
+
+// Embedding rows: each core dequantizes its share of the requested rows, in K pieces that fit its UB.
+constexpr int64_t kDequantPiece = 4096;  // fp32 values per piece: 16 KiB of row + its scales
+
+template <typename T>
+class KernelQuantDequantRows {
+ public:
+  void Init(const QuantSegment& w, int64_t k, const int32_t* idx, int64_t count, void* out, int64_t blockFactor) {
+    w_ = w;
+    k_ = k;
+    kPad_ = AlignUp(k, kQuantChunk);
+    idx_ = idx;
+    out_ = static_cast<T*>(out);
+    piece_ = std::min(kPad_, kDequantPiece);
+    first_ = GetBlockIdx() * blockFactor;
+    last_ = std::min(count, first_ + blockFactor);
+    pipe_.InitBuffer(rowBuf_, piece_ * sizeof(float));
+    pipe_.InitBuffer(scaleBuf_, piece_ / kQuantChunk * sizeof(float));
+    pipe_.InitBuffer(minBuf_, piece_ / kQuantChunk * sizeof(float));
+  }
+  void Process() {
+    float* row = rowBuf_.Get<float>().GetPhyAddr();
+    for (int64_t i = first_; i < last_; ++i)
+      for (int64_t k0 = 0; k0 < kPad_; k0 += piece_) {
+        int64_t kl = std::min(piece_, kPad_ - k0);
+        DequantRow(w_, kPad_, idx_[i], k0, kl, row, scaleBuf_.Get<float>().GetPhyAddr(), minBuf_.Get<float>().GetPhyAddr());
+        CastRaw<T, float>(out_ + i * k_ + k0, row, std::min(kl, k_ - k0));
+      }
+  }
+
+ private:
+  QuantSegment w_;
+  int64_t k_ = 0, kPad_ = 0, piece_ = 0, first_ = 0, last_ = 0;
+  const int32_t* idx_ = nullptr;
+  T* out_ = nullptr;
+  TPipe pipe_;
+  TBuf<TPosition::VECCALC> rowBuf_, scaleBuf_, minBuf_;
+};
+
+}  // namespace
+
+void QuantLinear(const void* x, int64_t m, int64_t k, const QuantSegment* segs, int64_t numSegments,
+                 const void* residual, LinearEpilogue ep, DataType dtype, const SocInfo& soc) {
+  QuantLinearTilingData t = QuantLinearTiling(m, k, segs, numSegments, ep, dtype, soc);
+  if (t.base.tilingKey / 100 == LINEAR_GEMM) return QuantLinearGemm(x, segs, residual, t, soc);
+  LaunchQuantKernel<KernelQuantLinear>(x, segs, residual, t, soc);
+}
+
+void LinearOrQuant(const void* x, int64_t m, int64_t k, const LinearSegment* segs, const QuantRef* const* quant,
+                   int64_t numSegments, const void* residual, LinearEpilogue ep, DataType dtype, const SocInfo& soc) {
+  int64_t nq = 0;
+  QuantSegment qs[kLinearMaxSegments];
+  for (int64_t s = 0; s < numSegments; ++s) {
+    const QuantRef* q = quant ? quant[s] : nullptr;
+    if (q && q->data) {
+      ++nq;
+      qs[s] = {q->data, q->scale, q->min, segs[s].bias, segs[s].out, segs[s].n, q->bits, q->group, q->scaleType};
+    }
+  }
+  if (nq == 0) return Linear(x, m, k, segs, numSegments, residual, ep, dtype, soc);
+  if (nq == numSegments) return QuantLinear(x, m, k, qs, numSegments, residual, ep, dtype, soc);
+  ATB_CHECK(ep == LINEAR_PLAIN, "linear: a fused SWIGLU/RESIDUAL launch cannot mix float and quantized weights");
+  for (int64_t s = 0; s < numSegments; ++s) {
+    if (quant && quant[s] && quant[s]->data)
+      QuantLinear(x, m, k, &qs[s], 1, nullptr, LINEAR_PLAIN, dtype, soc);
+    else
+      Linear(x, m, k, &segs[s], 1, nullptr, LINEAR_PLAIN, dtype, soc);
+  }
+}
+
+void QuantDequantRows(const QuantSegment& w, int64_t k, const int32_t* idx, int64_t count, void* out, DataType dtype,
+                      const SocInfo& soc) {
+  if (count <= 0) return;
+  int64_t rowBytes = AlignUp(k, kQuantChunk) * w.bits / 8;
+  int64_t blockDim = RowBlockDim(soc, count, rowBytes);
+  int64_t factor = CeilDiv(count, blockDim);
+  auto run = [&](auto tag) {
+    KernelQuantDequantRows<decltype(tag)> op;
+    op.Init(w, k, idx, count, out, factor);
+    op.Process();
+  };
+  auto kernel = [&]() {
+    switch (dtype) {
+      case DataType::FLOAT32: return run(float{});
+      case DataType::FLOAT16: return run(half{});
+      case DataType::BFLOAT16: return run(bfloat16_t{});
+    }
+  };
+  KernelLaunch(blockDim, soc.ub_size, kernel);
+}
+
+}  // namespace atb

@@ -1,0 +1,82 @@
+#pragma once
+#include <cstdint>
+
+#include "ascendc/dtype.h"
+#include "ascendc/soc.h"
+#include "kernels/linear/linear_tiling.h"
+
+namespace atb {
+
+// Weight-only quantized linear (ATB's anti-quant linear: W8A16 / W4A16):
+// y = x dequant(W)^T (+ bias), x fp32/fp16/bf16, fp32 accumulation, y in x's
+// dtype, with the float linear's fused epilogues (multi-segment q/k/v,
+// RESIDUAL, SWIGLU; see linear_tiling.h) and its two kernels:
+//   STREAM (M < kLinearGemmMinRows, decode): each core streams its weight rows
+//     once for all M rows, dequantizing in registers (quant_simd.h);
+//   GEMM (prefill): a weight tile is dequantized into UB as the fp32 B operand
+//     and reused by up to mPass rows through the cube tile (MmadNN).
+//
+// A segment's weight, [N, K] logically, is stored as rows of kPad = K rounded
+// up to 32 values (padding q = 0; x is zero-padded in UB so padding adds 0):
+//   bits 8: int8 q, w = scale[g] * q                       (symmetric)
+//   bits 4: 16 bytes per 32 values (quant_simd.h), w = scale[g] * q + min[g],  q in [0, 15]
+// with g = k / group over ceil(K / group) groups per row (the last one may be
+// short: K = 576 with group 128 has 4.5 groups), group 0 meaning one group of
+// the whole row (per output channel). scale/min: [N, groups] in scaleType
+// (fp32, fp16 or bf16), widened to fp32 in UB per tile.
+constexpr int64_t kQuantChunk = 32;  // values per SIMD chunk; kPad and every group are multiples of it
+
+struct QuantSegment {
+  const void* data = nullptr;   // [n, kPad] int8 or [n, kPad / 2] packed int4
+  const void* scale = nullptr;  // [n, groups]
+  const void* min = nullptr;    // [n, groups] (bits 4) or null
+  const void* bias = nullptr;   // [n] in x's dtype, or null
+  void* out = nullptr;          // [M, n] (SWIGLU's up segment: unused)
+  int64_t n = 0;
+  int64_t bits = 8;
+  int64_t group = 0;            // 0: per output channel
+  AscendC::DataType scaleType = AscendC::DataType::FLOAT32;
+};
+
+struct QuantLinearTilingData {
+  // m, k, rows, segments, blockDim, blockFactor, mTile/nTile/kTile, GEMM fields and the
+  // tiling key exactly as the float linear's (kTile counts padded values here).
+  LinearTilingData base;
+  int64_t kPad = 0;
+  int64_t kChunks = 0;    // kTile / 32: xsum entries per x row, scale entries per weight row (at most)
+};
+
+// Pure host function of (shapes, formats, dtype, epilogue, SoC).
+QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment* segs, int64_t numSegments,
+                                        LinearEpilogue ep, AscendC::DataType dtype, const AscendC::SocInfo& soc);
+
+// Host entry: tiles (STREAM or GEMM by M) and launches. Pointers are trusted (validated by the caller).
+void QuantLinear(const void* x, int64_t m, int64_t k, const QuantSegment* segs, int64_t numSegments,
+                 const void* residual, LinearEpilogue ep, AscendC::DataType dtype, const AscendC::SocInfo& soc);
+void QuantLinearGemm(const void* x, const QuantSegment* segs, const void* residual, const QuantLinearTilingData& t,
+                     const AscendC::SocInfo& soc);
+
+// Rows idx[0..count) of one quantized weight, dequantized into out [count, k] of dtype
+// (the embedding lookup; with idx = 0..N-1, the whole dequantization).
+void QuantDequantRows(const QuantSegment& w, int64_t k, const int32_t* idx, int64_t count, void* out,
+                      AscendC::DataType dtype, const AscendC::SocInfo& soc);
+
+// A weight as a graph holds it: data == nullptr means a float weight (the LinearSegment's own
+// pointer); otherwise the quantized storage of QuantSegment.
+struct QuantRef {
+  const void* data = nullptr;
+  const void* scale = nullptr;
+  const void* min = nullptr;
+  int64_t bits = 0;
+  int64_t group = 0;
+  AscendC::DataType scaleType = AscendC::DataType::FLOAT32;
+};
+
+// The linear entry for weights that may be quantized: segs as for Linear, quant[s] the storage of
+// segment s (null or data == nullptr: float). All float -> Linear; all quantized -> QuantLinear;
+// a PLAIN launch mixing both runs each segment on its own (SWIGLU/RESIDUAL must not mix).
+void LinearOrQuant(const void* x, int64_t m, int64_t k, const LinearSegment* segs, const QuantRef* const* quant,
+                   int64_t numSegments, const void* residual, LinearEpilogue ep, AscendC::DataType dtype,
+                   const AscendC::SocInfo& soc);
+
+}  // namespace atb

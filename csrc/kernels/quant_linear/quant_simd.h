@@ -1,0 +1,58 @@
+// The quantized linear's own SIMD micro-kernels: GEMV over int4/int8 weights
+// dequantized in registers, and row dequantization (GEMM packing, embedding
+// rows). One table per ISA (AVX-512 F/BW/VL, AVX2+FMA, portable C++), chosen
+// at first use from CPUID; ATB_QUANT_ISA=avx512|avx2|portable in the
+// environment, or SelectQuantSimd, forces one so tests run every path the CPU
+// can execute. Kept apart from the AscendC vector table (ascendc/simd.h) so
+// the two evolve independently.
+//
+// Weight layouts (rows of kPad = K rounded up to 32 values, padding q = 0):
+//   W8  int8, row-major, one byte per value.
+//   W4  16 bytes per 32 values along K: byte j of a chunk holds value j in its
+//       low nibble and value j + 16 in its high nibble (GGUF's Q4_0/Q4_1 block
+//       layout, so GGUF blocks load without repacking). One AVX-512 load of 16
+//       bytes widened to 16 int32 lanes gives values 0..15 (AND 0xF) and
+//       16..31 (>> 4), both in natural x order: no shuffles.
+// Scales (and W4 mins) arrive here as fp32 [N, lds]: the kernels widen a tile's
+// fp16/bf16/fp32 scales into UB first.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace atb {
+
+// Bound on min(M, 4) x kLen / 32 of one gemv_w4 call (its x group sums live on the stack).
+constexpr int64_t kQuantMaxGroupSums = 8192;
+
+struct QuantSimdOps {
+  const char* isa;
+  // W4 GEMV over one K chunk of kLen values (a multiple of 32) and groups of G
+  // values (a multiple of 32; the last group may be shorter):
+  //   y[m*ldy + n] (+)= sum_g scale[n*lds + g] * sum_{k in g} q(n, k) * x[m*ldx + k]
+  //                     + min[n*lds + g] * sum_{k in g} x[m*ldx + k]
+  // with the group sums of x given per 32-value chunk: xsum[m*ldxs + c].
+  // q(n, k) is row n at q + n*ldq bytes. Every weight byte is loaded once per
+  // block of up to 4 rows of x.
+  void (*gemv_w4)(float* y, int64_t ldy, const float* x, int64_t ldx, const float* xsum, int64_t ldxs,
+                  const uint8_t* q, int64_t ldq, const float* scale, const float* min, int64_t lds, int64_t M,
+                  int64_t N, int64_t kLen, int64_t G, bool accumulate);
+  // W8 GEMV, symmetric: y[m*ldy + n] (+)= sum_g scale[n*lds + g] * sum_{k in g} q(n, k) * x[m*ldx + k].
+  void (*gemv_w8)(float* y, int64_t ldy, const float* x, int64_t ldx, const int8_t* q, int64_t ldq,
+                  const float* scale, int64_t lds, int64_t M, int64_t N, int64_t kLen, int64_t G, bool accumulate);
+  // One row, kLen values (a multiple of 32): dst[k] = fma(q(k), scale[k / G], min[k / G]) (W4),
+  // q(k) * scale[k / G] (W8); one rounding, as gguf's own dequantization.
+  void (*dequant_w4)(float* dst, const uint8_t* q, const float* scale, const float* min, int64_t kLen, int64_t G);
+  void (*dequant_w8)(float* dst, const int8_t* q, const float* scale, int64_t kLen, int64_t G);
+};
+
+const QuantSimdOps& QuantSimd();
+const QuantSimdOps* QuantPortableOps();
+const QuantSimdOps* QuantAvx2Ops();    // null when not compiled in
+const QuantSimdOps* QuantAvx512Ops();  // null when not compiled in
+// "auto", "avx512", "avx2" or "portable"; throws when the CPU cannot run it.
+void SelectQuantSimd(const std::string& isa);
+// The paths this CPU can run, fastest first (always ends with "portable").
+std::vector<std::string> QuantIsaPaths();
+
+}  // namespace atb

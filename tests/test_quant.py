@@ -1,0 +1,279 @@
+"""Weight-only quantization: formats (round trip), the quantized linear kernels against float64
+references on every SIMD path this CPU runs, tiling, GGUF blocks bit for bit, bad input."""
+import numpy as np
+import pytest
+import torch
+
+import atb
+import atb.kernels as K
+from atb import _C
+from atb.kernels._common import DTYPE_CODES
+from atb.quant import QuantizedWeight, quantize_weight
+from conftest import ALL_SOCS
+from reference import (DTYPES, assert_close, linear_ref, linear_residual_ref, linear_swiglu_ref,
+                       quant_dequant_ref)
+
+ISAS = atb.quant.isa_paths()
+FORMATS = [("w8a16", 0), ("w8a16", 32), ("w8a16", 128), ("w4a16", 32), ("w4a16", 64), ("w4a16", 128)]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    atb.quant.set_isa(request.param)
+    yield request.param
+    atb.quant.set_isa("auto")
+
+
+def _scale(k: int) -> float:
+    return max(1.0, k ** 0.5 / 4)
+
+
+# ---- formats ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt,group", FORMATS)
+@pytest.mark.parametrize("n,k", [(1, 1), (7, 31), (37, 100), (64, 576), (13, 577), (5, 4097)])
+@pytest.mark.parametrize("scale_dtype", [None, torch.float32, torch.bfloat16])
+def test_round_trip(fmt, group, n, k, scale_dtype, isa):
+    w = torch.randn(n, k) * torch.rand(n, 1) * 3  # rows of different ranges
+    q = quantize_weight(w, fmt, group, scale_dtype)
+    assert q.shape == (n, k) and q.format == fmt and q.group_size == group
+    ref = quant_dequant_ref(q)
+    # The native dequantization is scale * q (+ min) with one rounding: the float64 value rounded to fp32.
+    assert torch.equal(q.dequantize(), ref.float())
+    # Every value within half a step of the grid (the step uses the stored scale; +2 ulp of the scale's dtype).
+    kp = q.k_pad
+    g = kp if group == 0 else group
+    step = q.scale.double()[:, torch.arange(k) // g]
+    eps = torch.finfo(q.scale.dtype).eps
+    assert ((ref - w.double()).abs() <= step * (0.5 + 4 * eps) + w.abs().double() * 4 * eps + 1e-30).all()
+    for dt in DTYPES:
+        assert torch.equal(q.dequantize(dt), ref.float().to(dt))
+
+
+def test_quantize_tail_group_uses_real_values_only():
+    # K = 576 with G = 128: the 5th group holds 64 real values; padding must not widen its range.
+    w = torch.randn(4, 576)
+    w[:, 512:] = torch.linspace(10, 11, 64)
+    q = quantize_weight(w, "w4a16", 128, torch.float32)
+    assert torch.allclose(q.min[:, 4], torch.full((4,), 10.0)) and torch.allclose(q.scale[:, 4] * 15, torch.ones(4))
+
+
+def test_storage_layout_and_bytes():
+    w = torch.randn(3, 64)
+    q = quantize_weight(w, "w4a16", 32)
+    assert q.data.dtype == torch.uint8 and q.data.shape == (3, 32) and q.scale.shape == (3, 2)
+    assert q.nbytes == 3 * 32 + 2 * 3 * 2 * 2  # 4 bits per value + fp16 scale and min per 32
+    lo, hi = q.data[:, :16] & 15, q.data[:, :16] >> 4  # chunk 0: values 0..15 low nibbles, 16..31 high
+    qq = atb.quant.unpack_int4(q.data)
+    assert torch.equal(qq[:, :16], lo) and torch.equal(qq[:, 16:32], hi)
+    assert torch.equal(atb.quant.pack_int4(qq), q.data)
+    q8 = quantize_weight(w, "w8a16")
+    assert q8.data.dtype == torch.int8 and q8.scale.shape == (3, 1) and q8.scale.dtype == torch.float32
+    assert q8.data.abs().max() == 127
+
+
+# ---- the kernels ------------------------------------------------------------------------------------------------
+
+def _qw(n, k, fmt, group, scale_dtype=None, std=1.0):
+    return quantize_weight(torch.randn(n, k) * std, fmt, group, scale_dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 300])
+@pytest.mark.parametrize("fmt,group", FORMATS)
+def test_linear_matches_reference(dtype, m, fmt, group, isa):
+    k, n = 577, 131
+    x = torch.randn(m, k).to(dtype)
+    q = _qw(n, k, fmt, group)
+    b = torch.randn(n).to(dtype)
+    y = K.linear(x, q, b)
+    assert y.dtype == dtype and y.shape == (m, n)
+    assert_close(y, linear_ref(x, quant_dequant_ref(q), b), scale=_scale(k))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 300])
+def test_linear_multi_mixed_formats(dtype, m, isa):
+    # Fused q/k/v where each segment has its own format (as GGUF files mix Q8_0 / Q4_0 / Q4_1).
+    k = 200
+    x = torch.randn(m, k).to(dtype)
+    ws = [_qw(96, k, "w4a16", 32), _qw(33, k, "w8a16", 0), _qw(33, k, "w4a16", 128, torch.float32)]
+    bs = [torch.randn(w.shape[0]).to(dtype) for w in ws]
+    outs = K.linear_multi(x, ws, bs)
+    for out, w, b in zip(outs, ws, bs):
+        assert torch.equal(out, K.linear(x, w, b))  # same sums whatever the launch
+        assert_close(out, linear_ref(x, quant_dequant_ref(w), b), scale=_scale(k))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 300])
+@pytest.mark.parametrize("fmt,group", [("w8a16", 0), ("w4a16", 64)])
+def test_linear_residual(dtype, m, fmt, group, isa):
+    k, n = 1000, 77
+    x, r = torch.randn(m, k).to(dtype), torch.randn(m, n).to(dtype)
+    q = _qw(n, k, fmt, group)
+    b = torch.randn(n).to(dtype)
+    assert_close(K.linear_residual(x, q, r, b), linear_residual_ref(x, quant_dequant_ref(q), r, b), scale=_scale(k))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 300])
+@pytest.mark.parametrize("fmt,group", [("w8a16", 32), ("w4a16", 32), ("w4a16", 128)])
+def test_linear_swiglu(dtype, m, fmt, group, isa):
+    k, n = 576, 150
+    x = torch.randn(m, k).to(dtype)
+    # Weights of std 1/sqrt(K) keep gate and up near 1, so the product's error stays at the dtype's scale.
+    g, u = _qw(n, k, fmt, group, std=k ** -0.5), _qw(n, k, fmt, group, std=k ** -0.5)
+    assert_close(K.linear_swiglu(x, g, u), linear_swiglu_ref(x, quant_dequant_ref(g), quant_dequant_ref(u)))
+
+
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_long_k_is_chunked(m, isa):
+    # K large enough that the STREAM tiling splits K (chunks of a multiple of 128), odd tail.
+    k, n = 70001, 9
+    x = torch.randn(m, k)
+    q = _qw(n, k, "w4a16", 128)
+    assert_close(K.linear(x, q), linear_ref(x, quant_dequant_ref(q)), scale=_scale(k))
+
+
+def test_linear_auto_routes_quantized_to_native():
+    x = torch.randn(2, 5, 64)
+    q = _qw(16, 64, "w8a16", 0)
+    assert_close(K.linear_auto(x, q).reshape(10, 16), linear_ref(x.reshape(10, 64), quant_dequant_ref(q)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding_rows(dtype, isa):
+    q = _qw(50, 70, "w4a16", 64)
+    ids = torch.tensor([[3, 49, 0], [3, 7, 7]])
+    e = q.rows(ids, dtype)
+    assert e.shape == (2, 3, 70) and e.dtype == dtype
+    assert torch.equal(e, quant_dequant_ref(q).float().to(dtype)[ids])
+
+
+# ---- tiling -----------------------------------------------------------------------------------------------------
+
+def _seg(n, bits, group, sdt=torch.float16):
+    return (0, 0, 0, 0, 0, n, bits, group, DTYPE_CODES[sdt])
+
+
+@pytest.mark.parametrize("soc", ALL_SOCS)
+@pytest.mark.parametrize("m,k", [(1, 576), (16, 576), (31, 5632), (32, 576), (300, 2048), (1, 70001)])
+@pytest.mark.parametrize("ep", [0, 1, 2])
+def test_tiling_fits_ub(soc, m, k, ep):
+    info = atb.get_soc(soc)
+    segs = [_seg(1536, 4, 32), _seg(1536, 4, 32)] if ep == 2 else [_seg(576, 4, 128)]
+    t = _C.quant_linear_tiling(m, k, segs, ep, 0, info)
+    assert t["ub_bytes"] <= info.ub_size
+    assert t["k_pad"] == -(-k // 32) * 32
+    assert t["gemm"] == (m >= 32)
+    # Below all of K, a chunk is a multiple of the largest group so no group straddles two chunks.
+    assert t["k_tile"] >= t["k_pad"] or t["k_tile"] % 128 == 0
+
+
+def test_tiling_rejects_bad_formats():
+    info = atb.get_soc("host")
+    with pytest.raises(ValueError, match="bits"):
+        _C.quant_linear_tiling(1, 64, [_seg(8, 3, 32)], 0, 0, info)
+    with pytest.raises(ValueError, match="group"):
+        _C.quant_linear_tiling(1, 64, [_seg(8, 4, 48)], 0, 0, info)
+    with pytest.raises(ValueError, match="4-bit"):
+        _C.quant_linear_tiling(1, 64, [_seg(8, 4, 0)], 0, 0, info)
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------------
+
+def test_bad_input_errors():
+    q = _qw(8, 64, "w4a16", 32)
+    with pytest.raises(ValueError, match=r"linear: weight has shape \(8, 64\), expected \[N, 65\]"):
+        K.linear(torch.randn(2, 65), q)
+    with pytest.raises(TypeError, match=r"linear_multi: weights\[1\] must be a QuantizedWeight"):
+        K.linear_multi(torch.randn(2, 64), [q, torch.randn(8, 64)])
+    with pytest.raises(TypeError, match="linear: x must be"):
+        K.linear(torch.randn(2, 64).to(torch.int32), q)
+    with pytest.raises(TypeError, match="linear: bias is torch.float16 but x is torch.float32"):
+        K.linear(torch.randn(2, 64), q, torch.randn(8).half())
+    with pytest.raises(ValueError, match="linear_swiglu: gate_weight has shape"):
+        K.linear_swiglu(torch.randn(1, 64), q, _qw(9, 64, "w4a16", 32))
+    with pytest.raises(ValueError, match="linear_residual: residual has shape"):
+        K.linear_residual(torch.randn(2, 64), q, torch.randn(2, 9))
+    with pytest.raises(ValueError, match="group_size for w4a16 must be 32, 64 or 128, got 0"):
+        quantize_weight(torch.randn(4, 4), "w4a16", 0)
+    with pytest.raises(ValueError, match="format must be one of"):
+        quantize_weight(torch.randn(4, 4), "w3a16")
+    with pytest.raises(TypeError, match="quantize: weight must be"):
+        quantize_weight(torch.zeros(4, 4, dtype=torch.int8))
+    with pytest.raises(ValueError, match=r"rows: ids must be in \[0, 8\)"):
+        q.rows(torch.tensor([8]))
+    with pytest.raises(ValueError, match="data must be torch.uint8"):
+        QuantizedWeight(q.data[:, :-1].contiguous(), q.scale, q.min, (8, 64), 4, 32)
+    with pytest.raises(ValueError, match="need min"):
+        QuantizedWeight(q.data, q.scale, None, (8, 64), 4, 32)
+    with pytest.raises(ValueError, match="bfloat16 is not supported on Ascend310P3"):
+        K.linear(torch.randn(1, 64).bfloat16(), q, soc_type="Ascend310P3")
+    with pytest.raises(ValueError, match="quant.set_isa"):
+        atb.quant.set_isa("sse9")
+
+
+def test_zero_rows_and_all_zero_weights():
+    q = quantize_weight(torch.zeros(5, 40), "w4a16", 32)
+    assert torch.equal(q.dequantize(), torch.zeros(5, 40))
+    assert K.linear(torch.randn(0, 40), q).shape == (0, 5)
+    assert torch.equal(K.linear(torch.randn(3, 40), q), torch.zeros(3, 5))
+
+
+# ---- GGUF -----------------------------------------------------------------------------------------------------
+
+gguf = pytest.importorskip("gguf")
+import atb.quant.gguf as qgguf  # noqa: E402
+
+
+class _FakeTensor:
+    """The fields of gguf.ReaderTensor the loader reads, for blocks made by gguf's own quantizer."""
+
+    def __init__(self, name, kind, w):
+        self.name, self.tensor_type = name, gguf.GGMLQuantizationType[kind]
+        self.data = gguf.quants.quantize(w.numpy(), self.tensor_type)
+        self.shape = np.array([w.shape[1], w.shape[0]])
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_bit_exact(kind, isa):
+    w = torch.randn(37, 96) * 0.1
+    t = _FakeTensor("blk.0.attn_q.weight", kind, w)
+    q = qgguf.tensor_to_quantized(t)
+    want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).reshape(37, 96)
+    assert torch.equal(q.dequantize(), want)
+    assert q.source == f"gguf:{kind}" and q.group_size == 32 and q.bits == (8 if kind == "Q8_0" else 4)
+    x = torch.randn(3, 96)
+    assert_close(K.linear(x, q), linear_ref(x, want.double()), scale=_scale(96))
+
+
+def test_gguf_embedded_smollm2_tensors_bit_exact():
+    from atb.checkpoints import default_model_path
+    reader = gguf.GGUFReader(default_model_path())
+    seen = set()
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind in ("Q8_0", "Q4_1") and (kind not in seen or t.name.startswith("blk.29")):
+            seen.add(kind)
+            q = qgguf.tensor_to_quantized(t)
+            want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+            assert torch.equal(q.dequantize(), want.reshape(q.shape)), t.name
+    assert seen == {"Q8_0", "Q4_1"}
+
+
+def test_gguf_load_native_matches_hf_weights(smollm2_fp32):
+    model, _ = smollm2_fp32
+    w = qgguf.load_native(model)
+    assert isinstance(w.embed, QuantizedWeight) and w.embed.source == "gguf:Q8_0" and w.lm_head is w.embed
+    for i in (0, 29):
+        lw = w.layers[i]
+        attn, mlp = model.model.layers[i].self_attn, model.model.layers[i].mlp
+        for name, hf in (("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
+                         ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj)):
+            q = getattr(lw, name)
+            assert q.source == "gguf:Q4_1"
+            # HF dequantized the same blocks with gguf (and un-permuted q/k rows): equal bit for bit.
+            assert torch.equal(q.dequantize(), hf.weight.detach()), (i, name)
+    assert torch.equal(w.embed.dequantize(), model.model.embed_tokens.weight.detach())
