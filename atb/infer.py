@@ -36,12 +36,12 @@ from dataclasses import replace
 import torch
 
 from atb import soc as _soc
+from atb.engine.block_manager import BlockManager
 from atb.engine.engine import Engine
 from atb.engine.params import SamplingParams
 from atb.engine.runner import ModelRunner, as_id_list
 from atb.engine.sampling import request_seed
 from atb.engine.scheduler import Scheduler
-from atb.layers.kv_cache import PagedKVCache
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -65,11 +65,17 @@ class TransformerInfer(Engine):
             exposed as ``infer.decode_graph``); False runs the same kernels from Python.
         max_prefill_tokens: prompt tokens admitted into the running batch per step (a longer prompt
             is admitted alone), so arrivals do not stall running decodes for long.
+        enable_prefix_caching: requests whose prompts start with the same full KV blocks share them
+            and prefill only the rest (``atb.engine.block_manager``). Off by default here: blocks of
+            finished prompts then stay cached (counted in ``stats()["kv_blocks_cached"]``) instead of
+            free, and a prompt's tokens come from a shorter prefill over another request's K/V, equal
+            to a cold run's in greedy tests but not bit for bit; a one-shot ``generate`` gains nothing
+            from that. A server with repeated system prompts or chat history should turn it on.
     """
 
     def __init__(self, model, max_seq_len: int = 2048, soc_type: str = "host", *, max_batch_size: int = 8,
                  block_size: int = 128, dtype: torch.dtype | None = None, graph_mode: bool = True,
-                 max_prefill_tokens: int | None = None):
+                 max_prefill_tokens: int | None = None, enable_prefix_caching: bool = False):
         from atb.registry import get_adapter
 
         config = getattr(model, "config", None)
@@ -88,8 +94,9 @@ class TransformerInfer(Engine):
         if max_pos is not None and max_seq_len > max_pos:
             raise ValueError(f"TransformerInfer: max_seq_len={max_seq_len} exceeds the model's "
                              f"max_position_embeddings={max_pos}")
-        if not isinstance(graph_mode, bool):
-            raise TypeError(f"TransformerInfer: graph_mode must be a bool, got {type(graph_mode).__name__}")
+        for name, v in (("graph_mode", graph_mode), ("enable_prefix_caching", enable_prefix_caching)):
+            if not isinstance(v, bool):
+                raise TypeError(f"TransformerInfer: {name} must be a bool, got {type(v).__name__}")
         self.soc = _soc.get_soc(soc_type)  # ValueError listing the valid names
         self.soc_type = soc_type
         self.dtype = self._resolve_dtype(model, dtype)
@@ -100,14 +107,16 @@ class TransformerInfer(Engine):
 
         self.max_prefill_tokens = max_prefill_tokens
         spec = self.adapter.spec
-        cache = PagedKVCache.for_capacity(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+        cache = BlockManager.for_capacity(spec.num_layers, spec.num_kv_heads, spec.head_dim,
                                           max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                                          block_size=block_size, dtype=self.dtype)
+                                          block_size=block_size, dtype=self.dtype,
+                                          enable_prefix_caching=enable_prefix_caching)
         runner = ModelRunner(model, self.adapter, dtype=self.dtype, soc_type=soc_type, max_seq_len=max_seq_len,
                              max_batch_size=max_batch_size, cache=cache, graph_mode=graph_mode)
         self._init_engine(runner, Scheduler(cache, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                             max_prefill_tokens=max_prefill_tokens))
         self.graph_mode = graph_mode
+        self.enable_prefix_caching = enable_prefix_caching
 
     # ---- construction -------------------------------------------------------
     def _resolve_dtype(self, model, dtype):
@@ -162,6 +171,9 @@ class TransformerInfer(Engine):
             "kv_cache_bytes": self.cache.nbytes,
             "kv_bytes_per_token": self.cache.nbytes // (self.cache.num_blocks * self.block_size),
             "kv_blocks": self.cache.num_blocks,
+            "kv_blocks_used": self.cache.used_blocks,
+            "kv_blocks_cached": self.cache.cached_blocks,
+            "kv_blocks_free": self.cache.free_blocks,
             "scratch_bytes": scratch,
             "total_bytes": weights + self.cache.nbytes + scratch,
         }

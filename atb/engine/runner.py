@@ -103,10 +103,20 @@ class ModelRunner:
         return lm_head(x, self.final_norm, self.lm_head, self.shape.eps, soc_type=self.soc_type)
 
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
-                slot_mapping: torch.Tensor | None, last: torch.Tensor | None) -> torch.Tensor:
+                slot_mapping: torch.Tensor | None, last: torch.Tensor | None,
+                cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Packed prompts (varlen, ``cu_seqlens``) through flash attention; K/V cached at ``slot_mapping``
-        (None: not cached). Logits of the rows ``last`` (all rows when None), in the compute dtype."""
+        (None: not cached; a negative slot is not written). Logits of the rows ``last`` (all rows when None), in
+        the compute dtype.
+
+        ``cached``: ``(block_tables, context_lens, q_lens)`` of further sequences whose first tokens are already
+        in the cache (prefix caching). Their ``sum(q_lens)`` rows follow the ``cu_seqlens[-1]`` packed rows; each
+        is the last ``q_lens[b]`` tokens of a context of ``context_lens[b]`` and attends to all of it through
+        paged attention. Every layer writes the step's K/V before any attention reads it, so a sequence may
+        read blocks that another sequence of the same call fills.
+        """
         soc, scale, kcs, vcs = self.soc_type, self.shape.scale, self.cache.key_caches, self.cache.value_caches
+        fresh = int(cu_seqlens[-1])
 
         def attend_for(i):
             window = self.windows[i]
@@ -114,7 +124,16 @@ class ModelRunner:
             def attend(q, k, v):
                 if slot_mapping is not None:
                     K.reshape_and_cache(k, v, kcs[i], vcs[i], slot_mapping)
-                return K.flash_attention(q, k, v, cu_seqlens, scale=scale, causal=True, window=window, soc_type=soc)
+                if cached is None:
+                    return K.flash_attention(q, k, v, cu_seqlens, scale=scale, causal=True, window=window,
+                                             soc_type=soc)
+                tables, ctx, q_lens = cached
+                out = K.paged_attention(q[fresh:], kcs[i], vcs[i], tables, ctx, scale=scale, q_lens=q_lens,
+                                        window=window, soc_type=soc)
+                if not fresh:
+                    return out
+                return torch.cat([K.flash_attention(q[:fresh], k[:fresh], v[:fresh], cu_seqlens, scale=scale,
+                                                    causal=True, window=window, soc_type=soc), out])
             return attend
 
         x = self._layers(tokens, positions, attend_for)
