@@ -78,9 +78,9 @@ class BlockManager(PagedKVCache):
     def ref_count(self, block: int) -> int:
         return self._refs[block]
 
-    def is_cached(self, block: int) -> bool:
-        """True when the block's content is keyed (held by requests or not)."""
-        return block in self._key_of
+    def block_key(self, block: int) -> bytes | None:
+        """The key of a block whose content is keyed (held by requests or not), else None."""
+        return self._key_of.get(block)
 
     # ---- prefix lookup ------------------------------------------------------
     def block_keys(self, tokens: list[int]) -> list[bytes]:

@@ -218,35 +218,22 @@ class Engine:
         return list(touched.values())
 
     def _prefill(self, reqs: list[Request]) -> torch.Tensor:
-        """Prefills a group of admitted prompts into their blocks; logits of each prompt's last token (in
-        ``reqs`` order).
+        """Prefills a group of admitted prompts into their blocks; logits of each prompt's last token.
 
-        Prompts with nothing cached go first and run flash attention over their packed rows; prompts that
-        continue a cached prefix compute only their suffix, whose queries attend to the whole context through
-        the paged cache. A prompt cached entirely (whole blocks) recomputes its last token for the logits but
-        does not write its K/V: that slot is in a shared block, which already holds it.
+        Each prompt computes only what is not cached (prefix caching; everything when it is off) and attends to
+        its whole context through the paged cache. A prompt cached entirely (whole blocks) recomputes its last
+        token for the logits but does not write its K/V: that slot is in a shared block, which holds it already.
         """
         cache = self.scheduler.cache
-        order = sorted(range(len(reqs)), key=lambda i: reqs[i].cached > 0)   # stable: fresh prompts first
-        reqs_o = [reqs[i] for i in order]
-        lens = [len(r.prompt) for r in reqs_o]
-        starts = [min(r.cached, n - 1) for r, n in zip(reqs_o, lens)]
-        tokens = torch.tensor([t for r, a in zip(reqs_o, starts) for t in r.prompt[a:]], dtype=torch.int32)
+        lens = [len(r.prompt) for r in reqs]
+        starts = [min(r.cached, n - 1) for r, n in zip(reqs, lens)]
+        tokens = torch.tensor([t for r, a in zip(reqs, starts) for t in r.prompt[a:]], dtype=torch.int32)
         positions = torch.cat([torch.arange(a, n, dtype=torch.int32) for a, n in zip(starts, lens)])
-        slots = cache.slot_mapping(reqs_o, starts, lens)
+        slots = cache.slot_mapping(reqs, starts, lens)
         q_lens = torch.tensor([n - a for a, n in zip(starts, lens)], dtype=torch.int32)
         ends = q_lens.cumsum(0)
-        paged = None
-        fresh = sum(1 for r in reqs_o if r.cached == 0)
-        if fresh < len(reqs_o):
-            for i in range(fresh, len(reqs_o)):
-                if reqs_o[i].cached == lens[i]:
-                    slots[int(ends[i]) - 1] = -1
-            paged = (cache.block_tables(reqs_o[fresh:]), torch.tensor(lens[fresh:], dtype=torch.int32),
-                     q_lens[fresh:])
-        cu = torch.zeros(fresh + 1, dtype=torch.int32)
-        torch.cumsum(q_lens[:fresh], 0, out=cu[1:])
-        logits = self.runner.prefill(tokens, positions, cu, slots, (ends - 1).long(), cached=paged)
-        if order == sorted(order):
-            return logits
-        return logits[torch.tensor(order).argsort()]
+        for r, n, e in zip(reqs, lens, ends.tolist()):
+            if r.cached == n:
+                slots[e - 1] = -1
+        paged = (cache.block_tables(reqs), torch.tensor(lens, dtype=torch.int32), q_lens)
+        return self.runner.prefill(tokens, positions, None, slots, (ends - 1).long(), paged=paged)
