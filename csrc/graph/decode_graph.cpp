@@ -8,8 +8,6 @@
 #include "ascendc/error.h"
 #include "ascendc/tensor.h"
 #include "kernels/linear/linear_tiling.h"
-#include "kernels/paged_attention/paged_attention_tiling.h"
-#include "kernels/reshape_and_cache/reshape_and_cache_tiling.h"
 #include "kernels/rms_norm/rms_norm_tiling.h"
 
 using AscendC::DataType;
@@ -88,6 +86,13 @@ DecodeGraph::DecodeGraph(const DecodeGraphConfig& cfg, std::vector<DecodeLayer> 
     ATB_CHECK((l.qNorm == nullptr) == (l.kNorm == nullptr), "DecodeGraph: layer ", i, " has only one of q_norm/k_norm");
   }
   if (c.scale == 0.0f) cfg_.scale = 1.0f / std::sqrt(float(c.headDim));
+  for (const DecodeLayer& l : layers_) {
+    int64_t w = l.window > 0 ? l.window : 0;
+    auto it = std::find(distinctWindows_.begin(), distinctWindows_.end(), w);
+    windowOf_.push_back(size_t(it - distinctWindows_.begin()));
+    if (it == distinctWindows_.end()) distinctWindows_.push_back(w);
+  }
+  attnPlans_.resize(distinctWindows_.size());
 
   // Scratch: residual stream x, normed h, q, k, v, attention output, MLP
   // activation, gathered cos/sin; each [maxBatch, width], 64-byte aligned.
@@ -148,6 +153,15 @@ void DecodeGraph::Validate(const int32_t* tokenIds, const int32_t* positions, co
   }
 }
 
+void DecodeGraph::Plan(const int32_t* contextLens, int64_t maxBlocks, int64_t batch) {
+  const auto& c = cfg_;
+  for (size_t i = 0; i < distinctWindows_.size(); ++i)
+    attnPlans_[i] = PagedAttentionTiling(batch, c.numHeads, c.numKvHeads, c.headDim, c.numBlocks, c.blockSize,
+                                         maxBlocks, contextLens, nullptr, batch, c.numHeads * c.headDim, c.scale,
+                                         distinctWindows_[i], c.dtype, soc_);
+  cachePlan_ = ReshapeAndCacheTiling(batch, c.numKvHeads, c.headDim, c.dtype, soc_);
+}
+
 void DecodeGraph::Step(const int32_t* tokenIds, const int32_t* positions, const int32_t* blockTables,
                        int64_t maxBlocks, const int32_t* contextLens, const int32_t* slotMapping, int64_t batch,
                        void* logits, int32_t* argmaxOut) {
@@ -167,7 +181,8 @@ void DecodeGraph::Step(const int32_t* tokenIds, const int32_t* positions, const 
     for (int64_t b = 0; b < B; ++b)
       std::memcpy(static_cast<uint8_t*>(x) + b * c.hidden * elt, emb + int64_t(tokenIds[b]) * c.hidden * elt,
                   size_t(c.hidden * elt));
-    // Rope rows of this step's positions, shared by every layer.
+    // Shared by every layer: the plan, and the rope rows of this step's positions.
+    Plan(contextLens, maxBlocks, B);
     const auto* cs = static_cast<const uint8_t*>(cos_);
     const auto* sn = static_cast<const uint8_t*>(sin_);
     int64_t row = c.rotaryDim * celt;
@@ -177,7 +192,8 @@ void DecodeGraph::Step(const int32_t* tokenIds, const int32_t* positions, const 
     }
   }
 
-  for (const DecodeLayer& L : layers_) {
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    const DecodeLayer& L = layers_[li];
     {
       auto t = timer(NODE_NORM);
       RmsNorm(h, nullptr, x, nullptr, L.inputNorm, B, c.hidden, dt, c.eps, soc_);
@@ -199,13 +215,11 @@ void DecodeGraph::Step(const int32_t* tokenIds, const int32_t* positions, const 
     }
     {
       auto t = timer(NODE_CACHE);
-      ReshapeAndCache(k, kvSize, v, kvSize, L.keyCache, L.valueCache, slotMapping, B, c.numKvHeads, c.headDim,
-                      c.numBlocks, c.blockSize, dt, soc_);
+      ReshapeAndCacheRun(cachePlan_, k, kvSize, v, kvSize, L.keyCache, L.valueCache, slotMapping, soc_);
     }
     {
       auto t = timer(NODE_ATTENTION);
-      PagedAttention(attn, q, qSize, L.keyCache, L.valueCache, blockTables, contextLens, nullptr, B, c.numHeads,
-                     c.numKvHeads, c.headDim, c.numBlocks, c.blockSize, maxBlocks, B, c.scale, L.window, dt, soc_);
+      PagedAttentionRun(attnPlans_[windowOf_[li]], attn, q, L.keyCache, L.valueCache, blockTables, soc_);
     }
     {
       auto t = timer(NODE_O_PROJ);
