@@ -4,10 +4,12 @@
     logits = infer.forward(input_ids, attention_mask)          # stateless prefill
     tokens = infer.generate([[1, 2, 3], [4, 5]], max_new_tokens=32)
 
-Prefill packs the prompts back to back (no padding compute) and runs
-``flash_attention`` over cumulative sequence lengths, writing K/V into the
-paged cache with ``reshape_and_cache``; decode batches every live sequence
-through ``paged_attention``. A sequence that finishes returns its blocks at
+Prefill packs the prompts back to back (no padding compute), writes their
+K/V into the paged cache with ``reshape_and_cache`` and attends through
+``paged_attention`` (``forward``, which caches nothing, runs
+``flash_attention``); decode batches every live sequence through
+``paged_attention``. With ``enable_prefix_caching`` a prompt that starts with
+cached blocks shares them and prefills only the rest. A sequence that finishes returns its blocks at
 once and a waiting prompt is prefilled into the running batch.
 
 Decode runs either as one native call per step (``graph_mode=True``:
@@ -156,7 +158,8 @@ class TransformerInfer(Engine):
 
     # ---- introspection ------------------------------------------------------
     def memory_summary(self) -> dict:
-        """Bytes held by the engine: weights (shared with the model unless converted), KV pool, scratch."""
+        """Bytes held by the engine: weights (shared with the model unless converted), KV pool, scratch; and the
+        pool's blocks: used (held by requests), cached (prefix caching: unheld, kept for reuse), free."""
         seen, weights = set(), 0
         for t in self.runner.weight_tensors():
             key = (t.untyped_storage().data_ptr(), t.data_ptr(), t.nbytes)
@@ -164,6 +167,10 @@ class TransformerInfer(Engine):
                 seen.add(key)
                 weights += t.nbytes
         scratch = self.runner.scratch_bytes(self._block_tables)
+        with self._lock:   # one consistent snapshot of the block accounting
+            c = self.cache
+            blocks = {"kv_blocks_used": c.used_blocks, "kv_blocks_cached": c.cached_blocks,
+                      "kv_blocks_free": c.free_blocks}
         return {
             "dtype": str(self.dtype).replace("torch.", ""),
             "weights_bytes": weights,
@@ -171,9 +178,7 @@ class TransformerInfer(Engine):
             "kv_cache_bytes": self.cache.nbytes,
             "kv_bytes_per_token": self.cache.nbytes // (self.cache.num_blocks * self.block_size),
             "kv_blocks": self.cache.num_blocks,
-            "kv_blocks_used": self.cache.used_blocks,
-            "kv_blocks_cached": self.cache.cached_blocks,
-            "kv_blocks_free": self.cache.free_blocks,
+            **blocks,
             "scratch_bytes": scratch,
             "total_bytes": weights + self.cache.nbytes + scratch,
         }
