@@ -4,10 +4,12 @@
     logits = infer.forward(input_ids, attention_mask)          # stateless prefill
     tokens = infer.generate([[1, 2, 3], [4, 5]], max_new_tokens=32)
 
-Prefill packs the prompts back to back (no padding compute) and runs
-``flash_attention`` over cumulative sequence lengths, writing K/V into the
-paged cache with ``reshape_and_cache``; decode batches every live sequence
-through ``paged_attention``. A sequence that finishes returns its blocks at
+Prefill packs the prompts back to back (no padding compute), writes their
+K/V into the paged cache with ``reshape_and_cache`` and attends through
+``paged_attention`` (``forward``, which caches nothing, runs
+``flash_attention``); decode batches every live sequence through
+``paged_attention``. With ``enable_prefix_caching`` a prompt that starts with
+cached blocks shares them and prefills only the rest. A sequence that finishes returns its blocks at
 once and a waiting prompt is prefilled into the running batch.
 
 Decode runs either as one native call per step (``graph_mode=True``:
@@ -36,12 +38,12 @@ from dataclasses import replace
 import torch
 
 from atb import soc as _soc
+from atb.engine.block_manager import BlockManager
 from atb.engine.engine import Engine
 from atb.engine.params import SamplingParams
 from atb.engine.runner import ModelRunner, as_id_list
 from atb.engine.sampling import request_seed
 from atb.engine.scheduler import Scheduler
-from atb.layers.kv_cache import PagedKVCache
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -70,11 +72,17 @@ class TransformerInfer(Engine):
             LM head stay 8-bit), ``"native"`` (the GGUF file the model was loaded from, at its own
             precision), or an ``atb.quantize(model, ...)`` result. Python and graph mode alike.
             ``memory_summary()`` reports the bytes saved.
+        enable_prefix_caching: requests whose prompts start with the same full KV blocks share them
+            and prefill only the rest (``atb.engine.block_manager``). Off by default here: blocks of
+            finished prompts then stay cached (counted in ``stats()["kv_blocks_cached"]``) instead of
+            free, and a prompt's tokens come from a shorter prefill over another request's K/V, equal
+            to a cold run's in greedy tests but not bit for bit; a one-shot ``generate`` gains nothing
+            from that. A server with repeated system prompts or chat history should turn it on.
     """
 
     def __init__(self, model, max_seq_len: int = 2048, soc_type: str = "host", *, max_batch_size: int = 8,
                  block_size: int = 128, dtype: torch.dtype | None = None, graph_mode: bool = True,
-                 max_prefill_tokens: int | None = None, quantize=None):
+                 max_prefill_tokens: int | None = None, quantize=None, enable_prefix_caching: bool = False):
         from atb.registry import get_adapter
 
         config = getattr(model, "config", None)
@@ -93,8 +101,9 @@ class TransformerInfer(Engine):
         if max_pos is not None and max_seq_len > max_pos:
             raise ValueError(f"TransformerInfer: max_seq_len={max_seq_len} exceeds the model's "
                              f"max_position_embeddings={max_pos}")
-        if not isinstance(graph_mode, bool):
-            raise TypeError(f"TransformerInfer: graph_mode must be a bool, got {type(graph_mode).__name__}")
+        for name, v in (("graph_mode", graph_mode), ("enable_prefix_caching", enable_prefix_caching)):
+            if not isinstance(v, bool):
+                raise TypeError(f"TransformerInfer: {name} must be a bool, got {type(v).__name__}")
         self.soc = _soc.get_soc(soc_type)  # ValueError listing the valid names
         self.soc_type = soc_type
         self.dtype = self._resolve_dtype(model, dtype)
@@ -105,15 +114,17 @@ class TransformerInfer(Engine):
 
         self.max_prefill_tokens = max_prefill_tokens
         spec = self.adapter.spec
-        cache = PagedKVCache.for_capacity(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+        cache = BlockManager.for_capacity(spec.num_layers, spec.num_kv_heads, spec.head_dim,
                                           max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                                          block_size=block_size, dtype=self.dtype)
+                                          block_size=block_size, dtype=self.dtype,
+                                          enable_prefix_caching=enable_prefix_caching)
         runner = ModelRunner(model, self.adapter, dtype=self.dtype, soc_type=soc_type, max_seq_len=max_seq_len,
                              max_batch_size=max_batch_size, cache=cache, graph_mode=graph_mode, quantize=quantize)
         self._init_engine(runner, Scheduler(cache, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                             max_prefill_tokens=max_prefill_tokens))
         self.graph_mode = graph_mode
         self.quantize = quantize if quantize is None or isinstance(quantize, str) else "custom"
+        self.enable_prefix_caching = enable_prefix_caching
 
     # ---- construction -------------------------------------------------------
     def _resolve_dtype(self, model, dtype):
@@ -153,7 +164,8 @@ class TransformerInfer(Engine):
 
     # ---- introspection ------------------------------------------------------
     def memory_summary(self) -> dict:
-        """Bytes held by the engine: weights (shared with the model unless converted), KV pool, scratch."""
+        """Bytes held by the engine: weights (shared with the model unless converted), KV pool, scratch; and the
+        pool's blocks: used (held by requests), cached (prefix caching: unheld, kept for reuse), free."""
         seen, weights = set(), 0
         for t in self.runner.weight_tensors():
             key = (t.untyped_storage().data_ptr(), t.data_ptr(), t.nbytes)
@@ -165,6 +177,10 @@ class TransformerInfer(Engine):
         if self.quantize is not None:
             full = self.runner.unquantized_weight_bytes()
             quant = {"quantize": self.quantize, "weights_bytes_unquantized": full, "weights_bytes_saved": full - weights}
+        with self._lock:   # one consistent snapshot of the block accounting
+            c = self.cache
+            blocks = {"kv_blocks_used": c.used_blocks, "kv_blocks_cached": c.cached_blocks,
+                      "kv_blocks_free": c.free_blocks}
         return {
             "dtype": str(self.dtype).replace("torch.", ""),
             "weights_bytes": weights,
@@ -172,6 +188,7 @@ class TransformerInfer(Engine):
             "kv_cache_bytes": self.cache.nbytes,
             "kv_bytes_per_token": self.cache.nbytes // (self.cache.num_blocks * self.block_size),
             "kv_blocks": self.cache.num_blocks,
+            **blocks,
             "scratch_bytes": scratch,
             "total_bytes": weights + self.cache.nbytes + scratch,
             **quant,

@@ -133,11 +133,19 @@ class Engine:
             return bool(self.scheduler.requests)
 
     def stats(self) -> dict:
-        """``running``, ``waiting`` request counts and KV block accounting (ints)."""
+        """``running``, ``waiting`` request counts and KV block accounting (ints).
+
+        ``kv_blocks_used`` are held by requests, ``kv_blocks_cached`` are held by none but keep a prefix's K/V
+        for reuse (evicted when needed, so they are available too), ``kv_blocks_free`` are neither; the three
+        add up to ``kv_blocks_total``. ``prefix_cache_queries`` / ``prefix_cache_hits``: prompt tokens looked
+        up in the prefix cache on admission / found there (0 with prefix caching off).
+        """
         with self._lock:
             s, cache = self.scheduler, self.scheduler.cache
             return {"running": len(s.running), "waiting": len(s.waiting), "kv_blocks_total": cache.num_blocks,
-                    "kv_blocks_used": cache.num_blocks - cache.free_blocks, "kv_blocks_free": cache.free_blocks}
+                    "kv_blocks_used": cache.used_blocks, "kv_blocks_free": cache.free_blocks,
+                    "kv_blocks_cached": cache.cached_blocks, "prefix_cache_queries": cache.query_tokens,
+                    "prefix_cache_hits": cache.hit_tokens}
 
     # ---- the step -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -173,7 +181,14 @@ class Engine:
             # Registered before the forward: if it raises, the requests are running and abort frees them.
             sched.running.extend(admitted)
             sched.rows_dirty = True
-            toks = self._sample(self._prefill(admitted), admitted)
+            try:
+                logits = self._prefill(admitted)
+            except BaseException:
+                # Blocks keyed for this prefill were never filled: they must not be matched.
+                sched.cache.discard_pending()
+                raise
+            sched.cache.commit()
+            toks = self._sample(logits, admitted)
             for r, t in zip(admitted, toks):
                 touched[id(r)] = r
                 if self._emit(r, t):
@@ -203,10 +218,22 @@ class Engine:
         return list(touched.values())
 
     def _prefill(self, reqs: list[Request]) -> torch.Tensor:
-        """Prefills a group of admitted prompts into their blocks; logits of each prompt's last token."""
+        """Prefills a group of admitted prompts into their blocks; logits of each prompt's last token.
+
+        Each prompt computes only what is not cached (prefix caching; everything when it is off) and attends to
+        its whole context through the paged cache. A prompt cached entirely (whole blocks) recomputes its last
+        token for the logits but does not write its K/V: that slot is in a shared block, which holds it already.
+        """
+        cache = self.scheduler.cache
         lens = [len(r.prompt) for r in reqs]
-        tokens = torch.tensor([t for r in reqs for t in r.prompt], dtype=torch.int32)
-        positions = torch.cat([torch.arange(n, dtype=torch.int32) for n in lens])
-        cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        slots = self.scheduler.cache.slot_mapping(reqs, [0] * len(reqs), lens)
-        return self.runner.prefill(tokens, positions, cu, slots, (cu[1:] - 1).long())
+        starts = [min(r.cached, n - 1) for r, n in zip(reqs, lens)]
+        tokens = torch.tensor([t for r, a in zip(reqs, starts) for t in r.prompt[a:]], dtype=torch.int32)
+        positions = torch.cat([torch.arange(a, n, dtype=torch.int32) for a, n in zip(starts, lens)])
+        slots = cache.slot_mapping(reqs, starts, lens)
+        q_lens = torch.tensor([n - a for a, n in zip(starts, lens)], dtype=torch.int32)
+        ends = q_lens.cumsum(0)
+        for r, n, e in zip(reqs, lens, ends.tolist()):
+            if r.cached == n:
+                slots[e - 1] = -1
+        paged = (cache.block_tables(reqs), torch.tensor(lens, dtype=torch.int32), q_lens)
+        return self.runner.prefill(tokens, positions, None, slots, (ends - 1).long(), paged=paged)

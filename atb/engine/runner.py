@@ -135,10 +135,23 @@ class ModelRunner:
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return lm_head(x, self.final_norm, self.lm_head, self.shape.eps, soc_type=self.soc_type)
 
-    def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
-                slot_mapping: torch.Tensor | None, last: torch.Tensor | None) -> torch.Tensor:
-        """Packed prompts (varlen, ``cu_seqlens``) through flash attention; K/V cached at ``slot_mapping``
-        (None: not cached). Logits of the rows ``last`` (all rows when None), in the compute dtype."""
+    def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                slot_mapping: torch.Tensor | None, last: torch.Tensor | None,
+                paged: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Packed prompt tokens through every layer; logits of the rows ``last`` (all rows when None), in the
+        compute dtype.
+
+        Stateless (``forward``): whole prompts packed by ``cu_seqlens``, flash attention, nothing cached
+        (``slot_mapping`` None). Engine prefill: ``paged = (block_tables, context_lens, q_lens)``; sequence b's
+        rows are the last ``q_lens[b]`` tokens of a context of ``context_lens[b]``, their K/V are written at
+        ``slot_mapping`` (a negative slot is not written) and they attend to the whole context through paged
+        attention, so a prompt whose first blocks are already cached (prefix caching) computes only its
+        suffix. Every prompt takes this path, cached prefix or not: paged attention computes a query's row the
+        same way whatever the other rows of the call, so a suffix prefilled over a cached prefix gets the
+        attention a cold prefill of the whole prompt would (flash attention tiles differently; in bf16 the
+        two paths can pick different greedy tokens on near ties). Every layer writes the step's K/V before any
+        attention reads it, so a sequence may read blocks that another sequence of the same call fills.
+        """
         soc, scale, kcs, vcs = self.soc_type, self.shape.scale, self.cache.key_caches, self.cache.value_caches
 
         def attend_for(i):
@@ -147,7 +160,12 @@ class ModelRunner:
             def attend(q, k, v):
                 if slot_mapping is not None:
                     K.reshape_and_cache(k, v, kcs[i], vcs[i], slot_mapping)
-                return K.flash_attention(q, k, v, cu_seqlens, scale=scale, causal=True, window=window, soc_type=soc)
+                if paged is None:
+                    return K.flash_attention(q, k, v, cu_seqlens, scale=scale, causal=True, window=window,
+                                             soc_type=soc)
+                tables, ctx, q_lens = paged
+                return K.paged_attention(q, kcs[i], vcs[i], tables, ctx, scale=scale, q_lens=q_lens, window=window,
+                                         soc_type=soc)
             return attend
 
         x = self._layers(tokens, positions, attend_for)

@@ -6,6 +6,11 @@ the running batch until it finishes (or is aborted), when its blocks return to
 the pool at once. A request's blocks are reserved on admission for its longest
 possible length (prompt + ``max_new_tokens``, at most ``max_seq_len``), so a
 running request never has to wait for a block.
+
+With prefix caching on, admission first looks the prompt's full blocks up in
+the block manager: the cached run that starts the prompt is shared, only the
+rest is allocated, and only the uncached tokens count against the prefill
+budget (``Request.cached`` tells the engine where its prefill starts).
 """
 from __future__ import annotations
 
@@ -14,14 +19,15 @@ from collections import deque
 import torch
 
 from atb.engine.params import RequestOutput, SamplingParams
-from atb.layers.kv_cache import CacheFullError, PagedKVCache
+from atb.engine.block_manager import BlockManager
+from atb.layers.kv_cache import CacheFullError
 
 
 class Request:
     """One prompt being generated: its tokens so far, its sampling state and where it stands."""
 
     __slots__ = ("request_id", "prompt", "params", "eos", "out", "table", "seen", "gen", "reason", "reported",
-                 "streamed")
+                 "streamed", "keys", "cached")
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, eos: frozenset,
                  gen: torch.Generator | None):
@@ -36,6 +42,8 @@ class Request:
         self.reason: str | None = None
         self.reported = 0            # tokens already handed out in a RequestOutput
         self.streamed = 0            # tokens already handed to generate's stream callback
+        self.keys: list[bytes] | None = None  # prefix-cache keys of the prompt's full blocks (computed once)
+        self.cached = 0              # prompt tokens whose K/V was already cached when it was admitted
 
     @property
     def length(self) -> int:
@@ -59,7 +67,7 @@ class Request:
 class Scheduler:
     """Owns the requests and the block manager; decides who is prefilled and who decodes each step."""
 
-    def __init__(self, cache: PagedKVCache, *, max_batch_size: int, max_seq_len: int, max_prefill_tokens: int):
+    def __init__(self, cache: BlockManager, *, max_batch_size: int, max_seq_len: int, max_prefill_tokens: int):
         self.cache = cache
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
@@ -97,20 +105,24 @@ class Scheduler:
         """
         out: list[Request] = []
         budget = self.max_prefill_tokens
+        cache = self.cache
         while self.waiting and len(self.running) + len(out) < self.max_batch_size:
             req = self.waiting[0]
-            n = len(req.prompt)
+            if req.keys is None:
+                req.keys = cache.block_keys(req.prompt) if cache.enable_prefix_caching else []
+            # Tokens this prefill computes: the uncached suffix, at least the last token.
+            hit = len(cache.cached_prefix(req.keys)) * cache.block_size
+            n = len(req.prompt) - min(hit, len(req.prompt) - 1)
             if out and n > budget:
                 break
-            need = self.cache.blocks_needed(self.reserve_tokens(req))
-            if need > self.cache.free_blocks:
+            try:
+                req.table, req.cached = cache.allocate_prompt(req, req.prompt, req.keys, self.reserve_tokens(req))
+            except CacheFullError as e:
                 if not out and not self.running:
-                    raise CacheFullError(f"TransformerInfer: request {req.request_id!r} needs {need} KV blocks, only "
-                                         f"{self.cache.free_blocks} of {self.cache.num_blocks} are free and nothing "
-                                         f"is running (blocks held outside the engine?)")
+                    raise CacheFullError(f"TransformerInfer: request {req.request_id!r} does not fit in the KV pool "
+                                         f"and nothing is running (blocks held outside the engine?): {e}") from e
                 break
             self.waiting.popleft()
-            req.table = self.cache.allocate(req, self.reserve_tokens(req))
             out.append(req)
             budget -= n
         return out

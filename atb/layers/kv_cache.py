@@ -54,11 +54,13 @@ class PagedKVCache:
 
     @classmethod
     def for_capacity(cls, num_layers: int, num_kv_heads: int, head_dim: int, *, max_batch_size: int,
-                     max_seq_len: int, block_size: int = 128, dtype: torch.dtype = torch.float32) -> "PagedKVCache":
-        """A pool that holds ``max_batch_size`` sequences of ``max_seq_len`` tokens at once."""
+                     max_seq_len: int, block_size: int = 128, dtype: torch.dtype = torch.float32,
+                     **kwargs) -> "PagedKVCache":
+        """A pool that holds ``max_batch_size`` sequences of ``max_seq_len`` tokens at once (``kwargs``: a
+        subclass's own options)."""
         per_seq = -(-max_seq_len // block_size)
         return cls(num_layers, num_kv_heads, head_dim, num_blocks=max_batch_size * per_seq, block_size=block_size,
-                   dtype=dtype)
+                   dtype=dtype, **kwargs)
 
     # ---- accounting ---------------------------------------------------------
     @property
