@@ -24,6 +24,8 @@ def _id(block):
 
 
 # The set-up commands install packages: the environment running these tests is already set up.
+# ```shell blocks are long local runs (a 10,000-case fuzz, a sanitizer build in a second tree): runnable
+# as written, not run here.
 SHELL = [b for b in blocks("bash") if "pip install" not in b]
 
 

@@ -23,6 +23,9 @@ def add_parser(sub, model_args) -> None:
     # Bounds how long running decodes wait for arrivals' prefill in one step (see the README's Serving).
     s.add_argument("--max-prefill-tokens", type=int, default=512,
                    help="prompt tokens admitted per engine step; a longer prompt is admitted alone (default 512)")
+    # Chat traffic repeats system prompts and history: sharing their KV blocks skips that prefill.
+    s.add_argument("--no-prefix-caching", action="store_true",
+                   help="turn off automatic prefix caching (on by default: shared prompt prefixes skip prefill)")
     s.add_argument("--max-waiting", type=int, default=256,
                    help="requests waiting for a batch slot before new ones get 429 (default 256)")
     s.add_argument("--host", default="127.0.0.1")
@@ -59,7 +62,8 @@ def cmd_serve(args) -> int:
     progress("building engine")
     try:
         engine = atb.TransformerInfer(model, max_seq_len=args.max_seq_len, soc_type=args.soc_type,
-                                      max_batch_size=args.max_batch_size, max_prefill_tokens=args.max_prefill_tokens)
+                                      max_batch_size=args.max_batch_size, max_prefill_tokens=args.max_prefill_tokens,
+                                      enable_prefix_caching=not args.no_prefix_caching)
     except ValueError as e:
         raise UserError(str(e)) from None
     progress.done()

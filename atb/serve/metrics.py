@@ -90,7 +90,9 @@ class Metrics:
                   ("requests_waiting", "waiting", "Requests waiting to be admitted to the batch."),
                   ("kv_blocks_total", "kv_blocks_total", "KV cache blocks in the pool."),
                   ("kv_blocks_used", "kv_blocks_used", "KV cache blocks held by requests."),
-                  ("kv_blocks_free", "kv_blocks_free", "KV cache blocks free."))
+                  ("kv_blocks_free", "kv_blocks_free", "KV cache blocks free."),
+                  ("kv_blocks_cached", "kv_blocks_cached",
+                   "KV cache blocks held by no request, kept for prefix reuse until the pool needs them."))
         for name, key, help_ in gauges:
             metric(name, "gauge", help_, [f" {stats[key]}"])
         with self._lock:
