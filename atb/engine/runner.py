@@ -7,6 +7,12 @@ decode step run the decoder layer of ``atb.layers.decoder``; the native
 ``DecodeGraph`` (graph mode) is built from the same descriptions. Both take
 token-major metadata and return logits, so the scheduler does not care which
 one runs.
+
+Under tensor parallelism (``tp``, an ``atb.distributed.TensorParallel``) the
+model is this rank's shard: the embedding is looked up vocab-parallel, every
+layer all-reduces its row-parallel projections, and logits are gathered (or
+greedy tokens reduced) across the ranks, so callers still see the whole
+vocabulary.
 """
 from __future__ import annotations
 
@@ -34,13 +40,14 @@ class ModelRunner:
     """Weights and executors of one model in one compute dtype, over ``cache``."""
 
     def __init__(self, model, adapter, *, dtype: torch.dtype, soc_type: str, max_seq_len: int, max_batch_size: int,
-                 cache: PagedKVCache, graph_mode: bool):
+                 cache: PagedKVCache, graph_mode: bool, tp=None):
         spec = adapter.spec
         unsupported = adapter.unsupported_reasons()
         if unsupported:
             raise ValueError("TransformerInfer: this model cannot run fused: " +
                              "; ".join(f"{role}: {why}" for role, why in unsupported.items()))
         self.spec = spec
+        self.tp = tp
         self.dtype = dtype
         self.soc_type = soc_type
         self.cache = cache
@@ -53,7 +60,7 @@ class ModelRunner:
         self.final_norm = w(adapter.final_norm(model))
         head = adapter.lm_head(model)
         self.lm_head = self.embed if head is embed else w(head)
-        self.vocab_size = self.embed.shape[0]
+        self.vocab_size = tp.plan.vocab_total if tp is not None else self.embed.shape[0]
         self.layers = [adapter.layer_weights(model, i).map(w) for i in range(spec.num_layers)]
         self.windows = tuple(spec.sliding_windows)
         # HF's own attention scale (``scaling``), not head_dim ** -0.5: some configs override it.
@@ -92,15 +99,18 @@ class ModelRunner:
     # ---- executors ----------------------------------------------------------------------------------
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend_for) -> torch.Tensor:
         """Embedding and every decoder layer; ``attend_for(i)`` is layer i's attention core."""
-        x = torch.nn.functional.embedding(tokens, self.embed)
+        tp = self.tp
+        x = torch.nn.functional.embedding(tokens, self.embed) if tp is None else tp.embedding(tokens, self.embed)
         cos = self.cos.index_select(0, positions)
         sin = self.sin.index_select(0, positions)
         for i, lw in enumerate(self.layers):
-            x = decoder_layer(x, lw, self.shape, cos, sin, attend_for(i), soc_type=self.soc_type)
+            x = decoder_layer(x, lw, self.shape, cos, sin, attend_for(i), soc_type=self.soc_type, tp=tp)
         return x
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return lm_head(x, self.final_norm, self.lm_head, self.shape.eps, soc_type=self.soc_type)
+    def _logits(self, x: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        """Logits of the whole vocabulary; under tp with ``gather=False``, of this rank's slice."""
+        logits = lm_head(x, self.final_norm, self.lm_head, self.shape.eps, soc_type=self.soc_type)
+        return self.tp.gather_logits(logits) if gather and self.tp is not None else logits
 
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
                 slot_mapping: torch.Tensor | None, last: torch.Tensor | None) -> torch.Tensor:
@@ -126,7 +136,8 @@ class ModelRunner:
                context_lens: torch.Tensor, slot_mapping: torch.Tensor, greedy: bool):
         """One decode step of ``B`` sequences: ``(logits [B, vocab], greedy tokens or None)``.
 
-        With ``greedy`` the graph computes the argmax natively and returns it as a list."""
+        With ``greedy`` the graph computes the argmax natively and returns it as a list; under tensor
+        parallelism greedy steps return ``(None, tokens)`` (no logits are gathered)."""
         if self.graph is not None:
             n = token_ids.shape[0]
             am = self._argmax_buf[:n] if greedy else None
@@ -144,7 +155,11 @@ class ModelRunner:
                                          soc_type=soc)
             return attend
 
-        return self._logits(self._layers(token_ids, positions, attend_for)), None
+        x = self._layers(token_ids, positions, attend_for)
+        if self.tp is not None and greedy:
+            # Only the tokens are needed: reduce (value, index) pairs instead of gathering V/N logits per rank.
+            return None, self.tp.argmax(self._logits(x, gather=False))
+        return self._logits(x), None
 
     def scratch_bytes(self, block_tables: torch.Tensor) -> int:
         scratch = self.cos.nbytes + self.sin.nbytes + block_tables.nbytes
@@ -153,8 +168,8 @@ class ModelRunner:
         # Python decode step at full batch: residual, normed input, q/k/v, attention out, gate/up/act,
         # logits (allocated per step by the kernels).
         item = self.embed.element_size()
-        hidden, inter = self.embed.shape[1], self.layers[0].gate.shape[0]
+        hidden, inter, vocab = self.embed.shape[1], self.layers[0].gate.shape[0], self.lm_head.shape[0]
         s = self.shape
         qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         return scratch + self.max_batch_size * item * (3 * hidden + qkv + s.num_heads * s.head_dim + 3 * inter
-                                                       + self.vocab_size)
+                                                       + vocab)
