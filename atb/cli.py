@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import sys
 import time
 
@@ -119,12 +120,21 @@ def cmd_generate(args) -> int:
     _check_soc_dtype(args.soc_type, dtype)
     if args.threads:
         atb.set_num_threads(args.threads)
-    progress = Progress(not args.quiet)
-    model, tok, _ = _load(args, dtype, progress)
+    lead = _join_tp(args)   # under --tp only rank 0 prints
+    progress = Progress(not args.quiet and lead)
+    if args.tp > 1 and args.model and os.path.isdir(args.model):
+        # Each rank reads only its slices of the directory's safetensors files.
+        from transformers import AutoTokenizer
+
+        progress(f"loading tokenizer of {args.model}")
+        model, tok = args.model, AutoTokenizer.from_pretrained(args.model)
+    else:
+        model, tok, _ = _load(args, dtype, progress)
     if tok is None:
         raise UserError("generate needs a tokenizer: use the default model or --model with a tokenizer")
     progress("building engine")
-    infer = atb.TransformerInfer(model, max_seq_len=args.max_seq_len, soc_type=args.soc_type)
+    infer = atb.TransformerInfer(model, max_seq_len=args.max_seq_len, soc_type=args.soc_type, dtype=dtype,
+                                 tp=args.tp if args.tp > 1 else None)
     progress.done()
     if tok.chat_template and not args.raw:
         ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
@@ -136,6 +146,8 @@ def cmd_generate(args) -> int:
     printed = [0]
 
     def on_token(_seq: int, token: int):
+        if not lead:
+            return
         streamed.append(token)
         text = tok.decode(streamed, skip_special_tokens=True)
         sys.stdout.write(text[printed[0]:])
@@ -146,11 +158,32 @@ def cmd_generate(args) -> int:
     out = infer.generate([ids], max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                          temperature=max(args.temperature, 1e-5), top_p=args.top_p, seed=args.seed, stream=on_token)
     dt = time.perf_counter() - t0
+    if not lead:
+        return 0
     sys.stdout.write("\n")
     n = len(out[0])
     print(f"[{n} tokens in {dt:.2f} s: {n / dt:.1f} tok/s incl. prefill of {len(ids)} prompt tokens; "
           f"soc_type={args.soc_type}, dtype={args.dtype}]", file=sys.stderr)
     return 0
+
+
+def _join_tp(args) -> bool:
+    """Joins the torchrun process group for ``--tp N``; True on the rank that prints (rank 0, or no tp)."""
+    if args.tp < 1:
+        raise UserError(f"--tp must be >= 1, got {args.tp}")
+    if args.tp == 1:
+        return True
+    import torch.distributed as dist
+
+    from atb import distributed
+
+    try:
+        distributed.init_process_group(args.tp_backend)
+    except ValueError as e:
+        raise UserError(f"{e} (run: torchrun --nproc-per-node {args.tp} -m atb generate --tp {args.tp} ...)") from None
+    if dist.get_world_size() != args.tp:
+        raise UserError(f"--tp {args.tp} but torchrun started {dist.get_world_size()} processes")
+    return dist.get_rank() == 0
 
 
 # ---------------------------------------------------------------- bench
@@ -279,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--soc-type", default="host")
     g.add_argument("--threads", type=int, default=0)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks (under torchrun --nproc-per-node N; only rank 0 prints)")
+    g.add_argument("--tp-backend", default="gloo", help="torch.distributed backend for --tp (default gloo)")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("check", help="which modules of a model run fused, stay stock, or are unsupported")

@@ -2,6 +2,7 @@
 // Tensors cross as (data pointer, shape ints, dtype code); the Python
 // wrappers in atb/kernels/ validate them, so kernels here trust their inputs.
 // C++ std::invalid_argument surfaces as Python ValueError.
+#include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -299,6 +300,9 @@ PYBIND11_MODULE(_C, m) {
              c.blockSize = geti("block_size");
              c.dtype = Dt(int(geti("dtype")));
              c.cosDtype = Dt(int(geti("cos_dtype")));
+             if (cfg.contains("vocab_start")) c.vocabStart = geti("vocab_start");
+             if (cfg.contains("vocab_total")) c.vocabTotal = geti("vocab_total");
+             if (cfg.contains("owns_residual")) c.ownsResidual = cfg["owns_residual"].cast<bool>();
              std::vector<atb::DecodeLayer> ls;
              for (const auto& d : layers) {
                auto p = [&](const char* k) -> void* { return d.contains(k) ? Ptr(d[k].cast<uintptr_t>()) : nullptr; };
@@ -343,6 +347,12 @@ PYBIND11_MODULE(_C, m) {
            py::arg("token_ids"), py::arg("positions"), py::arg("block_tables"), py::arg("max_blocks"),
            py::arg("context_lens"), py::arg("slot_mapping"), py::arg("batch"), py::arg("logits"),
            py::arg("argmax_out"))
+      // fn(address, count) runs with the GIL held (pybind11 takes it); an exception it raises ends the step.
+      .def("set_all_reduce",
+           [](atb::DecodeGraph& g, std::function<void(uintptr_t, int64_t)> fn) {
+             g.SetAllReduce([fn](void* data, int64_t count) { fn(reinterpret_cast<uintptr_t>(data), count); });
+           },
+           py::arg("fn"))
       .def_property("profiling", &atb::DecodeGraph::Profiling, &atb::DecodeGraph::SetProfiling)
       .def("reset_profile", &atb::DecodeGraph::ResetProfile)
       .def("profile",

@@ -80,7 +80,7 @@ class ModelRunner:
             from atb.graph import DecodeGraph
 
             self.graph = DecodeGraph.from_runner(self)
-            self._logits_buf = torch.empty(max_batch_size, self.vocab_size, dtype=dtype)
+            self._logits_buf = torch.empty(max_batch_size, self.lm_head.shape[0], dtype=dtype)
             self._argmax_buf = torch.empty(max_batch_size, dtype=torch.int32)
 
     def _w(self, t: torch.Tensor) -> torch.Tensor:
@@ -143,6 +143,8 @@ class ModelRunner:
             am = self._argmax_buf[:n] if greedy else None
             logits = self.graph.step(token_ids, positions, block_tables, context_lens, slot_mapping,
                                      self._logits_buf[:n], argmax_out=am)
+            if self.tp is not None:   # the graph's logits and argmax are this rank's vocab slice
+                return (None, self.tp.argmax(logits, am)) if greedy else (self.tp.gather_logits(logits), None)
             return logits, (am.tolist() if am is not None else None)
         soc, scale, kcs, vcs = self.soc_type, self.shape.scale, self.cache.key_caches, self.cache.value_caches
 

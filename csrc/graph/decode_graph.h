@@ -10,6 +10,7 @@
 #pragma once
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -30,7 +31,15 @@ struct DecodeGraphConfig {
   int64_t numBlocks = 0, blockSize = 0;  // the paged KV cache pool of every layer
   AscendC::DataType dtype = AscendC::DataType::FLOAT32;      // weights, activations, KV cache
   AscendC::DataType cosDtype = AscendC::DataType::FLOAT32;   // cos/sin table: dtype or float32
+  // Tensor parallelism (one rank's shard; see SetAllReduce): the embedding / LM head rows are the vocab
+  // slice [vocabStart, vocabStart + vocab) of vocabTotal (0: no tp, the whole vocabulary), and only the
+  // rank that ownsResidual adds the residual (and holds the o/down bias) before the partial sums are added.
+  int64_t vocabStart = 0, vocabTotal = 0;
+  bool ownsResidual = true;
 };
+
+// Sums `count` elements of config.dtype at `data` over the tensor-parallel ranks, in place.
+using AllReduceFn = std::function<void(void* data, int64_t count)>;
 
 // One layer's parameters: raw pointers into the caller's tensors (HF layout,
 // contiguous, all of config.dtype). Optional ones are null.
@@ -60,7 +69,7 @@ struct DecodeLayer {
 
 // Profiled nodes, in execution order.
 enum DecodeNode : int { NODE_EMBED, NODE_NORM, NODE_QKV, NODE_ROPE, NODE_CACHE, NODE_ATTENTION, NODE_O_PROJ,
-                        NODE_MLP, NODE_LM_HEAD, NODE_COUNT };
+                        NODE_MLP, NODE_LM_HEAD, NODE_ALL_REDUCE, NODE_COUNT };
 const char* DecodeNodeName(int node);
 
 class DecodeGraph {
@@ -76,6 +85,10 @@ class DecodeGraph {
   // greedy tokens (first maximum, as torch.argmax).
   void Step(const int32_t* tokenIds, const int32_t* positions, const int32_t* blockTables, int64_t maxBlocks,
             const int32_t* contextLens, const int32_t* slotMapping, int64_t batch, void* logits, int32_t* argmaxOut);
+
+  // Tensor parallelism: called on the residual stream after the embedding and after the row-parallel
+  // o and down projections (2 * numLayers + 1 times per step); logits stay this rank's vocab slice.
+  void SetAllReduce(AllReduceFn fn) { allReduce_ = std::move(fn); }
 
   void SetProfiling(bool on) { profiling_ = on; }
   bool Profiling() const { return profiling_; }
@@ -104,6 +117,7 @@ class DecodeGraph {
   std::vector<uint8_t> scratch_;
   uint8_t* base_ = nullptr;
   int64_t offX_ = 0, offH_ = 0, offQ_ = 0, offK_ = 0, offV_ = 0, offAttn_ = 0, offAct_ = 0, offCos_ = 0, offSin_ = 0;
+  AllReduceFn allReduce_;
   bool profiling_ = false;
   std::array<int64_t, NODE_COUNT> profNs_{}, profCalls_{};
   int64_t profSteps_ = 0;
