@@ -29,7 +29,7 @@ TINY = {
     "qwen3": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32, vocab_size=100, tie_word_embeddings=True),
 }
-NEW_TOKENS = 8
+NEW_TOKENS = 8   # EOS ignored: every run is this long
 
 
 def _free_port() -> int:
@@ -46,12 +46,25 @@ def _tiny_model(family: str):
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **kw), dtype=torch.float32).eval()
 
 
+def _save_safetensors(model, path: str) -> None:
+    """An HF model directory (config + one safetensors file) of any loaded model, a GGUF-loaded one included
+    (``save_pretrained`` refuses those); a tied LM head is stored once, as HF does."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    tensors = {n: p.detach().contiguous() for n, p in model.named_parameters()}   # tied weights listed once
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(path)
+    model.generation_config.save_pretrained(path)
+
+
 def _single(path_or_model, graph_mode: bool) -> dict:
     import atb
 
     infer = atb.TransformerInfer(path_or_model, max_seq_len=64, max_batch_size=4, block_size=16,
                                  graph_mode=graph_mode)
-    return {"one": infer.generate(PROMPTS[:1], NEW_TOKENS), "four": infer.generate(PROMPTS, NEW_TOKENS),
+    return {"one": infer.generate(PROMPTS[:1], NEW_TOKENS, eos_token_id=[]),
+            "four": infer.generate(PROMPTS, NEW_TOKENS, eos_token_id=[]),
             "weights_bytes": infer.memory_summary()["weights_bytes"]}
 
 
@@ -105,7 +118,8 @@ def _rank_main(job: dict) -> None:
             infer = atb.TransformerInfer(path, max_seq_len=64, max_batch_size=4, block_size=16,
                                          graph_mode=graph_mode, tp=world)
             out[f"{name}/{graph_mode}"] = {
-                "one": infer.generate(PROMPTS[:1], NEW_TOKENS), "four": infer.generate(PROMPTS, NEW_TOKENS),
+                "one": infer.generate(PROMPTS[:1], NEW_TOKENS, eos_token_id=[]),
+                "four": infer.generate(PROMPTS, NEW_TOKENS, eos_token_id=[]),
                 "weights_bytes": infer.memory_summary()["weights_bytes"],
                 "kv_bytes_per_token": infer.memory_summary()["kv_bytes_per_token"]}
         out[f"{name}/sampled"] = infer.generate(PROMPTS, NEW_TOKENS, do_sample=True, top_k=20)
@@ -221,7 +235,7 @@ def test_smollm2_tp3_matches_tp1(tmp_path, smollm2_fp32):
     """SmolLM2-135M (9 heads, 3 KV heads) over 3 ranks, each reading its slices of a safetensors copy."""
     model, _ = smollm2_fp32
     path = str(tmp_path / "smollm2")
-    model.save_pretrained(path)
+    _save_safetensors(model, path)
     ref = {graph_mode: _single(model, graph_mode) for graph_mode in (False, True)}
     ranks = _launch(3, {"models": {"smollm2": path}, "timeout": 60.0}, tmp_path)
     for graph_mode, want in ref.items():
