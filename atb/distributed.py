@@ -279,37 +279,57 @@ class TensorParallel:
 
 # ---- weights ---------------------------------------------------------------------------------------
 class _SafetensorsSource:
-    """Tensors of a local safetensors checkpoint (one file or an index of shards), read by slice."""
+    """Tensors of a local safetensors checkpoint (any number of files), read by slice.
+
+    ``safe_open`` maps a file; the slices are copied out (so the rank owns its shard and nothing keeps the
+    mapping alive) and one file is mapped at a time: read a file's tensors together (``file_of`` orders
+    them) and the pages of the whole checkpoint are never resident at once."""
 
     def __init__(self, path: str):
         from safetensors import safe_open
 
+        self._safe_open = safe_open
+        self._path = path
         names = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         if not names:
             raise ValueError(f"load_shard: no .safetensors files in {path}")
-        self._files = {}
         self._where: dict[str, str] = {}
+        self._shapes: dict[str, tuple] = {}
         for n in names:
-            f = safe_open(os.path.join(path, n), framework="pt")
-            self._files[n] = f
-            for key in f.keys():
-                self._where[key] = n
+            with safe_open(os.path.join(path, n), framework="pt") as f:
+                for key in f.keys():
+                    self._where[key] = n
+                    self._shapes[key] = tuple(f.get_slice(key).get_shape())
+        self._open: tuple[str, object] | None = None
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def file_of(self, name: str) -> str:
+        return self._where.get(name, "")
+
     def shape(self, name: str) -> tuple:
-        return tuple(self._files[self._where[name]].get_slice(name).get_shape())
+        return self._shapes[name]
 
     def read(self, name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
-        sl = self._files[self._where[name]].get_slice(name)
+        file = self._where[name]
+        if self._open is None or self._open[0] != file:
+            self.close()
+            self._open = (file, self._safe_open(os.path.join(self._path, file), framework="pt"))
+        sl = self._open[1].get_slice(name)
         if dim is None:
-            return sl[:]
-        return sl[start:stop] if dim == 0 else sl[:, start:stop]
+            t = sl[:]
+        else:
+            t = sl[start:stop] if dim == 0 else sl[:, start:stop]
+        return t.clone()   # a slice may be a view of the mapping
+
+    def close(self) -> None:
+        self._open = None   # drops the handle: unmapped
 
     def first_dtype(self) -> torch.dtype:
-        name = next(iter(self._where))
-        return self.read(name, 0, 0, 1).dtype
+        t = self.read(next(iter(self._where)), 0, 0, 1).dtype
+        self.close()
+        return t
 
 
 class _ModelSource:
@@ -332,6 +352,12 @@ class _ModelSource:
 
     def first_dtype(self) -> torch.dtype:
         return next(iter(self._t.values())).dtype
+
+    def file_of(self, name: str) -> str:
+        return ""
+
+    def close(self) -> None:
+        pass
 
 
 def load_config(path: str):
@@ -375,6 +401,7 @@ def load_shard(source, config, plan: ShardPlan, dtype: torch.dtype | None = None
         for key, p in module._parameters.items():
             if p is not None:
                 owners.setdefault(id(p), []).append((module, key, f"{mod_name}.{key}" if mod_name else key, p))
+    work = []
     for places in owners.values():
         names = [name for _, _, name, _ in places]
         present = [n for n in names if n in src]
@@ -383,9 +410,12 @@ def load_shard(source, config, plan: ShardPlan, dtype: torch.dtype | None = None
             raise ValueError(f"load_shard: no sharding rule for parameter {names[0]}")
         if not present and plan.holds(roles[id(p)]):
             raise ValueError(f"load_shard: the checkpoint has no tensor {' or '.join(names)}")
-        new = _load_param(src, present[0] if present else names[0], p, roles[id(p)], plan, dtype)
+        work.append((present[0] if present else names[0], p, places))
+    for name, p, places in sorted(work, key=lambda w: src.file_of(w[0])):   # file by file
+        new = _load_param(src, name, p, roles[id(p)], plan, dtype)
         for module, key, _, _ in places:
             module.register_parameter(key, new)
+    src.close()
     # The rotary module's buffers are derived from the config, not stored: rebuilt on the CPU.
     rotary = adapter.rotary(model)
     with torch.device("cpu"):

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import socket
 import subprocess
 import sys
@@ -110,11 +109,25 @@ def _worker(job: dict) -> None:
     mem = infer.memory_summary()
     print(json.dumps({"rank": rank, "world": world, "threads": job["threads"], "rows": rows,
                       "weights_bytes": mem["weights_bytes"], "kv_cache_bytes": mem["kv_cache_bytes"],
-                      "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}), flush=True)
+                      # VmHWM, not ru_maxrss: the latter keeps the launching process's peak across exec.
+                      "peak_rss_bytes": _status_kb("VmHWM") * 1024,
+                      "anon_bytes": _status_kb("RssAnon") * 1024}), flush=True)
     if world > 1:
         import torch.distributed as dist
 
         dist.destroy_process_group()
+
+
+def _status_kb(key: str) -> int:
+    """A ``/proc/self/status`` field in kB (0 where there is none)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def _free_port() -> int:
@@ -176,15 +189,16 @@ def main(argv=None) -> int:
     print(f"{args.preset} ({shape['layers']} layers), {args.dtype}, {mode} decode, prompt {args.prompt_len}, "
           f"{args.steps} timed steps")
     print(f"{'config':<22}{'batch':>6}{'tok/s':>9}{'ms/step':>9}{'comm ms/step':>14}{'coll/step':>11}"
-          f"{'weights MB':>12}{'peak RSS MB':>13}")
+          f"{'weights MB':>12}{'peak RSS MB':>13}{'anon MB':>10}")
     for label, reps in ((f"tp=1 x {one['threads']} threads", [one]),
                         (f"tp={args.tp} x {many[0]['threads']} thread(s)", many)):
         for i, row in enumerate(reps[0]["rows"]):
             comm = max(r["rows"][i]["comm_ms_per_step"] for r in reps)
             rss = "/".join(f"{r['peak_rss_bytes'] / 2**20:.0f}" for r in reps)
             wts = "/".join(f"{r['weights_bytes'] / 2**20:.0f}" for r in reps)
+            anon = "/".join(f"{r['anon_bytes'] / 2**20:.0f}" for r in reps)
             print(f"{label:<22}{row['batch']:>6}{row['tok_s']:>9.2f}{row['ms_per_step']:>9.1f}{comm:>14.2f}"
-                  f"{row['collectives_per_step']:>11.0f}{wts:>12}{rss:>13}")
+                  f"{row['collectives_per_step']:>11.0f}{wts:>12}{rss:>13}{anon:>10}")
     for i, row in enumerate(many[0]["rows"]):
         per = max(r["rows"][i]["comm_ms_per_step"] for r in many) / max(1.0, row["collectives_per_step"])
         print(f"measured here: batch {row['batch']}: {1e3 * per:.0f} us per collective (gloo, 127.0.0.1)")
