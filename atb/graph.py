@@ -30,9 +30,8 @@ its logits are the rank's vocab slice.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
 import ctypes
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -126,13 +125,14 @@ class DecodeGraph:
                       "up": (inter, hidden), "down": (hidden, inter), "q_bias": (H * D,), "k_bias": (KH * D,),
                       "v_bias": (KH * D,), "o_bias": (hidden,), "q_norm": (D,), "k_norm": (D,),
                       "gate_bias": (inter,), "up_bias": (inter,), "down_bias": (hidden,)}
-            d = {}
+            # The native layer's pointer fields carry the LayerWeights field names.
+            nl = _C.DecodeLayer()
             for n, t in present.items():
-                d[n] = need(f"layers[{i}].{n}", t, shapes[n])
-            d["key_cache"] = need(f"key_caches[{i}]", key_caches[i], cache_shape)
-            d["value_cache"] = need(f"value_caches[{i}]", value_caches[i], cache_shape)
-            d["window"] = int(windows[i] or 0)
-            native_layers.append(d)
+                setattr(nl, n, need(f"layers[{i}].{n}", t, shapes[n]))
+            nl.key_cache = need(f"key_caches[{i}]", key_caches[i], cache_shape)
+            nl.value_cache = need(f"value_caches[{i}]", value_caches[i], cache_shape)
+            nl.window = int(windows[i] or 0)
+            native_layers.append(nl)
         embed_p = need("embed", embed, (vocab, hidden))
         final_p = need("final_norm", final_norm, (hidden,))
         head_p = need("lm_head", lm_head, (vocab, hidden))
@@ -146,16 +146,17 @@ class DecodeGraph:
         style = config.get("rope_style", "neox")
         if style not in _STYLES:
             raise ValueError(f"DecodeGraph: rope_style must be 'neox' or 'interleave', got {style!r}")
-        cfg = {
-            "num_layers": len(layers), "hidden": hidden, "num_heads": H, "num_kv_heads": KH, "head_dim": D,
-            "intermediate": inter, "vocab": vocab, "eps": float(config["eps"]),
-            "scale": float(config.get("scale") or D ** -0.5), "rotary_dim": cos.shape[1],
-            "rope_style": _STYLES[style], "max_batch": max_batch, "max_seq_len": cos.shape[0],
-            "num_blocks": cache_shape[0], "block_size": cache_shape[1], "dtype": DTYPE_CODES[dtype],
-            "cos_dtype": DTYPE_CODES[cos.dtype],
-            "vocab_start": int(config.get("vocab_start", 0)), "vocab_total": int(config.get("vocab_total", vocab)),
-            "owns_residual": bool(config.get("owns_residual", True)),
-        }
+        cfg = _C.DecodeGraphConfig()
+        cfg.num_layers, cfg.hidden, cfg.intermediate, cfg.vocab = len(layers), hidden, inter, vocab
+        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim = H, KH, D
+        cfg.eps, cfg.scale = float(config["eps"]), float(config.get("scale") or D ** -0.5)
+        cfg.rotary_dim, cfg.rope_style = cos.shape[1], _STYLES[style]
+        cfg.max_batch, cfg.max_seq_len = max_batch, cos.shape[0]
+        cfg.num_blocks, cfg.block_size = cache_shape[0], cache_shape[1]
+        cfg.dtype, cfg.cos_dtype = DTYPE_CODES[dtype], DTYPE_CODES[cos.dtype]
+        cfg.vocab_start = int(config.get("vocab_start", 0))
+        cfg.vocab_total = int(config.get("vocab_total", vocab))
+        cfg.owns_residual = bool(config.get("owns_residual", True))
         native = _C.DecodeGraph(cfg, native_layers, embed_p, final_p, head_p, cos.data_ptr(), sin.data_ptr(),
                                 resolve_soc(soc_type))
         return cls(native, keep, vocab=vocab, dtype=dtype, max_batch=max_batch, max_seq_len=cos.shape[0],

@@ -281,7 +281,8 @@ class TransformerInfer(Engine):
         positions = (mask.cumsum(1) - 1)[mask]
         cu = torch.zeros(B + 1, dtype=torch.int32)
         cu[1:] = lens.cumsum(0)
-        out[mask] = self.runner.prefill(tokens.to(torch.int32), positions.to(torch.int32), cu, None, None)
+        with self._lock:  # one model call at a time (kernel launches and scratch are shared with step)
+            out[mask] = self.runner.prefill(tokens.to(torch.int32), positions.to(torch.int32), cu, None, None)
         return out
 
     __call__ = forward
@@ -297,9 +298,16 @@ class TransformerInfer(Engine):
         with an optional ``attention_mask`` (padding dropped). At most
         ``max_batch_size`` sequences run at once; the rest wait and join as
         others finish. ``stream(seq_index, token)`` is called for every token as
-        it is produced. ``seed`` makes sampling reproducible (each sequence has
-        its own generator, so its tokens do not depend on its batch mates).
-        Why each sequence stopped is in ``self.last_stop_reasons``.
+        it is produced, from the calling thread with the engine unlocked (calling
+        ``generate``, ``step`` or ``forward`` from it raises RuntimeError; ``abort``
+        and ``stats`` are fine). ``seed`` makes sampling reproducible (each sequence
+        has its own generator, so its tokens do not depend on its batch mates).
+        Why each sequence stopped is in ``self.last_stop_reasons`` (per thread).
+
+        Thread-safe: concurrent calls share the running batch, each reading only
+        its own requests. Each caller drives steps from its own thread, so kernel
+        launches alternate between threads' OpenMP teams; for throughput, one
+        thread driving ``step`` (as a server's engine thread does) is better.
         """
         self._not_in_callback("generate")
         # Everything is validated before a single block is allocated.

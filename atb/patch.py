@@ -16,27 +16,30 @@ everything done is undone by ``unpatch_hf_model``):
 * **Rope** — HF applies rope inside the attention module's forward
   (``apply_rotary_pos_emb`` on ``[B, H, S, D]`` views, before the cache
   update), so it cannot be moved into the attention function. Each attention
-  module gets a per-instance ``forward`` with HF's exact sequence of steps
-  (q/k/v projections, q/k norm, rope, cache update, attention interface,
-  o_proj) in which rope is the fused ``atb.kernels.rope``, applied in place on
-  the token-major projection outputs (which also saves the transposes HF
-  makes). The model's rotary module gathers cos/sin from a table computed once
-  (``atb.layers.RotaryEmbedding``, bit-identical rows); dynamic NTK keeps
-  HF's rotary module, whose frequencies depend on the sequence length.
-* **RMSNorm / MLP** — per-instance ``forward`` rebinding onto the fused
-  kernels (``rms_norm``; ``silu_mul`` between the gate/up and down
-  projections), reading the module's own Parameters.
-* **Linear** — projections read the HF weights through
-  ``atb.kernels.linear_multi`` (q/k/v in one launch), ``linear_swiglu``
-  (gate+up+silu*mul in one pass) and ``linear`` (o, down, LM head) wherever
-  ``native_linear_wins``: decode sizes (fewer than 32 rows) and, in fp16/bf16,
-  prefill too (the native GEMM is 4-6x torch's there); fp32 prefill stays on
-  torch's GEMM, which wins in fp32.
+  module's ``forward`` runs HF's exact sequence of steps (q/k/v projections,
+  q/k norm, rope, cache update, attention interface, o_proj) with the
+  engine's own layer code (``atb.layers.decoder``): rope is the fused
+  ``atb.kernels.rope``, applied in place on the token-major projection outputs
+  (which also saves the transposes HF makes). The model's rotary module
+  gathers cos/sin from a table computed once (``atb.layers.RotaryEmbedding``,
+  bit-identical rows); dynamic NTK keeps HF's rotary module, whose frequencies
+  depend on the sequence length.
+* **RMSNorm / MLP** — ``forward`` bound onto the fused kernels (``rms_norm``;
+  the engine's SwiGLU MLP), reading the module's own Parameters.
+* **Linear** — every projection (q/k/v in one launch, gate+up+silu*mul in one
+  pass, o, down, LM head) goes through ``atb.layers.linear``, which asks
+  ``atb.kernels.linear.native_linear_wins(rows, dtype)`` (the one routing
+  policy) whether the native kernel or torch's GEMM runs.
+* **Decoder layer** — a ``forward`` in HF's order whose residual adds are
+  fused: the add after attention with the post-attention norm
+  (``add_rms_norm``), and the add after the MLP with down_proj.
 
-* **Decoder layer** — a per-instance ``forward`` in HF's order whose residual
-  adds are fused: the add after attention with the post-attention norm
-  (``add_rms_norm``), and at decode sizes the add after the MLP with down_proj
-  (``linear_residual``).
+Forwards are bound as methods (Liger's way), so ``copy.deepcopy`` of a patched
+model gives a patched copy computing with its own parameters. With autograd
+recording (grad mode on and a parameter or input requiring grad) every patched
+module runs its class's stock forward, and the ``"atb"`` attention function
+falls back to SDPA, so training and fine-tuning get correct gradients; the
+kernels themselves have no backward and refuse inputs that require grad.
 
 The model loop and the embedding stay on the stock path; the report lists every
 module and says why.
@@ -44,21 +47,24 @@ module and says why.
 from __future__ import annotations
 
 import sys
+import types
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 
 from atb import kernels
-from atb.kernels.linear import LINEAR_CROSSOVER_M, native_linear_wins
+from atb.layers import decoder
 from atb.layers.attention import hf_attention
+from atb.layers.decoder import AttentionShape
+from atb.layers.linear import linear
 from atb.layers.rotary import RotaryEmbedding, SUPPORTED as ROPE_SUPPORTED
 from atb.registry import get_adapter, supported_model_types
 
 ATTN_NAME = "atb"
-# How the report words the routing of projections (native_linear_wins decides it).
-_LINEAR_ROUTE = (f"below {LINEAR_CROSSOVER_M} rows and at every size in fp16/bf16; torch GEMM for fp32 prefill")
+# How the report words the routing of projections (the one routing policy decides it).
+_LINEAR_ROUTE = "where atb.kernels.linear.native_linear_wins(rows, dtype), else torch's GEMM"
 # Oldest transformers this module is written and tested against (rope_parameters, the `cache` argument name,
 # AttentionMaskInterface signatures) and the newest tested.
 MIN_TRANSFORMERS = (5, 24)
@@ -170,131 +176,161 @@ class PatchReport:
     __repr__ = __str__
 
 
-# ---- the fused forwards (closures over the module's own parameters; lean per-call path) -------------------------
-def _norm_forward(module, soc_type):
-    weight, eps = module.weight, float(module.variance_epsilon)
-    rms_norm = kernels.rms_norm
+# ---- the fused forwards ----------------------------------------------------------------------------------------
+# Liger-style: each is a plain function bound to its module as a method (``types.MethodType``), reading the
+# module's own parameters at call time through the family adapter. So ``copy.deepcopy`` of a patched model
+# rebinds the methods to the copy (the copy computes with its own parameters) and nothing holds a stale
+# reference. The projections, q/k norm and rope are the engine's layer code (``atb.layers.decoder``).
+@dataclass(frozen=True)
+class _Conf:
+    """What a patched module needs besides its parameters (kept in the module's ``__dict__``)."""
 
-    def forward(hidden_states):
-        return rms_norm(hidden_states, weight, eps, soc_type=soc_type)
+    adapter: object
+    soc_type: str | None
+    native: bool                      # projections may use the native linear kernels (option ``linear``)
+    shape: AttentionShape | None = None
+    layer_idx: int = 0
+    window: int | None = None
+    mlp_fused: bool = False           # decoder layer: the MLP runs the fused SwiGLU
+
+
+_CONF = "_atb_conf"
+
+
+def _grad_needed(module, args, kwargs) -> bool:
+    """Autograd would record this call: grad mode on and a parameter or tensor input requires grad."""
+    if not torch.is_grad_enabled():
+        return False
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            return True
+    return any(p.requires_grad for p in module.parameters())
+
+
+def _or_stock(fused):
+    """The module's forward: ``fused`` for inference, the class's stock forward when gradients are needed
+    (the kernels have no backward)."""
+    def forward(self, *args, **kwargs):
+        if _grad_needed(self, args, kwargs):
+            return type(self).forward(self, *args, **kwargs)
+        return fused(self, *args, **kwargs)
+    forward.__name__ = forward.__qualname__ = f"atb_{fused.__name__.lstrip('_')}"
     return forward
 
 
-def _mlp_forward(module, soc_type, use_linear):
-    g, u, d = module.gate_proj, module.up_proj, module.down_proj
-    gw, gb, uw, ub, dw, db = g.weight, g.bias, u.weight, u.bias, d.weight, d.bias
-    silu_mul, linear = kernels.silu_mul, F.linear
-    linear_swiglu, atb_linear = kernels.linear_swiglu, kernels.linear
-
-    def forward(x):
-        if use_linear and gb is None and ub is None:
-            rows = x.numel() // x.shape[-1]
-            if native_linear_wins(rows, x.dtype):
-                # One pass over gate and up with silu(gate) * up fused in, then down.
-                h = linear_swiglu(x.reshape(rows, -1), gw, uw, soc_type=soc_type)
-                return atb_linear(h, dw, db, soc_type=soc_type).view(*x.shape[:-1], -1)
-        return linear(silu_mul(linear(x, gw, gb), linear(x, uw, ub), soc_type=soc_type), dw, db)
-    return forward
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
 
 
-def _attention_forward(module, spec, layer_idx, soc_type, use_linear):
-    H, KH, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    qp, kp, vp, op = module.q_proj, module.k_proj, module.v_proj, module.o_proj
-    qw, qb, kw, kb, vw, vb, ow, ob = qp.weight, qp.bias, kp.weight, kp.bias, vp.weight, vp.bias, op.weight, op.bias
-    q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
-    window = spec.sliding_windows[layer_idx]
-    config, scaling, attn_dropout = module.config, module.scaling, module.attention_dropout
+@_or_stock
+def _norm(self, hidden_states):
+    return kernels.rms_norm(hidden_states, self.weight, float(self.variance_epsilon),
+                            soc_type=self.__dict__[_CONF].soc_type)
+
+
+@_or_stock
+def _mlp(self, x):
+    c = self.__dict__[_CONF]
+    w = SimpleNamespace(**c.adapter.mlp_weights(self))
+    return decoder.mlp(_rows(x), w, soc_type=c.soc_type, native=c.native).view(*x.shape[:-1], -1)
+
+
+@_or_stock
+def _attention(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, past_key_values=None,
+               **kwargs):
+    """HF's attention steps (q/k/v, q/k norm, rope, cache update, attention interface, o_proj) with the engine's
+    projections and rope applied in place on the token-major projection outputs."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
-    rope, linear = kernels.rope, F.linear
-    linear_multi, atb_linear = kernels.linear_multi, kernels.linear
-
-    def forward(hidden_states, position_embeddings=None, attention_mask=None, cache=None, past_key_values=None,
-                **kwargs):
-        if cache is None:
-            cache = past_key_values
-        B, S, hidden = hidden_states.shape
-        fast = use_linear and native_linear_wins(B * S, hidden_states.dtype)
-        if fast:
-            # q/k/v in one launch over the three weights.
-            q, k, v = linear_multi(hidden_states.reshape(B * S, hidden), (qw, kw, vw), (qb, kb, vb),
-                                   soc_type=soc_type)
-        else:
-            q, k, v = linear(hidden_states, qw, qb), linear(hidden_states, kw, kb), linear(hidden_states, vw, vb)
-        q, k, v = q.view(B * S, H, D), k.view(B * S, KH, D), v.view(B, S, KH, D)
-        if q_norm is not None:
-            q, k = q_norm(q), k_norm(k)
-        cos, sin = position_embeddings
-        if cos.shape[0] != B:
-            cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
-        rope(q, k, cos.reshape(B * S, -1), sin.reshape(B * S, -1), inplace=True, soc_type=soc_type)
-        q = q.view(B, S, H, D).transpose(1, 2)
-        k = k.view(B, S, KH, D).transpose(1, 2)
-        v = v.transpose(1, 2)
-        if cache is not None:
-            k, v = cache.update(k, v, layer_idx, kwargs=kwargs)
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager)
-        out, weights = attend(module, q, k, v, attention_mask, dropout=attn_dropout if module.training else 0.0,
-                              scaling=scaling, sliding_window=window, **kwargs)
-        if fast:
-            return atb_linear(out.reshape(B * S, -1), ow, ob, soc_type=soc_type).view(B, S, -1), weights
-        return linear(out.reshape(B, S, -1), ow, ob), weights
-    return forward
+    c = self.__dict__[_CONF]
+    if cache is None:
+        cache = past_key_values
+    B, S, _ = hidden_states.shape
+    H, KH, D = c.shape.num_heads, c.shape.num_kv_heads, c.shape.head_dim
+    w = SimpleNamespace(**c.adapter.attention_weights(self))
+    cos, sin = position_embeddings
+    if cos.shape[0] != B:
+        cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
+    q, k, v = decoder.qkv_rope(_rows(hidden_states), w, c.shape, cos.reshape(B * S, -1), sin.reshape(B * S, -1),
+                               soc_type=c.soc_type, native=c.native)
+    q = q.view(B, S, H, D).transpose(1, 2)
+    k = k.view(B, S, KH, D).transpose(1, 2)
+    v = v.view(B, S, KH, D).transpose(1, 2)
+    if cache is not None:
+        k, v = cache.update(k, v, c.layer_idx, kwargs=kwargs)
+    eager = getattr(sys.modules[type(self).__module__], "eager_attention_forward")
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
+    out, weights = attend(self, q, k, v, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
+                          scaling=self.scaling, sliding_window=c.window, **kwargs)
+    out = decoder.o_proj(out.reshape(B * S, -1), w, soc_type=c.soc_type, native=c.native)
+    return out.view(B, S, -1), weights
 
 
-def _decoder_layer_forward(layer, soc_type, mlp_native: bool):
+@_or_stock
+def _decoder_layer(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                   position_embeddings=None, past_key_values=None, **kwargs):
     """HF's decoder layer with its residual adds fused: ``add_rms_norm`` for the add after attention and the
-    post-attention norm, and (decode sizes, fused MLP) ``linear_residual`` for down_proj plus the add after
-    the MLP. The same roundings as HF's separate adds; attention and MLP run through their own (patched)
-    modules otherwise, so every other hook keeps working."""
-    attn, mlp, ln1, ln2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
-    w2, eps2 = ln2.weight, float(ln2.variance_epsilon)
-    gw, uw, dw, db = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, mlp.down_proj.bias
-    add_rms_norm, linear_swiglu, linear_residual = kernels.add_rms_norm, kernels.linear_swiglu, kernels.linear_residual
-
-    def forward(hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
-                position_embeddings=None, past_key_values=None, **kwargs):
-        if cache is None:
-            cache = past_key_values
-        attn_out, _ = attn(hidden_states=ln1(hidden_states), attention_mask=attention_mask, position_ids=position_ids,
-                           cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
-        normed, residual = add_rms_norm(attn_out, hidden_states, w2, eps2, soc_type=soc_type)
-        rows = normed.numel() // normed.shape[-1]
-        if mlp_native and native_linear_wins(rows, normed.dtype):
-            h = linear_swiglu(normed.reshape(rows, -1), gw, uw, soc_type=soc_type)
-            return linear_residual(h, dw, residual.reshape(rows, -1), db, soc_type=soc_type).view(residual.shape)
-        return residual + mlp(normed)
-    return forward
+    post-attention norm, and (fused MLP) the add after the MLP into down_proj. The same roundings as HF's
+    separate adds; attention runs through its own (patched) module, so every other hook keeps working."""
+    c = self.__dict__[_CONF]
+    if cache is None:
+        cache = past_key_values
+    attn_out, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+                                 position_ids=position_ids, cache=cache, use_cache=use_cache,
+                                 position_embeddings=position_embeddings, **kwargs)
+    ln2 = self.post_attention_layernorm
+    normed, residual = kernels.add_rms_norm(attn_out, hidden_states, ln2.weight, float(ln2.variance_epsilon),
+                                            soc_type=c.soc_type)
+    if not c.mlp_fused:
+        return residual + self.mlp(normed)
+    w = SimpleNamespace(**c.adapter.mlp_weights(self.mlp))
+    return decoder.mlp(_rows(normed), w, _rows(residual), soc_type=c.soc_type, native=c.native).view(residual.shape)
 
 
-def _lm_head_forward(module, soc_type):
-    w, b = module.weight, module.bias
-    linear_auto = kernels.linear_auto
-
-    def forward(x):
-        return linear_auto(x, w, b, soc_type=soc_type)
-    return forward
+@_or_stock
+def _lm_head(self, x):
+    c = self.__dict__[_CONF]
+    return linear(_rows(x), self.weight, self.bias, soc_type=c.soc_type, native=c.native).view(*x.shape[:-1], -1)
 
 
-def _rotary_forward(table: RotaryEmbedding):
-    cos_sin = table.cos_sin
-
-    def forward(x, position_ids, layer_type=None):
-        return cos_sin(position_ids, x.dtype)
-    return forward
+@_or_stock
+def _rotary(self, x, position_ids, layer_type=None):
+    """cos/sin rows gathered from a table computed once (bit-identical to HF's)."""
+    return self.__dict__["_atb_rope_table"].cos_sin(position_ids, x.dtype)
 
 
 # ---- the transformers hooks -------------------------------------------------------------------------------------
 def atb_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
                           position_ids=None, **kwargs):
     """The ``"atb"`` AttentionInterface function (HF layout in, ``[B, S, H, D]`` out, no attention weights)."""
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return _sdpa_fallback(module, query, key, value, attention_mask, scaling, dropout, sliding_window)
     if dropout:
         raise ValueError("atb attention: dropout is not supported (the patched model is for inference; "
                          "call model.eval())")
     out = hf_attention(query, key, value, padding_mask=attention_mask, scale=scaling, window=sliding_window or None,
                        position_ids=position_ids, soc_type=getattr(module, "_atb_soc_type", None))
     return out, None
+
+
+def _sdpa_fallback(module, query, key, value, padding_mask, scaling, dropout, window):
+    """HF's SDPA attention with the causal / window / padding mask the kernels would apply (autograd path)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    S, L = query.shape[2], key.shape[2]
+    mask = None
+    if padding_mask is not None or window or S != L:
+        i = torch.arange(L - S, L).view(S, 1)
+        j = torch.arange(L).view(1, L)
+        allowed = j <= i
+        if window:
+            allowed = allowed & (j > i - window)
+        mask = allowed.view(1, 1, S, L)
+        if padding_mask is not None:
+            mask = mask & padding_mask.bool()[:, None, None, :]
+        # A query that sees no key (a padding row) would give NaN; its output is never used.
+        mask = mask | ~mask.any(-1, keepdim=True)
+    return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)
 
 
 def atb_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
@@ -342,7 +378,6 @@ def _plan(model, adapter, options: dict) -> list[ModuleStatus]:
     config_reasons = adapter.unsupported_reasons()
     rope_type = spec.rope.rope_type
     rope_fused = options["rope"] and "rope" not in config_reasons
-    mlp_bias = spec.has_mlp_bias
     attn_bits = []
     if rope_fused:
         attn_bits.append("rope: atb.kernels.rope in place on q/k")
@@ -364,7 +399,8 @@ def _plan(model, adapter, options: dict) -> list[ModuleStatus]:
             elif not options["mlp"]:
                 detail = "mlp=False"
             else:
-                status, detail = "fused", "atb.kernels.silu_mul between torch gate/up and down projections"
+                status, detail = "fused", ("SwiGLU of atb.layers.decoder: gate+up+silu*mul as atb.kernels.linear_swiglu "
+                                           f"(silu_mul after torch's GEMM otherwise) and down, {_LINEAR_ROUTE}")
         elif role == "attention":
             if attn_bits:
                 status = "fused"
@@ -389,8 +425,8 @@ def _plan(model, adapter, options: dict) -> list[ModuleStatus]:
             if options["rms_norm"]:
                 status, detail = "fused", ("HF layer order; residual add + post-attention norm as "
                                            "atb.kernels.add_rms_norm")
-                if _mlp_native(options, config_reasons, mlp_bias):
-                    detail += "; decode: down_proj + residual add as atb.kernels.linear_residual"
+                if _mlp_native(options, config_reasons):
+                    detail += "; down_proj + residual add as atb.kernels.linear_residual " + _LINEAR_ROUTE
             else:
                 detail = "HF layer structure and residual adds kept (rms_norm=False)"
         elif role in ("decoder", "causal_lm"):
@@ -406,7 +442,7 @@ def _plan(model, adapter, options: dict) -> list[ModuleStatus]:
             if parent_role == "attention" and options["linear"] and rope_fused:
                 status, detail = "fused", ("weight read by the fused attention forward: atb.kernels.linear_multi "
                                            f"(q/k/v) / linear (o) {_LINEAR_ROUTE}")
-            elif parent_role == "mlp" and _mlp_native(options, config_reasons, mlp_bias):
+            elif parent_role == "mlp" and _mlp_native(options, config_reasons):
                 status, detail = "fused", ("weight read by the fused MLP: atb.kernels.linear_swiglu (gate+up) / "
                                            f"linear (down) {_LINEAR_ROUTE}")
             else:
@@ -430,9 +466,9 @@ def _mlp_fused(options, config_reasons) -> bool:
     return options["mlp"] and "mlp" not in config_reasons
 
 
-def _mlp_native(options, config_reasons, mlp_bias) -> bool:
-    """The MLP's projections run on the native linear kernels (fused MLP, linear=True, no gate/up bias)."""
-    return _mlp_fused(options, config_reasons) and options["linear"] and not mlp_bias
+def _mlp_native(options, config_reasons) -> bool:
+    """The MLP's projections may run on the native linear kernels (fused MLP, linear=True)."""
+    return _mlp_fused(options, config_reasons) and options["linear"]
 
 
 def _dtype_name(model) -> str:
@@ -516,35 +552,41 @@ def patch_hf_model(model, *, soc_type: str | None = None, rms_norm: bool = True,
     modules = dict(model.named_modules())
     forwards = []
 
-    def rebind(mod, fwd):
+    def rebind(mod, fused, conf):
         had = "forward" in mod.__dict__
         forwards.append((mod, had, mod.__dict__.get("forward")))
-        mod.forward = fwd
+        mod.__dict__[_CONF] = conf
+        mod.forward = types.MethodType(fused, mod)
 
     config_reasons = adapter.unsupported_reasons()
     rope_fused = options["rope"] and "rope" not in config_reasons
     attn_fused = options["attention"] and "attention" not in config_reasons
     layer_of = {id(layer.self_attn): i for i, layer in enumerate(adapter.layers(model))}
+    native = options["linear"]
+    base = _Conf(adapter, soc_type, native)
     try:
         for name, st in status.items():
             if st.status != "fused":
                 continue
             mod = modules[name if name != "(root)" else ""]
             if st.role == "rms_norm":
-                rebind(mod, _norm_forward(mod, soc_type))
+                rebind(mod, _norm, base)
             elif st.role == "mlp":
-                rebind(mod, _mlp_forward(mod, soc_type, options["linear"]))
+                rebind(mod, _mlp, base)
             elif name == "lm_head":
-                rebind(mod, _lm_head_forward(mod, soc_type))
+                rebind(mod, _lm_head, base)
             elif st.role == "rotary":
-                rebind(mod, _rotary_forward(RotaryEmbedding.from_hf(mod)))
+                mod.__dict__["_atb_rope_table"] = RotaryEmbedding.from_hf(mod)
+                rebind(mod, _rotary, base)
             elif st.role == "decoder_layer":
-                rebind(mod, _decoder_layer_forward(mod, soc_type,
-                                                   _mlp_native(options, config_reasons, spec.has_mlp_bias)))
+                rebind(mod, _decoder_layer, replace(base, mlp_fused=_mlp_fused(options, config_reasons)))
             elif st.role == "attention":
                 mod._atb_soc_type = soc_type
                 if rope_fused:
-                    rebind(mod, _attention_forward(mod, spec, layer_of[id(mod)], soc_type, options["linear"]))
+                    i = layer_of[id(mod)]
+                    scale = float(getattr(mod, "scaling", spec.head_dim ** -0.5))
+                    rebind(mod, _attention, replace(base, shape=AttentionShape.from_spec(spec, scale), layer_idx=i,
+                                                    window=spec.sliding_windows[i]))
         attn_before = model.config._attn_implementation
         attn_set = False
         if attn_fused:
@@ -559,6 +601,9 @@ def patch_hf_model(model, *, soc_type: str | None = None, rms_norm: bool = True,
                          plan, (attn_before, model.config._attn_implementation),
                          "HF DynamicCache (created by generate), contiguous [B, KH, L, D]; with attention=True decode "
                          "reads it in place through paged_attention")
+    report.notes.append("with autograd recording (grad mode on and a parameter or input requiring grad) every patched "
+                        "module runs its stock forward, so gradients are exact; inference (torch.no_grad, "
+                        "inference_mode, generate) runs fused")
     if config_reasons:
         report.notes.append("partial patch: " + "; ".join(f"{k} stays stock: {v}" for k, v in config_reasons.items()))
     setattr(model, _STATE_ATTR, _PatchState(all_options, report, forwards, attn_before, attn_set))
@@ -571,9 +616,9 @@ def _restore(model, forwards, attn_before, attn_set) -> None:
             mod.forward = previous
         else:
             mod.__dict__.pop("forward", None)
-        mod.__dict__.pop("_atb_soc_type", None)
     for mod in model.modules():
-        mod.__dict__.pop("_atb_soc_type", None)
+        for key in ("_atb_soc_type", _CONF, "_atb_rope_table"):
+            mod.__dict__.pop(key, None)
     if attn_set:
         model.set_attn_implementation(attn_before)
 

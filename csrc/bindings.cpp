@@ -5,6 +5,7 @@
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <type_traits>
 
 #include "ascendc/error.h"
 #include "ascendc/runtime.h"
@@ -276,61 +277,72 @@ PYBIND11_MODULE(_C, m) {
         py::arg("soc"));
 
   // ---- decode graph ----------------------------------------------------------
-  // Built from a config dict and per-layer dicts of raw pointers (ints); the
-  // Python owner (atb.graph.DecodeGraph) keeps every tensor alive.
+  // Typed build description: a config and one DecodeLayer per layer, whose
+  // pointer fields (ints from data_ptr()) carry the names of atb's LayerWeights
+  // fields. The Python owner (atb.graph.DecodeGraph) keeps every tensor alive.
+  py::class_<atb::DecodeGraphConfig>(m, "DecodeGraphConfig")
+      .def(py::init<>())
+      .def_readwrite("num_layers", &atb::DecodeGraphConfig::numLayers)
+      .def_readwrite("hidden", &atb::DecodeGraphConfig::hidden)
+      .def_readwrite("num_heads", &atb::DecodeGraphConfig::numHeads)
+      .def_readwrite("num_kv_heads", &atb::DecodeGraphConfig::numKvHeads)
+      .def_readwrite("head_dim", &atb::DecodeGraphConfig::headDim)
+      .def_readwrite("intermediate", &atb::DecodeGraphConfig::intermediate)
+      .def_readwrite("vocab", &atb::DecodeGraphConfig::vocab)
+      .def_readwrite("eps", &atb::DecodeGraphConfig::eps)
+      .def_readwrite("scale", &atb::DecodeGraphConfig::scale)
+      .def_readwrite("rotary_dim", &atb::DecodeGraphConfig::rotaryDim)
+      .def_property(
+          "rope_style", [](const atb::DecodeGraphConfig& c) { return int(c.ropeStyle); },
+          [](atb::DecodeGraphConfig& c, int v) { c.ropeStyle = atb::RopeStyle(v); })
+      .def_readwrite("max_batch", &atb::DecodeGraphConfig::maxBatch)
+      .def_readwrite("max_seq_len", &atb::DecodeGraphConfig::maxSeqLen)
+      .def_readwrite("num_blocks", &atb::DecodeGraphConfig::numBlocks)
+      .def_readwrite("block_size", &atb::DecodeGraphConfig::blockSize)
+      .def_property(
+          "dtype", [](const atb::DecodeGraphConfig& c) { return int(c.dtype); },
+          [](atb::DecodeGraphConfig& c, int v) { c.dtype = Dt(v); })
+      .def_property(
+          "cos_dtype", [](const atb::DecodeGraphConfig& c) { return int(c.cosDtype); },
+          [](atb::DecodeGraphConfig& c, int v) { c.cosDtype = Dt(v); })
+      .def_readwrite("vocab_start", &atb::DecodeGraphConfig::vocabStart)
+      .def_readwrite("vocab_total", &atb::DecodeGraphConfig::vocabTotal)
+      .def_readwrite("owns_residual", &atb::DecodeGraphConfig::ownsResidual);
+  py::class_<atb::DecodeLayer> layer(m, "DecodeLayer");
+  layer.def(py::init<>()).def_readwrite("window", &atb::DecodeLayer::window);
+  auto pointer = [&layer](const char* name, auto member) {
+    layer.def_property(
+        name, [member](const atb::DecodeLayer& l) { return reinterpret_cast<uintptr_t>(l.*member); },
+        [member](atb::DecodeLayer& l, uintptr_t p) {
+          using P = std::remove_reference_t<decltype(l.*member)>;
+          l.*member = static_cast<P>(Ptr(p));
+        });
+  };
+  pointer("input_norm", &atb::DecodeLayer::inputNorm);
+  pointer("q", &atb::DecodeLayer::q);
+  pointer("k", &atb::DecodeLayer::k);
+  pointer("v", &atb::DecodeLayer::v);
+  pointer("q_bias", &atb::DecodeLayer::qBias);
+  pointer("k_bias", &atb::DecodeLayer::kBias);
+  pointer("v_bias", &atb::DecodeLayer::vBias);
+  pointer("q_norm", &atb::DecodeLayer::qNorm);
+  pointer("k_norm", &atb::DecodeLayer::kNorm);
+  pointer("o", &atb::DecodeLayer::o);
+  pointer("o_bias", &atb::DecodeLayer::oBias);
+  pointer("post_attention_norm", &atb::DecodeLayer::postNorm);
+  pointer("gate", &atb::DecodeLayer::gate);
+  pointer("gate_bias", &atb::DecodeLayer::gateBias);
+  pointer("up", &atb::DecodeLayer::up);
+  pointer("up_bias", &atb::DecodeLayer::upBias);
+  pointer("down", &atb::DecodeLayer::down);
+  pointer("down_bias", &atb::DecodeLayer::downBias);
+  pointer("key_cache", &atb::DecodeLayer::keyCache);
+  pointer("value_cache", &atb::DecodeLayer::valueCache);
+
   py::class_<atb::DecodeGraph>(m, "DecodeGraph")
-      .def(py::init([](const py::dict& cfg, const std::vector<py::dict>& layers, uintptr_t embed, uintptr_t final_norm,
-                       uintptr_t lm_head, uintptr_t cos, uintptr_t sin, const SocInfo& soc) {
-             atb::DecodeGraphConfig c;
-             auto geti = [&](const char* k) { return cfg[k].cast<int64_t>(); };
-             c.numLayers = geti("num_layers");
-             c.hidden = geti("hidden");
-             c.numHeads = geti("num_heads");
-             c.numKvHeads = geti("num_kv_heads");
-             c.headDim = geti("head_dim");
-             c.intermediate = geti("intermediate");
-             c.vocab = geti("vocab");
-             c.eps = cfg["eps"].cast<float>();
-             c.scale = cfg["scale"].cast<float>();
-             c.rotaryDim = geti("rotary_dim");
-             c.ropeStyle = atb::RopeStyle(geti("rope_style"));
-             c.maxBatch = geti("max_batch");
-             c.maxSeqLen = geti("max_seq_len");
-             c.numBlocks = geti("num_blocks");
-             c.blockSize = geti("block_size");
-             c.dtype = Dt(int(geti("dtype")));
-             c.cosDtype = Dt(int(geti("cos_dtype")));
-             if (cfg.contains("vocab_start")) c.vocabStart = geti("vocab_start");
-             if (cfg.contains("vocab_total")) c.vocabTotal = geti("vocab_total");
-             if (cfg.contains("owns_residual")) c.ownsResidual = cfg["owns_residual"].cast<bool>();
-             std::vector<atb::DecodeLayer> ls;
-             for (const auto& d : layers) {
-               auto p = [&](const char* k) -> void* { return d.contains(k) ? Ptr(d[k].cast<uintptr_t>()) : nullptr; };
-               atb::DecodeLayer l;
-               l.inputNorm = p("input_norm");
-               l.q = p("q");
-               l.k = p("k");
-               l.v = p("v");
-               l.qBias = p("q_bias");
-               l.kBias = p("k_bias");
-               l.vBias = p("v_bias");
-               l.qNorm = p("q_norm");
-               l.kNorm = p("k_norm");
-               l.o = p("o");
-               l.oBias = p("o_bias");
-               l.postNorm = p("post_attention_norm");
-               l.gate = p("gate");
-               l.gateBias = p("gate_bias");
-               l.up = p("up");
-               l.upBias = p("up_bias");
-               l.down = p("down");
-               l.downBias = p("down_bias");
-               l.keyCache = p("key_cache");
-               l.valueCache = p("value_cache");
-               l.window = d.contains("window") ? d["window"].cast<int64_t>() : 0;
-               ls.push_back(l);
-             }
-             return new atb::DecodeGraph(c, std::move(ls), Ptr(embed), Ptr(final_norm), Ptr(lm_head), Ptr(cos),
+      .def(py::init([](const atb::DecodeGraphConfig& c, std::vector<atb::DecodeLayer> layers, uintptr_t embed,
+                       uintptr_t final_norm, uintptr_t lm_head, uintptr_t cos, uintptr_t sin, const SocInfo& soc) {
+             return new atb::DecodeGraph(c, std::move(layers), Ptr(embed), Ptr(final_norm), Ptr(lm_head), Ptr(cos),
                                          Ptr(sin), soc);
            }),
            py::arg("config"), py::arg("layers"), py::arg("embed"), py::arg("final_norm"), py::arg("lm_head"),

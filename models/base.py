@@ -2,7 +2,8 @@
 
 An adapter answers three questions about a loaded HF model of its family:
 
-* ``spec(config)``: the shapes and options the fused path needs (`ModelSpec`);
+* ``spec(config)``: the shapes and options the fused path needs (`ModelSpec`; which biases and
+  norms a layer has is read off its `LayerWeights`);
 * ``layer_weights(model, i)`` / ``embed_tokens`` / ``final_norm`` / ``lm_head``:
   the HF parameter tensors themselves, never copies, so atb code that reads
   them sees every in-place update and costs no memory;
@@ -50,22 +51,8 @@ class ModelSpec:
     vocab: int
     rms_norm_eps: float
     sliding_windows: tuple      # per layer: None (full attention) or the window size
-    has_qkv_bias: bool
-    has_o_bias: bool
-    has_mlp_bias: bool
-    has_qk_norm: bool
-    tie_word_embeddings: bool
     hidden_act: str
     rope: RopeSpec
-    max_position_embeddings: int
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
 
 @dataclass
@@ -100,10 +87,6 @@ class LayerWeights:
         return LayerWeights(**{f.name: None if getattr(self, f.name) is None else fn(getattr(self, f.name))
                                for f in fields(self)})
 
-    @property
-    def has_mlp_bias(self) -> bool:
-        return self.gate_bias is not None or self.up_bias is not None
-
 
 def _bias(linear) -> torch.Tensor | None:
     return linear.bias if getattr(linear, "bias", None) is not None else None
@@ -118,8 +101,6 @@ class FamilyAdapter:
 
     model_type: str = ""
     prefix: str = ""
-    # HF modeling module holding the family's classes (for the default rope function).
-    hf_module: str = ""
 
     def __init__(self, config):
         if getattr(config, "model_type", None) != self.model_type:
@@ -134,15 +115,6 @@ class FamilyAdapter:
 
     def sliding_windows(self, config) -> tuple:
         return (None,) * config.num_hidden_layers
-
-    def has_qkv_bias(self, config) -> bool:
-        return bool(getattr(config, "attention_bias", False))
-
-    def has_o_bias(self, config) -> bool:
-        return bool(getattr(config, "attention_bias", False))
-
-    def has_qk_norm(self, config) -> bool:
-        return False
 
     def rope_spec(self, config) -> RopeSpec:
         params = dict(getattr(config, "rope_parameters", None) or {})
@@ -170,14 +142,8 @@ class FamilyAdapter:
             vocab=config.vocab_size,
             rms_norm_eps=float(config.rms_norm_eps),
             sliding_windows=tuple(self.sliding_windows(config)),
-            has_qkv_bias=self.has_qkv_bias(config),
-            has_o_bias=self.has_o_bias(config),
-            has_mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            has_qk_norm=self.has_qk_norm(config),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             hidden_act=str(getattr(config, "hidden_act", "silu")),
             rope=self.rope_spec(config),
-            max_position_embeddings=int(config.max_position_embeddings),
         )
 
     # ---- module tree ----------------------------------------------------------------------------
@@ -247,13 +213,6 @@ class FamilyAdapter:
             "Embedding": "embedding",
             "Linear": "linear",
         }
-
-    def default_rope_fn(self):
-        """HF's own default inverse-frequency function of this family (numerics match HF exactly)."""
-        import importlib
-
-        module = importlib.import_module(self.hf_module)
-        return getattr(module, f"{self.prefix}RotaryEmbedding").compute_default_rope_parameters
 
     # ---- what the fused path supports -----------------------------------------------------------
     def unsupported_reasons(self) -> dict[str, str]:

@@ -7,7 +7,6 @@ from .base import FamilyAdapter
 class LlamaAdapter(FamilyAdapter):
     model_type = "llama"
     prefix = "Llama"
-    hf_module = "transformers.models.llama.modeling_llama"
 
 
 ADAPTER = LlamaAdapter

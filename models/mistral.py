@@ -7,18 +7,11 @@ from .base import FamilyAdapter
 class MistralAdapter(FamilyAdapter):
     model_type = "mistral"
     prefix = "Mistral"
-    hf_module = "transformers.models.mistral.modeling_mistral"
 
     def sliding_windows(self, config) -> tuple:
         # MistralAttention passes config.sliding_window to every layer (None = full attention).
         window = getattr(config, "sliding_window", None)
         return (int(window) if window else None,) * config.num_hidden_layers
-
-    def has_qkv_bias(self, config) -> bool:
-        return False
-
-    def has_o_bias(self, config) -> bool:
-        return False
 
 
 ADAPTER = MistralAdapter

@@ -14,16 +14,9 @@ def layer_type_windows(config) -> tuple:
 class Qwen2Adapter(FamilyAdapter):
     model_type = "qwen2"
     prefix = "Qwen2"
-    hf_module = "transformers.models.qwen2.modeling_qwen2"
 
     def sliding_windows(self, config) -> tuple:
         return layer_type_windows(config)
-
-    def has_qkv_bias(self, config) -> bool:
-        return True
-
-    def has_o_bias(self, config) -> bool:
-        return False
 
 
 ADAPTER = Qwen2Adapter

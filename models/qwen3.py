@@ -8,13 +8,9 @@ from .qwen2 import layer_type_windows
 class Qwen3Adapter(FamilyAdapter):
     model_type = "qwen3"
     prefix = "Qwen3"
-    hf_module = "transformers.models.qwen3.modeling_qwen3"
 
     def sliding_windows(self, config) -> tuple:
         return layer_type_windows(config)
-
-    def has_qk_norm(self, config) -> bool:
-        return True
 
 
 ADAPTER = Qwen3Adapter

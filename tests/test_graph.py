@@ -12,6 +12,7 @@ import torch
 import atb
 from atb.checkpoints import random_model
 from atb.graph import DecodeGraph
+from conftest import family_model, family_names
 
 BLOCK = 16
 
@@ -108,23 +109,10 @@ def test_smollm2_bf16_close_to_hf(smollm2_bf16):
     assert seqs[0][len(prompt)] == int(hf[len(prompt) - 1].argmax())
 
 
-@pytest.mark.parametrize("model_type,extra", [
-    ("qwen2", {}),                                                     # q/k/v bias
-    ("qwen3", {"head_dim": 32}),                                       # q/k norm
-    ("mistral", {"sliding_window": 5}),                                # sliding window
-    ("llama", {"attention_bias": True, "mlp_bias": True}),             # o/gate/up/down bias too
-])
-def test_families_match_hf(model_type, extra):
-    kwargs = dict(atb.checkpoints.PRESETS["tiny"], **extra)
-    model = random_model(kwargs, torch.float32, model_type=model_type)
-    if model_type == "qwen2":  # random init leaves biases at zero: make them count
-        for layer in model.model.layers:
-            for p in (layer.self_attn.q_proj.bias, layer.self_attn.k_proj.bias, layer.self_attn.v_proj.bias):
-                p.data.normal_()
-    if model_type == "llama":
-        for layer in model.model.layers:
-            for m in (layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-                m.bias.data.normal_(std=0.1)
+# dynamic rope: its max_position_embeddings (16) is below this test's max_seq_len.
+@pytest.mark.parametrize("family", family_names("llama-dynamic-rope"))
+def test_families_match_hf(family):
+    model = family_model(family, atb.checkpoints.PRESETS["tiny"])
     prompts = [[5, 17, 300, 2, 9, 44, 1000, 3], [7, 7]]
     g, _, _ = _graph(model, max_batch=2, max_seq_len=48)
     seqs, logits = _run(g, prompts, 12, 48 // BLOCK)

@@ -1,12 +1,15 @@
-"""atb.layers: rotary tables against HF's own rotary modules, RMSNorm sharing the HF weight."""
+"""atb.layers: rotary tables against HF's own rotary modules, the HF-layout attention core, the executor's MLP and
+attention pieces against HF."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import AutoConfig
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from atb.layers.norm import RMSNorm
 from atb.layers.rotary import RotaryEmbedding
-from reference import assert_close, rms_norm_ref, DTYPES, add_rms_norm_ref
+from conftest import family_model, family_names
+from reference import assert_close
 
 BASE = dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, num_hidden_layers=1,
             max_position_embeddings=64, vocab_size=100)
@@ -56,21 +59,6 @@ def test_rotary_errors():
     bad.rope_parameters = {"rope_type": "longrope", "rope_theta": 1.0}
     with pytest.raises(ValueError, match="rope_type 'longrope' is not supported; supported: default"):
         RotaryEmbedding(bad)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_layer_shares_the_hf_weight(dtype):
-    hf = LlamaRMSNorm(77, eps=1e-5).to(dtype)
-    with torch.no_grad():
-        hf.weight.normal_()
-    norm = RMSNorm.from_hf(hf)
-    assert norm.weight is hf.weight and norm.eps == 1e-5
-    x, r = torch.randn(5, 77, dtype=dtype), torch.randn(5, 77, dtype=dtype)
-    assert_close(norm(x), rms_norm_ref(x, hf.weight, 1e-5))
-    y, h = norm(x, r)
-    ey, eh = add_rms_norm_ref(x, r, hf.weight, 1e-5)
-    assert_close(y, ey)
-    assert_close(h, eh)
 
 
 def _sdpa_reference(q, k, v, mask2d, scale, window, q_positions=None):
@@ -138,36 +126,40 @@ def test_hf_attention_packed_positions_and_errors():
 
 @pytest.mark.parametrize("rows", [1, 5, 40])
 @pytest.mark.parametrize("bias", [False, True])
-def test_swiglu_mlp_layer_matches_hf(rows, bias):
+def test_executor_mlp_matches_hf(rows, bias):
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from atb.layers.mlp import SwiGLUMLP
+    from atb.layers import decoder
+    from atb.registry import get_adapter
 
     config = AutoConfig.for_model("llama", mlp_bias=bias, **BASE)
     hf = LlamaMLP(config)
-    mlp = SwiGLUMLP.from_hf(hf)
-    assert mlp.gate is hf.gate_proj.weight and mlp.down is hf.down_proj.weight
-    x = torch.randn(rows, 96)
+    w = SimpleNamespace(**get_adapter(config).mlp_weights(hf))
+    assert w.gate is hf.gate_proj.weight and w.down is hf.down_proj.weight
+    x, res = torch.randn(rows, 96), torch.randn(rows, 96)
     with torch.no_grad():
-        assert_close(mlp(x), hf(x).double(), torch.float32, scale=4.0)
-        assert_close(mlp(x.view(1, rows, 96)), hf(x).view(1, rows, -1).double(), torch.float32, scale=4.0)
+        assert_close(decoder.mlp(x, w), hf(x).double(), torch.float32, scale=4.0)
+        assert_close(decoder.mlp(x, w, res), (res + hf(x)).double(), torch.float32, scale=4.0)
 
 
-@pytest.mark.parametrize("model_type,extra", [("llama", {}), ("qwen3", dict(head_dim=16)), ("qwen2", {})])
-def test_paged_attention_layer_matches_hf(model_type, extra):
+# mistral-window: HF's attention module called alone (no mask) applies no window to compare with.
+@pytest.mark.parametrize("family", family_names("mistral-window"))
+def test_executor_attention_over_the_paged_cache_matches_hf(family):
+    # The engine's attention pieces (qkv_rope, flash prefill, paged decode, o_proj) against HF's attention module.
     from transformers import DynamicCache
 
-    from atb.checkpoints import random_model
-    from atb.layers.attention import Attention, AttentionMetadata
+    from atb import kernels
+    from atb.layers import decoder
     from atb.layers.kv_cache import PagedKVCache
     from atb.registry import get_adapter
 
-    model = random_model(dict(BASE, **extra), torch.float32, model_type=model_type)
+    model = family_model(family, BASE)
     adapter = get_adapter(model)
     spec = adapter.spec
     hf_attn = model.model.layers[0].self_attn
     rotary = RotaryEmbedding.from_hf(model.model.rotary_emb)
-    layer = Attention(spec, adapter.layer_weights(model, 0), 0)
+    w = adapter.layer_weights(model, 0)
+    shape = decoder.AttentionShape.from_spec(spec, hf_attn.scaling)
     lens = [7, 4]
     xs = [torch.randn(1, n, 96) for n in lens]
     with torch.no_grad():
@@ -178,23 +170,29 @@ def test_paged_attention_layer_matches_hf(model_type, extra):
                              cache=DynamicCache(config=model.config))
             expect.append(out[0])
         cache = PagedKVCache(1, spec.num_kv_heads, spec.head_dim, num_blocks=8, block_size=2)
+        kc, vc = cache.key_caches[0], cache.value_caches[0]
         # Prefill both sequences but their last 2 tokens (flash), then one batched decode step per token (paged).
         pre = [n - 2 for n in lens]
-        for i, n in enumerate(pre):
+        for i, n in enumerate(lens):
             cache.allocate(i, n)
-        meta = AttentionMetadata.build(cache, [0, 1], [0, 0], pre)
         x = torch.cat([xs[i][0, :n] for i, n in enumerate(pre)])
         positions = torch.cat([torch.arange(n) for n in pre])
         cos, sin = rotary.cos_sin(positions)
-        got = layer(x, cos, sin, meta, cache.key_caches[0], cache.value_caches[0]).split(pre)
-        outs = [[g] for g in got]
+        q, k, v = decoder.qkv_rope(x, w, shape, cos, sin)
+        kernels.reshape_and_cache(k, v, kc, vc, cache.slot_mapping([0, 1], [0, 0], pre))
+        cu = torch.tensor([0, pre[0], sum(pre)], dtype=torch.int32)
+        o = kernels.flash_attention(q, k, v, cu, scale=shape.scale, causal=True)
+        outs = [[g] for g in decoder.o_proj(o.view(x.shape[0], -1), w).split(pre)]
+        tables = cache.block_tables([0, 1])
         for step in range(2):
-            for i, n in enumerate(pre):
-                cache.extend(i, n + step + 1)
-            meta = AttentionMetadata.build(cache, [0, 1], [n + step for n in pre], [n + step + 1 for n in pre])
             x = torch.stack([xs[i][0, n + step] for i, n in enumerate(pre)])
             cos, sin = rotary.cos_sin(torch.tensor([n + step for n in pre]))
-            got = layer(x, cos, sin, meta, cache.key_caches[0], cache.value_caches[0])
+            q, k, v = decoder.qkv_rope(x, w, shape, cos, sin)
+            kernels.reshape_and_cache(k, v, kc, vc, cache.slot_mapping([0, 1], [n + step for n in pre],
+                                                                       [n + step + 1 for n in pre]))
+            ctx = torch.tensor([n + step + 1 for n in pre], dtype=torch.int32)
+            o = kernels.paged_attention(q, kc, vc, tables, ctx, scale=shape.scale)
+            got = decoder.o_proj(o.view(2, -1), w)
             for i in range(2):
                 outs[i].append(got[i:i + 1])
     for i in range(2):

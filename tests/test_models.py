@@ -35,14 +35,16 @@ def test_atb_does_not_import_models_eagerly():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+# expect: spec fields, and which optional weights every layer has (q_bias means q/k/v bias, o_bias, gate_bias
+# means the MLP's biases, q_norm means q/k norm).
 @pytest.mark.parametrize("model_type,extra,expect", [
-    ("llama", {}, dict(has_qkv_bias=False, has_qk_norm=False, sliding_windows=(None,) * 3)),
+    ("llama", {}, dict(sliding_windows=(None,) * 3, weights=())),
     ("llama", dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True),
-     dict(has_qkv_bias=True, has_o_bias=True, has_mlp_bias=True, num_kv_heads=4)),
-    ("mistral", dict(sliding_window=7), dict(sliding_windows=(7, 7, 7), has_qkv_bias=False)),
+     dict(num_kv_heads=4, weights=("q_bias", "o_bias", "gate_bias"))),
+    ("mistral", dict(sliding_window=7), dict(sliding_windows=(7, 7, 7), weights=())),
     ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1),
-     dict(has_qkv_bias=True, has_o_bias=False, sliding_windows=(None, 5, 5))),
-    ("qwen3", dict(head_dim=24), dict(has_qk_norm=True, head_dim=24, sliding_windows=(None,) * 3)),
+     dict(sliding_windows=(None, 5, 5), weights=("q_bias",))),
+    ("qwen3", dict(head_dim=24), dict(head_dim=24, sliding_windows=(None,) * 3, weights=("q_norm",))),
 ])
 def test_spec_and_weights_are_the_hf_parameters(model_type, extra, expect):
     model = _tiny(model_type, **extra)
@@ -50,7 +52,8 @@ def test_spec_and_weights_are_the_hf_parameters(model_type, extra, expect):
     spec = adapter.spec
     assert spec.model_type == model_type
     assert (spec.num_layers, spec.hidden, spec.num_heads, spec.intermediate, spec.vocab) == (3, 64, 4, 96, 101)
-    assert spec.rms_norm_eps == 1e-5 and spec.max_position_embeddings == 128
+    assert spec.rms_norm_eps == 1e-5 and spec.rope.max_position_embeddings == 128
+    optional = set(expect.pop("weights"))
     for key, value in expect.items():
         assert getattr(spec, key) == value, key
     assert spec.rope.rope_type == "default" and spec.rope.rotary_dim == spec.head_dim
@@ -63,9 +66,13 @@ def test_spec_and_weights_are_the_hf_parameters(model_type, extra, expect):
         assert w.input_norm is layer.input_layernorm.weight
         for name, t in w.tensors().items():
             assert id(t) in named, f"layer {i} {name} is not one of the model's parameters"
-        assert (w.q_bias is not None) == spec.has_qkv_bias
-        assert (w.q_norm is not None) == spec.has_qk_norm
-        assert w.q.shape == (spec.q_size, spec.hidden) and w.k.shape == (spec.kv_size, spec.hidden)
+        groups = {"q_bias": ("q_bias", "k_bias", "v_bias"), "o_bias": ("o_bias",),
+                  "gate_bias": ("gate_bias", "up_bias", "down_bias"), "q_norm": ("q_norm", "k_norm")}
+        for group, names in groups.items():
+            for n in names:
+                assert (getattr(w, n) is not None) == (group in optional), f"layer {i} {n}"
+        H, KH, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        assert w.q.shape == (H * D, spec.hidden) and w.k.shape == (KH * D, spec.hidden)
     assert adapter.embed_tokens(model) is model.model.embed_tokens.weight
     assert adapter.final_norm(model) is model.model.norm.weight
     assert adapter.lm_head(model) is model.lm_head.weight
@@ -94,6 +101,6 @@ def test_smollm2_spec(smollm2_fp32):
     adapter = get_adapter(model)
     s = adapter.spec
     assert (s.num_layers, s.hidden, s.num_heads, s.num_kv_heads, s.head_dim) == (30, 576, 9, 3, 64)
-    assert (s.intermediate, s.vocab, s.tie_word_embeddings) == (1536, 49152, True)
+    assert (s.intermediate, s.vocab) == (1536, 49152)
     assert adapter.lm_head(model).data_ptr() == adapter.embed_tokens(model).data_ptr()
     assert s.rope.theta == 100000.0 and s.sliding_windows == (None,) * 30

@@ -7,29 +7,16 @@ import torch
 
 import atb
 from atb.checkpoints import random_model
+from conftest import family_model, family_names
 from reference import TOLERANCES
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=101, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 16, "rope_theta": 500000.0}
-FAMILIES = {
-    "llama-gqa": ("llama", {}),
-    "llama-mha": ("llama", dict(num_key_value_heads=4)),
-    "llama3-rope": ("llama", dict(rope_parameters=LLAMA3)),
-    "llama-dynamic-rope": ("llama", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
-                                         max_position_embeddings=16)),
-    "mistral-window": ("mistral", dict(sliding_window=5)),
-    "qwen2-bias": ("qwen2", {}),
-    "qwen2-window": ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
-    "qwen3": ("qwen3", dict(head_dim=24)),
-}
 CHAT = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 
 
 def _tiny(name, dtype=torch.float32):
-    model_type, extra = FAMILIES[name]
-    return random_model({**TINY, **extra}, dtype, model_type=model_type)
+    return family_model(name, TINY, dtype)
 
 
 def _generate(model, ids, mask=None, n=16, **kw):
@@ -55,7 +42,7 @@ def _assert_logits_close(stock, patched, dtype, scale=4.0):
                                    msg=lambda m: f"step {step}: {m}")
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", family_names())
 def test_tiny_family_prefill_and_decode_match_stock(family):
     model = _tiny(family)
     ids = torch.randint(3, 101, (1, 11))
@@ -314,3 +301,71 @@ def test_decoder_layer_fusion_follows_rms_norm_option():
     for out in (fused, unfused):
         _assert_logits_close(stock.logits, out.logits, torch.float32)
         assert torch.equal(stock.sequences, out.sequences)
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "qwen3", "mistral-window"])
+def test_gradients_flow_through_a_patched_model(family):
+    # With autograd recording, every patched module runs its stock forward: same loss, every parameter's gradient.
+    model = _tiny(family)
+    ids, mask = _padded_batch()
+    # Every labelled token is predicted from a real (unpadded) position: padded rows' outputs are arbitrary.
+    labels = ids.clone()
+    labels[:, :8] = -100
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    stock_loss, stock = grads()
+    report = atb.patch_hf_model(model)
+    try:
+        assert any("stock forward" in n and "grad" in n for n in report.notes)
+        loss, got = grads()
+        assert set(got) == {n for n, _ in model.named_parameters()} == set(stock)
+        torch.testing.assert_close(loss, stock_loss)
+        for n in stock:
+            torch.testing.assert_close(got[n], stock[n], msg=n)
+        with torch.no_grad():   # and inference still runs fused
+            out = model(ids[:1, -5:]).logits
+        atb.unpatch_hf_model(model)
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(ids[:1, -5:]).logits, atol=1e-4, rtol=1e-4)
+    finally:
+        atb.unpatch_hf_model(model)
+
+
+def test_kernels_refuse_inputs_that_require_grad():
+    x = torch.randn(3, 8, requires_grad=True)
+    w = torch.rand(8)
+    with pytest.raises(ValueError, match="rms_norm: x requires grad.*no backward"):
+        atb.kernels.rms_norm(x, w)
+    with pytest.raises(ValueError, match="linear: weight requires grad"):
+        atb.kernels.linear(x.detach(), torch.nn.Parameter(torch.randn(4, 8)))
+    with torch.no_grad():
+        torch.testing.assert_close(atb.kernels.rms_norm(x, w), atb.kernels.rms_norm(x.detach(), w))
+    atb.kernels.rms_norm(x.detach(), w)
+
+
+def test_deepcopy_of_a_patched_model_computes_with_its_own_parameters():
+    import copy
+
+    model = _tiny("qwen2-bias")
+    ids = torch.randint(3, 101, (2, 7))
+    atb.patch_hf_model(model)
+    try:
+        twin = copy.deepcopy(model)
+        assert atb.patch.is_patched(twin)
+        with torch.no_grad():
+            for p in twin.parameters():
+                p.mul_(0.5)
+            ours, theirs = model(ids).logits, twin(ids).logits
+            assert not torch.allclose(ours, theirs)
+            atb.unpatch_hf_model(twin)
+            assert not any("forward" in m.__dict__ for m in twin.modules())
+            torch.testing.assert_close(theirs, twin(ids).logits, atol=1e-4, rtol=1e-4)
+            atb.unpatch_hf_model(model)
+            torch.testing.assert_close(ours, model(ids).logits, atol=1e-4, rtol=1e-4)
+    finally:
+        atb.unpatch_hf_model(model)

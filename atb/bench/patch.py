@@ -141,8 +141,8 @@ def _breakdown(model, ids, new: int, patch: bool, phase: str = "decode") -> dict
     """ms per generated token (decode) or per prompt (prefill) in each category."""
     timers = _Timers(phase)
     kernels = atb.kernels
-    # The patched forwards bind these kernels when they are created: rope inside the attention forward, and
-    # the MLP's projections inside the decoder layer (which calls them directly where they are native).
+    # Kernels the patched forwards reach outside a timed module: rope inside the attention forward (timed
+    # apart from it), and the MLP's projections that the decoder layer runs itself (fused residual add).
     bound = {"rope": "rope apply", "linear_swiglu": "mlp", "linear_residual": "mlp"}
     saved = {name: getattr(kernels, name) for name in bound}
     if patch:

@@ -20,6 +20,10 @@ def float_code(op: str, name: str, t) -> int:
     if isinstance(t, torch.Tensor):
         code = DTYPE_CODES.get(t.dtype)
         if code is not None and t.is_cpu:
+            if t.requires_grad and torch.is_grad_enabled():
+                raise ValueError(f"{op}: {name} requires grad, but atb kernels have no backward (autograd would "
+                                 f"silently lose this op's gradient); call it under torch.no_grad() or "
+                                 f"torch.inference_mode(), or pass a detached tensor")
             return code
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")

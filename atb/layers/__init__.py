@@ -1,7 +1,6 @@
-"""nn.Modules over the fused kernels; they read HF parameters in place (no copies)."""
-from atb.layers.attention import Attention, AttentionMetadata, hf_attention
-from atb.layers.mlp import SwiGLUMLP
-from atb.layers.norm import RMSNorm
+"""The Python executor: the decoder layer written once (``decoder``), the one routing point for projections
+(``linear``), the HF-layout attention core (``attention``), rotary tables and the paged KV cache."""
+from atb.layers.attention import hf_attention
 from atb.layers.rotary import RotaryEmbedding
 
-__all__ = ["Attention", "AttentionMetadata", "hf_attention", "SwiGLUMLP", "RMSNorm", "RotaryEmbedding"]
+__all__ = ["hf_attention", "RotaryEmbedding"]

@@ -1,11 +1,7 @@
-"""Attention over the fused kernels.
+"""The attention core in HF's layout, over the fused kernels.
 
-``Attention`` is one decoder layer's attention for a paged-cache engine:
-q/k/v projections (``linear_multi`` where ``native_linear_wins``), optional q/k
-RMSNorm, rope in place, ``reshape_and_cache`` into the layer's
-``[num_blocks, block_size, KH, D]`` caches, then ``flash_attention`` for a
-prefill of fresh sequences or ``paged_attention`` (one or several new tokens
-per sequence, placed at the end of its context), and o_proj.
+(The engine's own attention, over its paged KV cache, is in ``atb.engine.runner``;
+the projections and rope around it in ``atb.layers.decoder``.)
 
 ``hf_attention`` is the attention core in HF's layout (q ``[B, H, S, D]``,
 k/v ``[B, KH, L, D]`` as a transformers Cache hands them over); it backs the
@@ -29,14 +25,9 @@ padding mask is refused rather than computed wrongly.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from atb import kernels
-from atb.kernels.linear import native_linear_wins
 
 # Last block table / context lengths built, reused by every layer of one forward (and by later steps when the
 # shapes repeat). Keys hold the mask tensor itself, so its id cannot be recycled while cached.
@@ -190,76 +181,3 @@ def hf_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
     if S == L:
         return _prefill(query, key, value, padding_mask, scale, window, position_ids, soc_type)
     return _with_past(query, key, value, padding_mask, scale, window, soc_type)
-
-
-@dataclass
-class AttentionMetadata:
-    """Where one step's tokens go in the paged cache and what they attend to.
-
-    slot_mapping int32 ``[T]``; block_tables int32 ``[B, max_blocks]``; context_lens int32 ``[B]`` (full
-    context incl. this step's tokens); q_lens int32 ``[B]`` (this step's tokens per sequence, None = one each);
-    cu_seqlens int32 ``[B+1]`` when every sequence starts at position 0 in this step (flash prefill), else None.
-    """
-
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    context_lens: torch.Tensor
-    q_lens: torch.Tensor | None = None
-    cu_seqlens: torch.Tensor | None = None
-
-    @classmethod
-    def build(cls, cache, seq_ids, starts, ends) -> "AttentionMetadata":
-        """From a ``PagedKVCache`` (blocks already allocated): sequence i's new tokens are ``[starts[i], ends[i])``."""
-        lens = [e - s for s, e in zip(starts, ends)]
-        prefill = all(s == 0 for s in starts)
-        cu = None
-        if prefill:
-            cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
-            torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0, out=cu[1:])
-        return cls(slot_mapping=cache.slot_mapping(seq_ids, starts, ends), block_tables=cache.block_tables(seq_ids),
-                   context_lens=torch.tensor(list(ends), dtype=torch.int32),
-                   q_lens=None if all(n == 1 for n in lens) else torch.tensor(lens, dtype=torch.int32),
-                   cu_seqlens=cu)
-
-
-class Attention(nn.Module):
-    """One layer's attention over a paged KV cache, reading the HF weights in place (`LayerWeights`)."""
-
-    def __init__(self, spec, weights, layer_idx: int, *, soc_type: str | None = None):
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.w = weights
-        self.window = spec.sliding_windows[layer_idx]
-        self.eps = spec.rms_norm_eps
-        self.scale = spec.head_dim ** -0.5
-        self.layer_idx = layer_idx
-        self.soc_type = soc_type
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tensor:
-        """x ``[T, hidden]``, cos/sin ``[T, rotary_dim]`` (RotaryEmbedding.cos_sin of the positions) -> ``[T, hidden]``."""
-        w, soc = self.w, self.soc_type
-        T = x.shape[0]
-        native = native_linear_wins(T, x.dtype)
-        if native:
-            q, k, v = kernels.linear_multi(x, (w.q, w.k, w.v), (w.q_bias, w.k_bias, w.v_bias), soc_type=soc)
-        else:
-            q, k, v = F.linear(x, w.q, w.q_bias), F.linear(x, w.k, w.k_bias), F.linear(x, w.v, w.v_bias)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if w.q_norm is not None:
-            q = kernels.rms_norm(q, w.q_norm, self.eps, soc_type=soc)
-            k = kernels.rms_norm(k, w.k_norm, self.eps, soc_type=soc)
-        kernels.rope(q, k, cos, sin, inplace=True, soc_type=soc)
-        kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        if meta.cu_seqlens is not None:
-            out = kernels.flash_attention(q, k, v, meta.cu_seqlens, scale=self.scale, window=self.window,
-                                          soc_type=soc)
-        else:
-            out = kernels.paged_attention(q, key_cache, value_cache, meta.block_tables, meta.context_lens,
-                                          scale=self.scale, q_lens=meta.q_lens, window=self.window, soc_type=soc)
-        out = out.view(T, -1)
-        if native:
-            return kernels.linear(out, w.o, w.o_bias, soc_type=soc)
-        return F.linear(out, w.o, w.o_bias)

@@ -8,8 +8,6 @@
 #include "ascendc/error.h"
 #include "ascendc/tensor.h"
 #include "kernels/linear/linear_tiling.h"
-#include "kernels/paged_attention/paged_attention_tiling.h"
-#include "kernels/reshape_and_cache/reshape_and_cache_tiling.h"
 #include "kernels/rms_norm/rms_norm_tiling.h"
 
 using AscendC::DataType;
@@ -91,6 +89,13 @@ DecodeGraph::DecodeGraph(const DecodeGraphConfig& cfg, std::vector<DecodeLayer> 
   if (c.vocabTotal == 0) cfg_.vocabTotal = c.vocab;
   ATB_CHECK(c.vocabStart >= 0 && c.vocabStart + c.vocab <= cfg_.vocabTotal, "DecodeGraph: vocab slice [",
             c.vocabStart, ", ", c.vocabStart + c.vocab, ") is outside the vocabulary of ", cfg_.vocabTotal);
+  for (const DecodeLayer& l : layers_) {
+    int64_t w = l.window > 0 ? l.window : 0;
+    auto it = std::find(distinctWindows_.begin(), distinctWindows_.end(), w);
+    windowOf_.push_back(size_t(it - distinctWindows_.begin()));
+    if (it == distinctWindows_.end()) distinctWindows_.push_back(w);
+  }
+  attnPlans_.resize(distinctWindows_.size());
 
   // Scratch: residual stream x, normed h, q, k, v, attention output, MLP
   // activation, gathered cos/sin; each [maxBatch, width], 64-byte aligned.
@@ -151,6 +156,15 @@ void DecodeGraph::Validate(const int32_t* tokenIds, const int32_t* positions, co
   }
 }
 
+void DecodeGraph::Plan(const int32_t* contextLens, int64_t maxBlocks, int64_t batch) {
+  const auto& c = cfg_;
+  for (size_t i = 0; i < distinctWindows_.size(); ++i)
+    attnPlans_[i] = PagedAttentionTiling(batch, c.numHeads, c.numKvHeads, c.headDim, c.numBlocks, c.blockSize,
+                                         maxBlocks, contextLens, nullptr, batch, c.numHeads * c.headDim, c.scale,
+                                         distinctWindows_[i], c.dtype, soc_);
+  cachePlan_ = ReshapeAndCacheTiling(batch, c.numKvHeads, c.headDim, c.dtype, soc_);
+}
+
 void DecodeGraph::Step(const int32_t* tokenIds, const int32_t* positions, const int32_t* blockTables,
                        int64_t maxBlocks, const int32_t* contextLens, const int32_t* slotMapping, int64_t batch,
                        void* logits, int32_t* argmaxOut) {
@@ -183,7 +197,8 @@ void DecodeGraph::Step(const int32_t* tokenIds, const int32_t* positions, const 
       else
         std::memset(dst, 0, size_t(c.hidden * elt));
     }
-    // Rope rows of this step's positions, shared by every layer.
+    // Shared by every layer: the plan, and the rope rows of this step's positions.
+    Plan(contextLens, maxBlocks, B);
     const auto* cs = static_cast<const uint8_t*>(cos_);
     const auto* sn = static_cast<const uint8_t*>(sin_);
     int64_t row = c.rotaryDim * celt;
@@ -194,7 +209,8 @@ void DecodeGraph::Step(const int32_t* tokenIds, const int32_t* positions, const 
   }
   allReduce();
 
-  for (const DecodeLayer& L : layers_) {
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    const DecodeLayer& L = layers_[li];
     {
       auto t = timer(NODE_NORM);
       RmsNorm(h, nullptr, x, nullptr, L.inputNorm, B, c.hidden, dt, c.eps, soc_);
@@ -216,13 +232,11 @@ void DecodeGraph::Step(const int32_t* tokenIds, const int32_t* positions, const 
     }
     {
       auto t = timer(NODE_CACHE);
-      ReshapeAndCache(k, kvSize, v, kvSize, L.keyCache, L.valueCache, slotMapping, B, c.numKvHeads, c.headDim,
-                      c.numBlocks, c.blockSize, dt, soc_);
+      ReshapeAndCacheRun(cachePlan_, k, kvSize, v, kvSize, L.keyCache, L.valueCache, slotMapping, soc_);
     }
     {
       auto t = timer(NODE_ATTENTION);
-      PagedAttention(attn, q, qSize, L.keyCache, L.valueCache, blockTables, contextLens, nullptr, B, c.numHeads,
-                     c.numKvHeads, c.headDim, c.numBlocks, c.blockSize, maxBlocks, B, c.scale, L.window, dt, soc_);
+      PagedAttentionRun(attnPlans_[windowOf_[li]], attn, q, L.keyCache, L.valueCache, blockTables, soc_);
     }
     {
       auto t = timer(NODE_O_PROJ);

@@ -16,6 +16,8 @@
 
 #include "ascendc/dtype.h"
 #include "ascendc/soc.h"
+#include "kernels/paged_attention/paged_attention_tiling.h"
+#include "kernels/reshape_and_cache/reshape_and_cache_tiling.h"
 #include "kernels/rope/rope_tiling.h"
 
 namespace atb {
@@ -67,7 +69,9 @@ struct DecodeLayer {
   int64_t window = 0;           // sliding window; <= 0: full attention
 };
 
-// Profiled nodes, in execution order.
+// Profiled nodes, in execution order. "embed" also covers the per-step work
+// every layer shares: the rope rows of the step's positions and the plan
+// (paged-attention tiling per distinct sliding window, the cache-write tiling).
 enum DecodeNode : int { NODE_EMBED, NODE_NORM, NODE_QKV, NODE_ROPE, NODE_CACHE, NODE_ATTENTION, NODE_O_PROJ,
                         NODE_MLP, NODE_LM_HEAD, NODE_ALL_REDUCE, NODE_COUNT };
 const char* DecodeNodeName(int node);
@@ -104,6 +108,10 @@ class DecodeGraph {
   void Validate(const int32_t* tokenIds, const int32_t* positions, const int32_t* blockTables, int64_t maxBlocks,
                 const int32_t* contextLens, const int32_t* slotMapping, int64_t batch) const;
   void* Buf(int64_t off) { return base_ + off; }
+  // The step's plan, from metadata Validate() accepted: one paged-attention
+  // tiling per distinct window (windows_[i] is layer i's index into plans_),
+  // one cache-write tiling. Reused by every layer of the step.
+  void Plan(const int32_t* contextLens, int64_t maxBlocks, int64_t batch);
 
   DecodeGraphConfig cfg_;
   std::vector<DecodeLayer> layers_;
@@ -117,6 +125,10 @@ class DecodeGraph {
   std::vector<uint8_t> scratch_;
   uint8_t* base_ = nullptr;
   int64_t offX_ = 0, offH_ = 0, offQ_ = 0, offK_ = 0, offV_ = 0, offAttn_ = 0, offAct_ = 0, offCos_ = 0, offSin_ = 0;
+  std::vector<int64_t> distinctWindows_;   // the sliding windows in use, each once
+  std::vector<size_t> windowOf_;           // per layer: its index into distinctWindows_ / attnPlans_
+  std::vector<PagedAttentionTilingData> attnPlans_;
+  ReshapeAndCacheTilingData cachePlan_;
   AllReduceFn allReduce_;
   bool profiling_ = false;
   std::array<int64_t, NODE_COUNT> profNs_{}, profCalls_{};

@@ -352,6 +352,11 @@ void PagedAttention(void* out, const void* q, int64_t qStride, const void* keyCa
   PagedAttentionTilingData t = PagedAttentionTiling(batch, numHeads, kvHeads, headDim, numBlocks, blockSize, maxBlocks,
                                                     contextLens, qLens, totalQ, qStride, scale, window, dtype, soc);
   CheckBlockTables(blockTables, t);
+  PagedAttentionRun(t, out, q, keyCache, valueCache, blockTables, soc);
+}
+
+void PagedAttentionRun(const PagedAttentionTilingData& t, void* out, const void* q, const void* keyCache,
+                       const void* valueCache, const int32_t* blockTables, const SocInfo& soc) {
   if (t.items.empty()) return;  // every q_len is 0
   // Partials live for one call; the buffer is kept per calling thread so decode
   // steps do not allocate.

@@ -71,8 +71,14 @@ PagedAttentionTilingData PagedAttentionTiling(int64_t batch, int64_t numHeads, i
 // entries) must lie in [0, numBlocks); entries past that are never read.
 void CheckBlockTables(const int32_t* blockTables, const PagedAttentionTilingData& t);
 
-// Host entry: validates, tiles, launches the attention stage and, when a
-// sequence's key range was split over cores, the merge stage.
+// Launches a validated plan (PagedAttentionTiling + CheckBlockTables) over
+// these tensors: the attention stage and, when a sequence's key range was
+// split over cores, the merge stage. A decode graph plans once per step (per
+// distinct window) and runs the plan in every layer (ATB Setup / Execute).
+void PagedAttentionRun(const PagedAttentionTilingData& t, void* out, const void* q, const void* keyCache,
+                       const void* valueCache, const int32_t* blockTables, const AscendC::SocInfo& soc);
+
+// Host entry: validates, tiles (the plan), then runs it.
 //   out          [totalQ, numHeads, headDim] contiguous, dtype
 //   q            [totalQ, numHeads, headDim], token stride qStride elements
 //   key/valueCache [numBlocks, blockSize, kvHeads, headDim] contiguous

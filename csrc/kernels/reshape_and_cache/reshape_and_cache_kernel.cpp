@@ -106,6 +106,12 @@ void ReshapeAndCache(const void* key, int64_t keyStride, const void* value, int6
   ReshapeAndCacheTilingData t = ReshapeAndCacheTiling(tokens, kvHeads, headDim, dtype, soc);
   // Every slot is checked before the launch: a bad call leaves the cache untouched.
   CheckSlotMapping(slotMapping, tokens, numBlocks, blockSize);
+  ReshapeAndCacheRun(t, key, keyStride, value, valueStride, keyCache, valueCache, slotMapping, soc);
+}
+
+void ReshapeAndCacheRun(const ReshapeAndCacheTilingData& t, const void* key, int64_t keyStride, const void* value,
+                        int64_t valueStride, void* keyCache, void* valueCache, const int32_t* slotMapping,
+                        const SocInfo& soc) {
   auto gm = [](const void* p) { return reinterpret_cast<GM_ADDR>(const_cast<void*>(p)); };
   auto kernel = [&]() {
     switch (DataType(t.tilingKey)) {

@@ -26,6 +26,12 @@ ReshapeAndCacheTilingData ReshapeAndCacheTiling(int64_t tokens, int64_t kvHeads,
 // depends on the core split). Throws std::invalid_argument naming the token.
 void CheckSlotMapping(const int32_t* slotMapping, int64_t tokens, int64_t numBlocks, int64_t blockSize);
 
+// Launches a plan (ReshapeAndCacheTiling, with slot_mapping already checked by
+// CheckSlotMapping) over these tensors; strides as for ReshapeAndCache.
+void ReshapeAndCacheRun(const ReshapeAndCacheTilingData& t, const void* key, int64_t keyStride, const void* value,
+                        int64_t valueStride, void* keyCache, void* valueCache, const int32_t* slotMapping,
+                        const AscendC::SocInfo& soc);
+
 // Host entry: validates slot_mapping, tiles and launches.
 //   key/value     [tokens, kvHeads, headDim]; token t's row starts at t * keyStride
 //                 (resp. valueStride) elements, heads and head_dim are packed
