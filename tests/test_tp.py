@@ -192,6 +192,15 @@ def test_tp_arguments_are_checked():
         atb.TransformerInfer(model, max_seq_len=64, tp=2)
 
 
+def test_cli_tp_outside_torchrun_is_a_one_line_error(capsys, monkeypatch):
+    from atb import cli
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    assert cli.main(["generate", "hi", "--tp", "2", "--quiet"]) == 2
+    assert "torchrun --nproc-per-node 2 -m atb generate --tp 2" in capsys.readouterr().err
+
+
 def test_a_model_directory_loads_without_the_hf_model(tmp_path):
     model = _tiny_model("llama")
     model.save_pretrained(tmp_path / "m")
