@@ -88,6 +88,9 @@ class DecodeGraph:
         layers = list(layers)
         if not layers:
             raise ValueError("DecodeGraph: layers is empty")
+        for i, lw in enumerate(layers):
+            if not isinstance(lw, LayerWeights):
+                raise TypeError(f"DecodeGraph: layers[{i}] must be a LayerWeights, got {type(lw).__name__}")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"DecodeGraph: max_batch must be a positive int, got {max_batch!r}")
         dtype = embed.dtype
@@ -114,8 +117,6 @@ class DecodeGraph:
             raise ValueError(f"DecodeGraph: {len(windows)} sliding_windows for {len(layers)} layers")
         native_layers = []
         for i, lw in enumerate(layers):
-            if not isinstance(lw, LayerWeights):
-                raise TypeError(f"DecodeGraph: layers[{i}] must be a LayerWeights, got {type(lw).__name__}")
             present = lw.tensors()
             missing = [n for n in _LAYER_REQUIRED if n not in present]
             if missing:

@@ -280,8 +280,17 @@ PYBIND11_MODULE(_C, m) {
   // Typed build description: a config and one DecodeLayer per layer, whose
   // pointer fields (ints from data_ptr()) carry the names of atb's LayerWeights
   // fields. The Python owner (atb.graph.DecodeGraph) keeps every tensor alive.
-  py::class_<atb::DecodeGraphConfig>(m, "DecodeGraphConfig")
-      .def(py::init<>())
+  py::class_<atb::DecodeGraphConfig> config(m, "DecodeGraphConfig");
+  // Enum fields cross as their int codes (the same codes the kernels take).
+  auto code = [&config](const char* name, auto member, auto from) {
+    config.def_property(
+        name, [member](const atb::DecodeGraphConfig& c) { return int(c.*member); },
+        [member, from](atb::DecodeGraphConfig& c, int v) { c.*member = from(v); });
+  };
+  code("rope_style", &atb::DecodeGraphConfig::ropeStyle, [](int v) { return atb::RopeStyle(v); });
+  code("dtype", &atb::DecodeGraphConfig::dtype, Dt);
+  code("cos_dtype", &atb::DecodeGraphConfig::cosDtype, Dt);
+  config.def(py::init<>())
       .def_readwrite("num_layers", &atb::DecodeGraphConfig::numLayers)
       .def_readwrite("hidden", &atb::DecodeGraphConfig::hidden)
       .def_readwrite("num_heads", &atb::DecodeGraphConfig::numHeads)
@@ -292,19 +301,10 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("eps", &atb::DecodeGraphConfig::eps)
       .def_readwrite("scale", &atb::DecodeGraphConfig::scale)
       .def_readwrite("rotary_dim", &atb::DecodeGraphConfig::rotaryDim)
-      .def_property(
-          "rope_style", [](const atb::DecodeGraphConfig& c) { return int(c.ropeStyle); },
-          [](atb::DecodeGraphConfig& c, int v) { c.ropeStyle = atb::RopeStyle(v); })
       .def_readwrite("max_batch", &atb::DecodeGraphConfig::maxBatch)
       .def_readwrite("max_seq_len", &atb::DecodeGraphConfig::maxSeqLen)
       .def_readwrite("num_blocks", &atb::DecodeGraphConfig::numBlocks)
       .def_readwrite("block_size", &atb::DecodeGraphConfig::blockSize)
-      .def_property(
-          "dtype", [](const atb::DecodeGraphConfig& c) { return int(c.dtype); },
-          [](atb::DecodeGraphConfig& c, int v) { c.dtype = Dt(v); })
-      .def_property(
-          "cos_dtype", [](const atb::DecodeGraphConfig& c) { return int(c.cosDtype); },
-          [](atb::DecodeGraphConfig& c, int v) { c.cosDtype = Dt(v); })
       .def_readwrite("vocab_start", &atb::DecodeGraphConfig::vocabStart)
       .def_readwrite("vocab_total", &atb::DecodeGraphConfig::vocabTotal)
       .def_readwrite("owns_residual", &atb::DecodeGraphConfig::ownsResidual);

@@ -182,6 +182,15 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="key_caches\\[0\\] is torch.float16"):
         DecodeGraph.from_model(model, key_caches=list(kc.half().unbind(0)), value_caches=list(vc.unbind(0)),
                                max_batch=1, max_seq_len=32)
+    from atb.registry import get_adapter
+
+    lw = get_adapter(model).layer_weights(model, 0)
+    with pytest.raises(TypeError, match=r"layers\[0\] must be a LayerWeights, got dict"):
+        DecodeGraph.from_weights({"num_heads": 4, "num_kv_heads": 2, "head_dim": 32, "eps": 1e-5},
+                                 [lw.tensors()], embed=model.model.embed_tokens.weight.detach(),
+                                 final_norm=model.model.norm.weight.detach(), lm_head=model.lm_head.weight.detach(),
+                                 cos=torch.ones(32, 32), sin=torch.ones(32, 32), key_caches=list(kc.unbind(0))[:1],
+                                 value_caches=list(vc.unbind(0))[:1], max_batch=1)
     with pytest.raises(ValueError, match="bfloat16 is not supported on Ascend910"):
         mb = random_model("tiny", torch.bfloat16)
         kb, vb = _caches(mb, 8, torch.bfloat16)
