@@ -100,10 +100,10 @@ def _worker(job: dict) -> None:
         for _ in range(steps):
             infer.step()
         dt = time.perf_counter() - t0
-        while infer.has_unfinished():
-            infer.step()
         comm = infer.tp.comm_seconds if infer.tp is not None else 0.0
         calls = infer.tp.comm_calls if infer.tp is not None else 0
+        while infer.has_unfinished():
+            infer.step()
         rows.append({"batch": b, "tok_s": b * steps / dt, "ms_per_step": 1e3 * dt / steps,
                      "comm_ms_per_step": 1e3 * comm / steps, "collectives_per_step": calls / steps})
     mem = infer.memory_summary()
