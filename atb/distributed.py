@@ -168,8 +168,7 @@ class TensorParallel:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.backend = str(dist.get_backend(group))
-        self.timeout = timeout
+        self.timeout = timeout   # seconds, when known (the group was created here); for error messages
         self.plan: ShardPlan | None = None
         self.reset_comm_stats()
 
@@ -188,12 +187,14 @@ class TensorParallel:
         if not dist.is_available():
             raise RuntimeError("TransformerInfer: tensor parallelism needs torch.distributed, which this torch "
                                "build lacks")
-        if tp_group is None:
+        timeout = None
+        if tp_group is None and not dist.is_initialized():
             init_process_group()
+            timeout = DEFAULT_TIMEOUT_S
         world = dist.get_world_size(tp_group)
         if tp is not None and tp != world:
             raise ValueError(f"TransformerInfer: tp={tp} but the process group has {world} ranks")
-        return cls(tp_group) if world > 1 else None
+        return cls(tp_group, timeout) if world > 1 else None
 
     # ---- collectives ----------------------------------------------------------------------------
     def reset_comm_stats(self) -> None:
