@@ -211,14 +211,24 @@ def _engine(args):
                         f"--max-seq-len {max_seq_len}")
     if args.threads:
         atb.set_num_threads(args.threads)
-    progress = Progress(not args.quiet)
-    model, tok, _ = _load(args, dtype, progress)
+    tp = getattr(args, "tp", 1)   # generate only; chat runs on one process
+    lead = _join_tp(args) if tp > 1 else True   # under --tp only rank 0 prints
+    progress = Progress(not args.quiet and lead)
+    if tp > 1 and args.model and os.path.isdir(args.model):
+        # Each rank reads only its slices of the directory's safetensors files.
+        from transformers import AutoTokenizer
+
+        progress(f"loading tokenizer of {args.model}")
+        model, tok = args.model, AutoTokenizer.from_pretrained(args.model)
+    else:
+        model, tok, _ = _load(args, dtype, progress)
     if tok is None:
         raise UserError("this command needs a tokenizer: use the default model or --model with a tokenizer")
     progress("building engine")
-    infer = atb.TransformerInfer(model, max_seq_len=max_seq_len, soc_type=args.soc_type, quantize=args.quantize)
+    infer = atb.TransformerInfer(model, max_seq_len=max_seq_len, soc_type=args.soc_type, dtype=dtype,
+                                 quantize=args.quantize, tp=tp if tp > 1 else None)
     progress.done()
-    return infer, tok, max_seq_len
+    return infer, tok, max_seq_len, lead
 
 
 def _token_ids(ids) -> list[int]:
@@ -228,12 +238,15 @@ def _token_ids(ids) -> list[int]:
     return [int(i) for i in (ids.tolist() if torch.is_tensor(ids) else ids)]
 
 
-def _stream_reply(infer, tok, ids: list[int], args) -> tuple[list[int], float]:
-    """Generates after ``ids``, printing the text as it grows; returns (new tokens, seconds)."""
+def _stream_reply(infer, tok, ids: list[int], args, lead: bool = True) -> tuple[list[int], float]:
+    """Generates after ``ids``, printing the text as it grows (on the rank that prints); returns (new tokens,
+    seconds)."""
     streamed: list[int] = []
     printed = [0]
 
     def on_token(_seq: int, token: int):
+        if not lead:
+            return
         streamed.append(token)
         text = tok.decode(streamed, skip_special_tokens=True)
         sys.stdout.write(text[printed[0]:])
@@ -245,13 +258,14 @@ def _stream_reply(infer, tok, ids: list[int], args) -> tuple[list[int], float]:
                          temperature=max(args.temperature, 1e-5), top_k=args.top_k, top_p=args.top_p,
                          repetition_penalty=args.repetition_penalty, seed=args.seed, stream=on_token)
     dt = time.perf_counter() - t0
-    sys.stdout.write("\n")
+    if lead:
+        sys.stdout.write("\n")
     sys.stdout.flush()
     return out[0], dt
 
 
 def cmd_generate(args) -> int:
-    infer, tok, max_seq_len = _engine(args)
+    infer, tok, max_seq_len, lead = _engine(args)
     if tok.chat_template and not args.raw:
         ids = _token_ids(tok.apply_chat_template([{"role": "user", "content": args.prompt}],
                                                  add_generation_prompt=True))
@@ -260,7 +274,9 @@ def cmd_generate(args) -> int:
     if len(ids) + args.max_new_tokens > max_seq_len:
         raise UserError(f"the prompt ({len(ids)} tokens) plus --max-new-tokens {args.max_new_tokens} exceeds "
                         f"--max-seq-len {max_seq_len}")
-    out, dt = _stream_reply(infer, tok, ids, args)
+    out, dt = _stream_reply(infer, tok, ids, args, lead)
+    if not lead:
+        return 0
     n = len(out)
     print(f"[{n} tokens in {dt:.2f} s: {n / dt:.1f} tok/s incl. prefill of {len(ids)} prompt tokens; "
           f"soc_type={args.soc_type}, dtype={args.dtype}]", file=sys.stderr)
@@ -269,7 +285,7 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     """Multi-turn chat on stdin: one user message per line, replies streamed; ends at end of input (Ctrl-D)."""
-    infer, tok, max_seq_len = _engine(args)
+    infer, tok, max_seq_len, _ = _engine(args)
     if not tok.chat_template:
         raise UserError("chat needs a tokenizer with a chat template")
     interactive = sys.stdin.isatty()
@@ -318,6 +334,25 @@ def cmd_convert(args) -> int:
         signal.signal(signal.SIGTERM, previous)
     print(f"wrote {args.dst}: {summary.line()}")
     return 0
+
+
+def _join_tp(args) -> bool:
+    """Joins the torchrun process group for ``--tp N``; True on the rank that prints (rank 0, or no tp)."""
+    if args.tp < 1:
+        raise UserError(f"--tp must be >= 1, got {args.tp}")
+    if args.tp == 1:
+        return True
+    import torch.distributed as dist
+
+    from atb import distributed
+
+    try:
+        distributed.init_process_group(args.tp_backend)
+    except ValueError as e:
+        raise UserError(f"{e} (run: torchrun --nproc-per-node {args.tp} -m atb generate --tp {args.tp} ...)") from None
+    if dist.get_world_size() != args.tp:
+        raise UserError(f"--tp {args.tp} but torchrun started {dist.get_world_size()} processes")
+    return dist.get_rank() == 0
 
 
 # ---------------------------------------------------------------- bench
@@ -484,6 +519,9 @@ def _add_generate(sub):
     g.add_argument("prompt")
     _engine_args(g)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks (under torchrun --nproc-per-node N; only rank 0 prints)")
+    g.add_argument("--tp-backend", default="gloo", help="torch.distributed backend for --tp (default gloo)")
     g.set_defaults(func=cmd_generate)
 
 

@@ -19,11 +19,18 @@ Metadata follows the paged-attention conventions (int32; int64 accepted):
 outside the cache or used twice) raises ValueError before anything is written.
 
 Profiling: ``g.profiling = True`` accumulates wall time per node (embed, norm,
-qkv, rope, cache_write, attention, o_proj, mlp, lm_head); ``g.profile()``
-returns it; off, the cost is one branch per node.
+qkv, rope, cache_write, attention, o_proj, mlp, lm_head, all_reduce);
+``g.profile()`` returns it; off, the cost is one branch per node.
+
+Tensor parallelism (``atb.distributed``): a graph built over one rank's shard
+(``vocab_start`` / ``vocab_total`` / ``owns_residual`` in the config) calls
+back into Python for the all-reduce of the residual stream after the embedding
+and after every o and down projection (:meth:`DecodeGraph.set_all_reduce`);
+its logits are the rank's vocab slice.
 """
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -53,10 +60,13 @@ def _need(name: str, t, dtype, shape) -> torch.Tensor:
 class DecodeGraph:
     """A built decode graph. Use :meth:`from_weights` (or :meth:`from_runner` for an engine's ModelRunner)."""
 
-    def __init__(self, native, keep: list, *, vocab: int, dtype: torch.dtype, max_batch: int, max_seq_len: int):
+    def __init__(self, native, keep: list, *, vocab: int, dtype: torch.dtype, max_batch: int, max_seq_len: int,
+                 hidden: int):
         self._g = native
         self._keep = keep  # every tensor whose pointer the native graph holds
         self.vocab = vocab
+        self.hidden = hidden
+        self._tp = False   # an all-reduce callback is set
         self.dtype = dtype
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
@@ -69,7 +79,9 @@ class DecodeGraph:
 
         config: ``num_heads, num_kv_heads, head_dim, eps`` (required); optional ``scale`` (default
             head_dim**-0.5), ``rope_style`` ("neox" | "interleave", default "neox"),
-            ``sliding_windows`` (per layer: None or a window size).
+            ``sliding_windows`` (per layer: None or a window size); under tensor parallelism
+            ``vocab_start``, ``vocab_total`` (the embed / lm_head rows are that slice of the vocabulary)
+            and ``owns_residual`` (False on ranks that leave the residual and row-parallel biases to rank 0).
         layers: per layer its `LayerWeights` (weights ``[out, in]``, contiguous, one dtype); any projection may be
             an ``atb.quant.QuantizedWeight`` (gate and up both or neither), and so may ``embed`` / ``lm_head``
             (the embedding lookup then dequantizes each token's row); the graph's dtype is then final_norm's.
@@ -155,23 +167,51 @@ class DecodeGraph:
         cfg.max_batch, cfg.max_seq_len = max_batch, cos.shape[0]
         cfg.num_blocks, cfg.block_size = cache_shape[0], cache_shape[1]
         cfg.dtype, cfg.cos_dtype = DTYPE_CODES[dtype], DTYPE_CODES[cos.dtype]
+        cfg.vocab_start = int(config.get("vocab_start", 0))
+        cfg.vocab_total = int(config.get("vocab_total", vocab))
+        cfg.owns_residual = bool(config.get("owns_residual", True))
         native = _C.DecodeGraph(cfg, native_layers, embed_p, final_p, head_p, cos.data_ptr(), sin.data_ptr(),
                                 resolve_soc(soc_type))
         if isinstance(embed, QuantizedWeight) or isinstance(lm_head, QuantizedWeight):
             native.set_quant_tables(embed.storage() if isinstance(embed, QuantizedWeight) else None,
                                     lm_head.storage() if isinstance(lm_head, QuantizedWeight) else None)
-        return cls(native, keep, vocab=vocab, dtype=dtype, max_batch=max_batch, max_seq_len=cos.shape[0])
+        return cls(native, keep, vocab=vocab, dtype=dtype, max_batch=max_batch, max_seq_len=cos.shape[0],
+                   hidden=hidden)
 
     @classmethod
     def from_runner(cls, runner) -> DecodeGraph:
-        """The graph over an engine ModelRunner's weights, KV cache and rope tables (shared, not copied)."""
+        """The graph over an engine ModelRunner's weights, KV cache and rope tables (shared, not copied);
+        over its shard, with the all-reduce wired to its group, when the runner is tensor-parallel."""
         s = runner.shape
         config = {"num_heads": s.num_heads, "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim, "eps": s.eps,
                   "scale": s.scale, "rope_style": runner.spec.rope.style, "sliding_windows": runner.windows}
-        return cls.from_weights(config, runner.layers, embed=runner.embed, final_norm=runner.final_norm,
-                                lm_head=runner.lm_head, cos=runner.cos, sin=runner.sin,
-                                key_caches=runner.cache.key_caches, value_caches=runner.cache.value_caches,
-                                max_batch=runner.max_batch_size, soc_type=runner.soc_type)
+        tp = runner.tp
+        if tp is not None:
+            config.update(vocab_start=tp.plan.vocab[0], vocab_total=tp.plan.vocab_total, owns_residual=tp.rank == 0)
+        g = cls.from_weights(config, runner.layers, embed=runner.embed, final_norm=runner.final_norm,
+                             lm_head=runner.lm_head, cos=runner.cos, sin=runner.sin,
+                             key_caches=runner.cache.key_caches, value_caches=runner.cache.value_caches,
+                             max_batch=runner.max_batch_size, soc_type=runner.soc_type)
+        if tp is not None:
+            g.set_all_reduce(tp.all_reduce)
+        return g
+
+    def set_all_reduce(self, fn) -> None:
+        """Tensor parallelism: ``fn(x)`` sums ``x [batch, hidden]`` (the graph's residual stream, a view of its
+        scratch) over the ranks, in place. Called from inside ``step`` after the embedding and after every o and
+        down projection; an exception it raises ends the step and propagates."""
+        nbytes = self.max_batch * self.hidden * self.dtype.itemsize
+        views: dict[int, torch.Tensor] = {}
+
+        def call(address: int, count: int) -> None:
+            x = views.get(address)
+            if x is None:   # the scratch never moves: one view, made at the first call
+                raw = (ctypes.c_uint8 * nbytes).from_address(address)
+                x = views[address] = torch.frombuffer(raw, dtype=torch.uint8).view(self.dtype)
+            fn(x[:count].view(-1, self.hidden))
+
+        self._g.set_all_reduce(call)
+        self._tp = True
 
     @classmethod
     def from_model(cls, model, *, key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
@@ -253,10 +293,13 @@ class DecodeGraph:
         self._g.reset_profile()
 
     def profile(self) -> dict:
-        """``{"steps": n, "nodes": {name: {"ms": total, "ms_per_step": ..., "calls": ...}}}`` since the last reset."""
+        """``{"steps": n, "nodes": {name: {"ms": total, "ms_per_step": ..., "calls": ...}}}`` since the last reset
+        (``all_reduce`` only for a tensor-parallel graph)."""
         nodes, steps = self._g.profile()
         out = {}
         for name, e in nodes.items():
+            if name == "all_reduce" and not self._tp:
+                continue
             out[name] = {"ms": e["ns"] / 1e6, "ms_per_step": e["ns"] / 1e6 / max(1, steps), "calls": e["calls"]}
         return {"steps": steps, "nodes": out}
 

@@ -28,9 +28,17 @@ token was produced and is included), ``"length"`` (``max_new_tokens`` reached),
 ``"max_seq_len"`` (prompt + generated tokens reached ``max_seq_len``: the
 sequence stops there and the others carry on). When several hold at once the
 first in that order is reported.
+
+Tensor parallelism (``tp=N`` / ``tp_group=``, see ``atb.distributed``): one
+model across the N ranks of a ``torch.distributed`` process group, each rank
+holding its shard of every layer, the embedding and the LM head, and a KV cache
+of its heads. Every rank runs the same calls (same prompts, same settings);
+each gets the same tokens back. Given a checkpoint directory, each rank reads
+only its slices of the safetensors files.
 """
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -52,7 +60,9 @@ class TransformerInfer(Engine):
     """Paged-KV-cache inference for a loaded HF causal LM of a supported family.
 
     Args:
-        model: a loaded HF ``*ForCausalLM`` (llama, mistral, qwen2, qwen3 families).
+        model: a loaded HF ``*ForCausalLM`` (llama, mistral, qwen2, qwen3 families), or the path of a local
+            HF model directory (``config.json`` + ``*.safetensors``), read tensor by tensor (slice by slice
+            under tensor parallelism) without building the HF model first.
         max_seq_len: longest sequence (prompt + generated); at most the model's
             ``max_position_embeddings``.
         soc_type: the SoC whose tiling every kernel uses (``atb.soc_names()``).
@@ -78,16 +88,35 @@ class TransformerInfer(Engine):
             free, and a prompt's tokens come from a shorter prefill over another request's K/V, equal
             to a cold run's in greedy tests but not bit for bit; a one-shot ``generate`` gains nothing
             from that. A server with repeated system prompts or chat history should turn it on.
+        tp: tensor-parallel size. ``tp > 1`` without ``tp_group`` uses the default process group (joined
+            from torchrun's environment if not yet initialized, ``atb.distributed.init_process_group``);
+            it must have ``tp`` ranks.
+        tp_group: the ``torch.distributed`` process group to split the model over (its size is the tp size).
+            Query heads must divide evenly over it, and KV heads too (or the ranks over the KV heads, each
+            KV head then replicated); the intermediate and the vocabulary split as evenly as they can.
     """
 
     def __init__(self, model, max_seq_len: int = 2048, soc_type: str = "host", *, max_batch_size: int = 8,
                  block_size: int = 128, dtype: torch.dtype | None = None, graph_mode: bool = True,
-                 max_prefill_tokens: int | None = None, quantize=None, enable_prefix_caching: bool = False):
+                 max_prefill_tokens: int | None = None, quantize=None, enable_prefix_caching: bool = False,
+                 tp: int | None = None, tp_group=None):
         from atb.registry import get_adapter
 
-        config = getattr(model, "config", None)
-        if config is None or not isinstance(model, torch.nn.Module):
-            raise TypeError(f"TransformerInfer: model must be a loaded HF causal LM, got {type(model).__name__}")
+        from_path = isinstance(model, (str, os.PathLike))
+        tp_comm = None
+        if tp is not None or tp_group is not None:
+            from atb.distributed import TensorParallel
+
+            tp_comm = TensorParallel.resolve(tp, tp_group)
+        if from_path:
+            from atb.distributed import load_config
+
+            config = load_config(os.fspath(model))
+        else:
+            config = getattr(model, "config", None)
+            if config is None or not isinstance(model, torch.nn.Module):
+                raise TypeError(f"TransformerInfer: model must be a loaded HF causal LM or a model directory, "
+                                f"got {type(model).__name__}")
         self.adapter = get_adapter(config)  # ValueError naming the supported families
         if max_prefill_tokens is None:
             max_prefill_tokens = max(2048, max_seq_len)
@@ -106,6 +135,11 @@ class TransformerInfer(Engine):
                 raise TypeError(f"TransformerInfer: {name} must be a bool, got {type(v).__name__}")
         self.soc = _soc.get_soc(soc_type)  # ValueError listing the valid names
         self.soc_type = soc_type
+        if from_path or tp_comm is not None:
+            model = self._load_shard(model, config, dtype, tp_comm, max_seq_len=max_seq_len,
+                                     max_batch_size=max_batch_size, block_size=block_size, graph_mode=graph_mode,
+                                     max_prefill_tokens=max_prefill_tokens)
+        self.tp = tp_comm
         self.dtype = self._resolve_dtype(model, dtype)
         self.config = config
         self.max_seq_len = max_seq_len
@@ -113,13 +147,16 @@ class TransformerInfer(Engine):
         self.block_size = block_size
 
         self.max_prefill_tokens = max_prefill_tokens
-        spec = self.adapter.spec
+        # Under tp the model is this rank's shard, its config the shard's: its heads size the cache and the runner.
+        local = get_adapter(model.config) if tp_comm is not None else self.adapter
+        spec = local.spec
         cache = BlockManager.for_capacity(spec.num_layers, spec.num_kv_heads, spec.head_dim,
                                           max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                           block_size=block_size, dtype=self.dtype,
                                           enable_prefix_caching=enable_prefix_caching)
-        runner = ModelRunner(model, self.adapter, dtype=self.dtype, soc_type=soc_type, max_seq_len=max_seq_len,
-                             max_batch_size=max_batch_size, cache=cache, graph_mode=graph_mode, quantize=quantize)
+        runner = ModelRunner(model, local, dtype=self.dtype, soc_type=soc_type, max_seq_len=max_seq_len,
+                             max_batch_size=max_batch_size, cache=cache, graph_mode=graph_mode, quantize=quantize,
+                             tp=tp_comm)
         self._init_engine(runner, Scheduler(cache, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                             max_prefill_tokens=max_prefill_tokens))
         self.graph_mode = graph_mode
@@ -127,6 +164,21 @@ class TransformerInfer(Engine):
         self.enable_prefix_caching = enable_prefix_caching
 
     # ---- construction -------------------------------------------------------
+    def _load_shard(self, source, config, dtype, tp_comm, **settings):
+        """This rank's model (the whole model without tp) from a directory's safetensors slices or a loaded
+        model, after checking that every rank was given the same model and settings."""
+        from atb.distributed import ShardPlan, load_shard
+
+        if tp_comm is None:
+            plan = ShardPlan.for_spec(self.adapter.spec, 0, 1)
+        else:
+            tp_comm.check_same(config, dtype=dtype, **settings)
+            plan = tp_comm.plan_for(self.adapter.spec)  # ValueError when the heads do not split
+        if dtype is not None and dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"TransformerInfer: dtype must be torch.float32, torch.float16 or torch.bfloat16, "
+                             f"got {dtype}")
+        return load_shard(source, config, plan, dtype)
+
     def _resolve_dtype(self, model, dtype):
         model_dtype = next(model.parameters()).dtype
         soc = self.soc
@@ -253,7 +305,7 @@ class TransformerInfer(Engine):
         tokens = input_ids[mask]
         self._check_ids("input_ids", tokens)
         lens = mask.sum(1)
-        out = torch.zeros(B, S, self.lm_head.shape[0], dtype=self.dtype)
+        out = torch.zeros(B, S, self.vocab_size, dtype=self.dtype)
         if tokens.numel() == 0:
             return out
         positions = (mask.cumsum(1) - 1)[mask]

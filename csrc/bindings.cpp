@@ -4,6 +4,7 @@
 // C++ std::invalid_argument surfaces as Python ValueError.
 #include <optional>
 
+#include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <type_traits>
@@ -315,7 +316,10 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("max_batch", &atb::DecodeGraphConfig::maxBatch)
       .def_readwrite("max_seq_len", &atb::DecodeGraphConfig::maxSeqLen)
       .def_readwrite("num_blocks", &atb::DecodeGraphConfig::numBlocks)
-      .def_readwrite("block_size", &atb::DecodeGraphConfig::blockSize);
+      .def_readwrite("block_size", &atb::DecodeGraphConfig::blockSize)
+      .def_readwrite("vocab_start", &atb::DecodeGraphConfig::vocabStart)
+      .def_readwrite("vocab_total", &atb::DecodeGraphConfig::vocabTotal)
+      .def_readwrite("owns_residual", &atb::DecodeGraphConfig::ownsResidual);
   py::class_<atb::DecodeLayer> layer(m, "DecodeLayer");
   layer.def(py::init<>()).def_readwrite("window", &atb::DecodeLayer::window);
   auto pointer = [&layer](const char* name, auto member) {
@@ -389,6 +393,12 @@ PYBIND11_MODULE(_C, m) {
              g.SetQuantTables(embed ? QuantRefOf(*embed) : atb::QuantRef{}, head ? QuantRefOf(*head) : atb::QuantRef{});
            },
            py::arg("embed"), py::arg("lm_head"))
+      // fn(address, count) runs with the GIL held (pybind11 takes it); an exception it raises ends the step.
+      .def("set_all_reduce",
+           [](atb::DecodeGraph& g, std::function<void(uintptr_t, int64_t)> fn) {
+             g.SetAllReduce([fn](void* data, int64_t count) { fn(reinterpret_cast<uintptr_t>(data), count); });
+           },
+           py::arg("fn"))
       .def_property("profiling", &atb::DecodeGraph::Profiling, &atb::DecodeGraph::SetProfiling)
       .def("reset_profile", &atb::DecodeGraph::ResetProfile)
       .def("profile",

@@ -170,7 +170,11 @@ class Engine:
         return req.reason is not None
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-        return select(logits.float(), [r.params for r in reqs], [r.seen for r in reqs], [r.gen for r in reqs])
+        toks = select(logits.float(), [r.params for r in reqs], [r.seen for r in reqs], [r.gen for r in reqs])
+        if self.runner.tp is not None and any(r.params.do_sample for r in reqs):
+            # Tensor-parallel ranks hold the same logits, but an unseeded generator is per process: rank 0 decides.
+            toks = self.runner.tp.broadcast_tokens(toks)
+        return toks
 
     def _step_locked(self) -> list[Request]:
         sched, runner = self.scheduler, self.runner

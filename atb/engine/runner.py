@@ -7,6 +7,12 @@ decode step run the decoder layer of ``atb.layers.decoder``; the native
 ``DecodeGraph`` (graph mode) is built from the same descriptions. Both take
 token-major metadata and return logits, so the scheduler does not care which
 one runs.
+
+Under tensor parallelism (``tp``, an ``atb.distributed.TensorParallel``) the
+model is this rank's shard: the embedding is looked up vocab-parallel, every
+layer all-reduces its row-parallel projections, and logits are gathered (or
+greedy tokens reduced) across the ranks, so callers still see the whole
+vocabulary.
 """
 from __future__ import annotations
 
@@ -35,13 +41,14 @@ class ModelRunner:
     """Weights and executors of one model in one compute dtype, over ``cache``."""
 
     def __init__(self, model, adapter, *, dtype: torch.dtype, soc_type: str, max_seq_len: int, max_batch_size: int,
-                 cache: PagedKVCache, graph_mode: bool, quantize=None):
+                 cache: PagedKVCache, graph_mode: bool, quantize=None, tp=None):
         spec = adapter.spec
         unsupported = adapter.unsupported_reasons()
         if unsupported:
             raise ValueError("TransformerInfer: this model cannot run fused: " +
                              "; ".join(f"{role}: {why}" for role, why in unsupported.items()))
         self.spec = spec
+        self.tp = tp
         self.dtype = dtype
         self.soc_type = soc_type
         self.cache = cache
@@ -50,6 +57,9 @@ class ModelRunner:
         w = self._w
         from atb.quant.engine import resolve
 
+        if quantize is not None and tp is not None:
+            raise ValueError("TransformerInfer: quantize= and tensor parallelism together are not supported "
+                             "(tp slices float weights); use one or the other")
         quantized = resolve(model, quantize)
         self.quant_report = None if quantized is None else quantized.report
         if quantized is None:
@@ -68,7 +78,7 @@ class ModelRunner:
             self.final_norm = w(quantized.final_norm)
             self.lm_head = self.embed if quantized.tied else keep(quantized.lm_head)
             self.layers = [lw.map(keep) for lw in quantized.layers]
-        self.vocab_size = self.embed.shape[0]
+        self.vocab_size = tp.plan.vocab_total if tp is not None else self.embed.shape[0]
         self.windows = tuple(spec.sliding_windows)
         # HF's own attention scale (``scaling``), not head_dim ** -0.5: some configs override it.
         scale = float(getattr(adapter.layers(model)[0].self_attn, "scaling", spec.head_dim ** -0.5))
@@ -87,7 +97,7 @@ class ModelRunner:
             from atb.graph import DecodeGraph
 
             self.graph = DecodeGraph.from_runner(self)
-            self._logits_buf = torch.empty(max_batch_size, self.vocab_size, dtype=dtype)
+            self._logits_buf = torch.empty(max_batch_size, self.lm_head.shape[0], dtype=dtype)
             self._argmax_buf = torch.empty(max_batch_size, dtype=torch.int32)
 
     def _w(self, t: torch.Tensor) -> torch.Tensor:
@@ -122,18 +132,23 @@ class ModelRunner:
     # ---- executors ----------------------------------------------------------------------------------
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend_for) -> torch.Tensor:
         """Embedding and every decoder layer; ``attend_for(i)`` is layer i's attention core."""
+        tp = self.tp
         if isinstance(self.embed, QuantizedWeight):
             x = self.embed.rows(tokens, self.dtype, soc_type=self.soc_type)  # each token's row dequantized
+        elif tp is not None:
+            x = tp.embedding(tokens, self.embed)
         else:
             x = torch.nn.functional.embedding(tokens, self.embed)
         cos = self.cos.index_select(0, positions)
         sin = self.sin.index_select(0, positions)
         for i, lw in enumerate(self.layers):
-            x = decoder_layer(x, lw, self.shape, cos, sin, attend_for(i), soc_type=self.soc_type)
+            x = decoder_layer(x, lw, self.shape, cos, sin, attend_for(i), soc_type=self.soc_type, tp=tp)
         return x
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return lm_head(x, self.final_norm, self.lm_head, self.shape.eps, soc_type=self.soc_type)
+    def _logits(self, x: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        """Logits of the whole vocabulary; under tp with ``gather=False``, of this rank's slice."""
+        logits = lm_head(x, self.final_norm, self.lm_head, self.shape.eps, soc_type=self.soc_type)
+        return self.tp.gather_logits(logits) if gather and self.tp is not None else logits
 
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor | None,
                 slot_mapping: torch.Tensor | None, last: torch.Tensor | None,
@@ -177,12 +192,15 @@ class ModelRunner:
                context_lens: torch.Tensor, slot_mapping: torch.Tensor, greedy: bool):
         """One decode step of ``B`` sequences: ``(logits [B, vocab], greedy tokens or None)``.
 
-        With ``greedy`` the graph computes the argmax natively and returns it as a list."""
+        With ``greedy`` the graph computes the argmax natively and returns it as a list; under tensor
+        parallelism greedy steps return ``(None, tokens)`` (no logits are gathered)."""
         if self.graph is not None:
             n = token_ids.shape[0]
             am = self._argmax_buf[:n] if greedy else None
             logits = self.graph.step(token_ids, positions, block_tables, context_lens, slot_mapping,
                                      self._logits_buf[:n], argmax_out=am)
+            if self.tp is not None:   # the graph's logits and argmax are this rank's vocab slice
+                return (None, self.tp.argmax(logits, am)) if greedy else (self.tp.gather_logits(logits), None)
             return logits, (am.tolist() if am is not None else None)
         soc, scale, kcs, vcs = self.soc_type, self.shape.scale, self.cache.key_caches, self.cache.value_caches
 
@@ -195,7 +213,11 @@ class ModelRunner:
                                          soc_type=soc)
             return attend
 
-        return self._logits(self._layers(token_ids, positions, attend_for)), None
+        x = self._layers(token_ids, positions, attend_for)
+        if self.tp is not None and greedy:
+            # Only the tokens are needed: reduce (value, index) pairs instead of gathering V/N logits per rank.
+            return None, self.tp.argmax(self._logits(x, gather=False))
+        return self._logits(x), None
 
     def scratch_bytes(self, block_tables: torch.Tensor) -> int:
         scratch = self.cos.nbytes + self.sin.nbytes + block_tables.nbytes
@@ -204,8 +226,8 @@ class ModelRunner:
         # Python decode step at full batch: residual, normed input, q/k/v, attention out, gate/up/act,
         # logits (allocated per step by the kernels).
         item = self.dtype.itemsize
-        hidden, inter = self.embed.shape[1], self.layers[0].gate.shape[0]
+        hidden, inter, vocab = self.embed.shape[1], self.layers[0].gate.shape[0], self.lm_head.shape[0]
         s = self.shape
         qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         return scratch + self.max_batch_size * item * (3 * hidden + qkv + s.num_heads * s.head_dim + 3 * inter
-                                                       + self.vocab_size)
+                                                       + vocab)

@@ -69,14 +69,23 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def decoder_layer(x: torch.Tensor, w, s: AttentionShape, cos: torch.Tensor, sin: torch.Tensor, attend: Attend, *,
-                  soc_type: str | None = None) -> torch.Tensor:
+                  soc_type: str | None = None, tp=None) -> torch.Tensor:
     """One pre-norm decoder layer over ``x [T, hidden]``; ``attend(q, k, v) -> [T, H, D]`` is the attention core
-    (it also writes the KV cache). The residual adds are fused into o_proj and down_proj."""
+    (it also writes the KV cache). The residual adds are fused into o_proj and down_proj.
+
+    ``tp`` (an ``atb.distributed.TensorParallel``): ``w`` is this rank's shard, the o and down projections
+    give partial sums that ``tp.all_reduce`` adds up; rank 0 alone adds the residual (fused, as without tp)."""
+    own = tp is None or tp.rank == 0
     h = K.rms_norm(x, w.input_norm, s.eps, soc_type=soc_type)
     q, k, v = qkv_rope(h, w, s, cos, sin, soc_type=soc_type)
-    x = o_proj(attend(q, k, v).view(x.shape[0], -1), w, x, soc_type=soc_type)
+    x = o_proj(attend(q, k, v).view(x.shape[0], -1), w, x if own else None, soc_type=soc_type)
+    if tp is not None:
+        tp.all_reduce(x)
     h = K.rms_norm(x, w.post_attention_norm, s.eps, soc_type=soc_type)
-    return mlp(h, w, x, soc_type=soc_type)
+    x = mlp(h, w, x if own else None, soc_type=soc_type)
+    if tp is not None:
+        tp.all_reduce(x)
+    return x
 
 
 def lm_head(x: torch.Tensor, final_norm: torch.Tensor, head, eps: float, *, soc_type: str | None = None) -> torch.Tensor:

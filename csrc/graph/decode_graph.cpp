@@ -16,7 +16,7 @@ namespace atb {
 
 const char* DecodeNodeName(int node) {
   static const char* names[NODE_COUNT] = {"embed", "norm", "qkv", "rope", "cache_write", "attention", "o_proj",
-                                          "mlp", "lm_head"};
+                                          "mlp", "lm_head", "all_reduce"};
   return node >= 0 && node < NODE_COUNT ? names[node] : "?";
 }
 
@@ -88,6 +88,9 @@ DecodeGraph::DecodeGraph(const DecodeGraphConfig& cfg, std::vector<DecodeLayer> 
               " has only one of gate/up quantized (their fused launch needs both or neither)");
   }
   if (c.scale == 0.0f) cfg_.scale = 1.0f / std::sqrt(float(c.headDim));
+  if (c.vocabTotal == 0) cfg_.vocabTotal = c.vocab;
+  ATB_CHECK(c.vocabStart >= 0 && c.vocabStart + c.vocab <= cfg_.vocabTotal, "DecodeGraph: vocab slice [",
+            c.vocabStart, ", ", c.vocabStart + c.vocab, ") is outside the vocabulary of ", cfg_.vocabTotal);
   for (const DecodeLayer& l : layers_) {
     int64_t w = l.window > 0 ? l.window : 0;
     auto it = std::find(distinctWindows_.begin(), distinctWindows_.end(), w);
@@ -134,8 +137,8 @@ void DecodeGraph::Validate(const int32_t* tokenIds, const int32_t* positions, co
   ATB_CHECK(maxBlocks >= 1, "DecodeGraph.step: block_tables must have at least one column");
   int64_t slots = c.numBlocks * c.blockSize;
   for (int64_t b = 0; b < batch; ++b) {
-    ATB_CHECK(tokenIds[b] >= 0 && tokenIds[b] < c.vocab, "DecodeGraph.step: token_ids[", b, "] = ", tokenIds[b],
-              " is outside the vocabulary [0, ", c.vocab, ")");
+    ATB_CHECK(tokenIds[b] >= 0 && tokenIds[b] < c.vocabTotal, "DecodeGraph.step: token_ids[", b, "] = ",
+              tokenIds[b], " is outside the vocabulary [0, ", c.vocabTotal, ")");
     ATB_CHECK(positions[b] >= 0 && positions[b] < c.maxSeqLen, "DecodeGraph.step: positions[", b, "] = ",
               positions[b], " is outside [0, max_seq_len=", c.maxSeqLen, ")");
     int64_t ctx = contextLens[b];
@@ -176,18 +179,34 @@ void DecodeGraph::Step(const int32_t* tokenIds, const int32_t* positions, const 
        *act = Buf(offAct_), *cosB = Buf(offCos_), *sinB = Buf(offSin_);
   auto timer = [&](int node) { return NodeTimer(profiling_, &profNs_[node], &profCalls_[node]); };
   if (profiling_) ++profSteps_;
+  auto allReduce = [&]() {
+    if (!allReduce_) return;
+    auto t = timer(NODE_ALL_REDUCE);
+    allReduce_(x, B * c.hidden);
+  };
+  // Without the residual (tp ranks other than the owner) a row-parallel projection writes its partial sum.
+  const LinearEpilogue rowMode = c.ownsResidual ? LINEAR_RESIDUAL : LINEAR_PLAIN;
 
   {
     auto t = timer(NODE_EMBED);
     if (embedQ_.data) {
+      // Quantized tables are built whole (tensor parallelism slices float tables only; see atb/distributed.py).
+      ATB_CHECK(c.vocabStart == 0 && c.vocab == c.vocabTotal,
+                "DecodeGraph: a quantized embedding cannot be a tensor-parallel vocab slice");
       QuantSegment e{embedQ_.data, embedQ_.scale, embedQ_.min, nullptr, nullptr, c.vocab, embedQ_.bits,
                      embedQ_.group, embedQ_.scaleType};
       QuantDequantRows(e, c.hidden, tokenIds, B, x, dt, soc_);
     } else {
       const auto* emb = static_cast<const uint8_t*>(embed_);
-      for (int64_t b = 0; b < B; ++b)
-        std::memcpy(static_cast<uint8_t*>(x) + b * c.hidden * elt, emb + int64_t(tokenIds[b]) * c.hidden * elt,
-                    size_t(c.hidden * elt));
+      // Rows outside this rank's vocab slice are zeros (tp: the all-reduce below fills them in).
+      for (int64_t b = 0; b < B; ++b) {
+        int64_t row = int64_t(tokenIds[b]) - c.vocabStart;
+        uint8_t* dst = static_cast<uint8_t*>(x) + b * c.hidden * elt;
+        if (row >= 0 && row < c.vocab)
+          std::memcpy(dst, emb + row * c.hidden * elt, size_t(c.hidden * elt));
+        else
+          std::memset(dst, 0, size_t(c.hidden * elt));
+      }
     }
     // Shared by every layer: the plan, and the rope rows of this step's positions.
     Plan(contextLens, maxBlocks, B);
@@ -199,6 +218,7 @@ void DecodeGraph::Step(const int32_t* tokenIds, const int32_t* positions, const 
       std::memcpy(static_cast<uint8_t*>(sinB) + b * row, sn + int64_t(positions[b]) * row, size_t(row));
     }
   }
+  allReduce();
 
   for (size_t li = 0; li < layers_.size(); ++li) {
     const DecodeLayer& L = layers_[li];
@@ -234,8 +254,9 @@ void DecodeGraph::Step(const int32_t* tokenIds, const int32_t* positions, const 
       auto t = timer(NODE_O_PROJ);
       LinearSegment seg{L.o, L.oBias, x, c.hidden};
       const QuantRef* qs[1] = {&L.oQ};
-      LinearOrQuant(attn, B, qSize, &seg, qs, 1, x, LINEAR_RESIDUAL, dt, soc_);  // x += o_proj(attn), in place
+      LinearOrQuant(attn, B, qSize, &seg, qs, 1, x, rowMode, dt, soc_);  // x (+)= o_proj(attn), in place
     }
+    allReduce();
     {
       auto t = timer(NODE_MLP);
       RmsNorm(h, nullptr, x, nullptr, L.postNorm, B, c.hidden, dt, c.eps, soc_);
@@ -244,8 +265,9 @@ void DecodeGraph::Step(const int32_t* tokenIds, const int32_t* positions, const 
       LinearOrQuant(h, B, c.hidden, gu, guq, 2, nullptr, LINEAR_SWIGLU, dt, soc_);
       LinearSegment down{L.down, L.downBias, x, c.hidden};
       const QuantRef* dq[1] = {&L.downQ};
-      LinearOrQuant(act, B, c.intermediate, &down, dq, 1, x, LINEAR_RESIDUAL, dt, soc_);
+      LinearOrQuant(act, B, c.intermediate, &down, dq, 1, x, rowMode, dt, soc_);
     }
+    allReduce();
   }
 
   {

@@ -10,6 +10,7 @@
 #pragma once
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -33,7 +34,15 @@ struct DecodeGraphConfig {
   int64_t numBlocks = 0, blockSize = 0;  // the paged KV cache pool of every layer
   AscendC::DataType dtype = AscendC::DataType::FLOAT32;      // weights, activations, KV cache
   AscendC::DataType cosDtype = AscendC::DataType::FLOAT32;   // cos/sin table: dtype or float32
+  // Tensor parallelism (one rank's shard; see SetAllReduce): the embedding / LM head rows are the vocab
+  // slice [vocabStart, vocabStart + vocab) of vocabTotal (0: no tp, the whole vocabulary), and only the
+  // rank that ownsResidual adds the residual (and holds the o/down bias) before the partial sums are added.
+  int64_t vocabStart = 0, vocabTotal = 0;
+  bool ownsResidual = true;
 };
+
+// Sums `count` elements of config.dtype at `data` over the tensor-parallel ranks, in place.
+using AllReduceFn = std::function<void(void* data, int64_t count)>;
 
 // One layer's parameters: raw pointers into the caller's tensors (HF layout,
 // contiguous, all of config.dtype). Optional ones are null.
@@ -68,7 +77,7 @@ struct DecodeLayer {
 // every layer shares: the rope rows of the step's positions and the plan
 // (paged-attention tiling per distinct sliding window, the cache-write tiling).
 enum DecodeNode : int { NODE_EMBED, NODE_NORM, NODE_QKV, NODE_ROPE, NODE_CACHE, NODE_ATTENTION, NODE_O_PROJ,
-                        NODE_MLP, NODE_LM_HEAD, NODE_COUNT };
+                        NODE_MLP, NODE_LM_HEAD, NODE_ALL_REDUCE, NODE_COUNT };
 const char* DecodeNodeName(int node);
 
 class DecodeGraph {
@@ -91,6 +100,9 @@ class DecodeGraph {
     embedQ_ = embed;
     headQ_ = head;
   }
+  // Tensor parallelism: called on the residual stream after the embedding and after the row-parallel
+  // o and down projections (2 * numLayers + 1 times per step); logits stay this rank's vocab slice.
+  void SetAllReduce(AllReduceFn fn) { allReduce_ = std::move(fn); }
 
   void SetProfiling(bool on) { profiling_ = on; }
   bool Profiling() const { return profiling_; }
@@ -128,6 +140,7 @@ class DecodeGraph {
   std::vector<size_t> windowOf_;           // per layer: its index into distinctWindows_ / attnPlans_
   std::vector<PagedAttentionTilingData> attnPlans_;
   ReshapeAndCacheTilingData cachePlan_;
+  AllReduceFn allReduce_;
   bool profiling_ = false;
   std::array<int64_t, NODE_COUNT> profNs_{}, profCalls_{};
   int64_t profSteps_ = 0;
