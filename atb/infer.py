@@ -276,6 +276,8 @@ class TransformerInfer(Engine):
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
             shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
             raise ValueError(f"{op}: attention_mask must be a tensor of shape {tuple(input_ids.shape)}, got {shape}")
+        if attention_mask.device.type != "cpu":   # a meta tensor has no values to read
+            raise ValueError(f"{op}: attention_mask must be a CPU tensor, got device {attention_mask.device}")
         if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
             raise ValueError(f"{op}: attention_mask must hold 0/1 integers or bools, got {attention_mask.dtype}")
         if attention_mask.numel() and (int(attention_mask.min()) < 0 or int(attention_mask.max()) > 1):

@@ -249,3 +249,12 @@ def test_reentrant_calls_from_a_stream_callback_raise(model):
     assert not infer.has_unfinished()
     infer.step()
     assert idle(infer) and infer.generate([[1, 2, 3]], 4) == expected
+
+
+def test_forward_rejects_a_meta_attention_mask():
+    # A meta-device mask used to fail inside .item() instead of with a clear error naming the argument.
+    model = random_model("tiny")
+    infer = atb.TransformerInfer(model, max_seq_len=32, max_batch_size=2)
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="forward: attention_mask must be a CPU tensor"):
+        infer.forward(ids, torch.ones(1, 3, dtype=torch.long, device="meta"))
