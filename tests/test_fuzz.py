@@ -583,7 +583,10 @@ def case_name(i: int, seed: int = SEED) -> str:
 
 
 def _child(start, stop, conn, runner):
-    # One kernel thread per child: several children never run at once, and the pool is rebuilt after fork anyway.
+    # One thread per child, for torch and the kernels alike: the parent's OpenMP team does not survive fork(),
+    # and a parallel region on it would wait forever for threads the child does not have.
+    torch.set_num_threads(1)
+    atb.set_num_threads(1)
     for i in range(start, stop):
         conn.send(("start", i))
         try:
