@@ -1,14 +1,19 @@
-"""TransformerInfer vs HF generate on SmolLM2-135M: prefill and decode tokens/s, side by side.
+"""TransformerInfer and the patched model vs HF generate: prefill and decode tokens/s, side by side.
 
-    python -m atb.bench.infer [--dtypes float32,bfloat16] [--batches 1,16] [--modes graph,python]
-                              [--prompt 128] [--new 128] [--repeats 3] [--threads N]
+    python -m atb.bench.infer [--models smollm2,tinyllama] [--dtypes float32,bfloat16] [--batches 1,16]
+                              [--modes graph,python,patched] [--prompt 128] [--new 128] [--repeats 3]
+                              [--threads N]
 
-For each dtype and batch size: prefill tok/s (generate with one new token),
-decode tok/s ((new - 1) tokens per sequence over the time beyond prefill),
-and the same for HF ``generate`` in the same process. Decode is also reported
-as a fraction of the weight-streaming roofline (weight bytes per step /
-bandwidth measured here, in this run). Medians over ``--repeats``; the machine
-is shared, so read the ratios, not the absolute numbers.
+For each model, dtype and batch size: prefill tok/s (generate with one new
+token), decode tok/s ((new - 1) tokens per sequence over the time beyond
+prefill), and the same for HF ``generate`` in the same process. ``graph`` and
+``python`` are TransformerInfer's two decode paths; ``patched`` is the same HF
+model after ``patch_hf_model`` (unpatched again afterwards). ``tinyllama`` is a
+random-weight model of TinyLlama-1.1B's shape. Decode is reported as a fraction
+of the weight-streaming roofline (weight bytes per step / streaming-read
+bandwidth measured in this run), prefill as a fraction of the GEMM peak
+(torch.matmul on 1024^3 in this dtype, measured in this run; prefill FLOPs
+counted as 2 x linear-layer parameters x tokens). Medians over ``--repeats``.
 """
 from __future__ import annotations
 
@@ -28,15 +33,34 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(17, vocab, (batch, length), generator=g).tolist()
 
 
+_MODELS = {"smollm2": "SmolLM2-135M", "tinyllama": "TinyLlama-1.1B-shaped (random weights)"}
+
+
+def _load(name: str, dtype: torch.dtype):
+    from atb.checkpoints import load_model, random_model
+
+    if name == "tinyllama":
+        return random_model("tinyllama-1.1b", dtype=dtype)
+    return load_model(dtype=dtype)[0]
+
+
 def bench_one(model, prompts, new: int, repeats: int, modes: list[str]) -> dict:
-    """Prefill/decode rates of TransformerInfer in each mode ("graph", "python") and of HF generate."""
+    """Prefill/decode rates of TransformerInfer in each mode ("graph", "python"), of the patched model
+    ("patched") and of HF generate."""
     import atb
 
     batch = len(prompts)
     ids = torch.tensor(prompts)
     mask = torch.ones_like(ids)
+
+    def hf(n):
+        model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
     runners = {}
     for mode in modes:
+        if mode == "patched":
+            runners[mode] = hf  # run between patch_hf_model and unpatch_hf_model below
+            continue
         infer = atb.TransformerInfer(model, max_seq_len=len(prompts[0]) + new, max_batch_size=batch,
                                      block_size=128, graph_mode=mode == "graph")
 
@@ -46,16 +70,20 @@ def bench_one(model, prompts, new: int, repeats: int, modes: list[str]) -> dict:
 
         runners[mode] = ours
 
-    def hf(n):
-        model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-
     runners["hf"] = hf
-    res = {"batch": batch, "weights_bytes": infer.memory_summary()["weights_bytes"]}
+    res = {"batch": batch, "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
     for name, fn in runners.items():
-        fn(2)  # warm-up: kernels, allocator, first touch of the KV pool
-        t_prefill = median_seconds(lambda: fn(1), repeats)
-        t_total = median_seconds(lambda: fn(new), repeats)
-        decode_s = max(t_total - t_prefill, 1e-9)
+        if name == "patched":
+            atb.patch_hf_model(model)
+        try:
+            fn(2)  # warm-up: kernels, allocator, first touch of the KV pool
+            t_prefill = median_seconds(lambda: fn(1), repeats)
+            t_total = median_seconds(lambda: fn(new), repeats)
+        finally:
+            if name == "patched":
+                atb.unpatch_hf_model(model)
+        # Under noise a short decode can time below its own prefill: say so (NaN) rather than print nonsense.
+        decode_s = t_total - t_prefill if t_total > 1.05 * t_prefill else float("nan")
         res[name] = {
             "prefill_tok_s": batch * len(prompts[0]) / t_prefill,
             "decode_tok_s": batch * (new - 1) / decode_s,
@@ -66,12 +94,14 @@ def bench_one(model, prompts, new: int, repeats: int, modes: list[str]) -> dict:
 
 
 def main(argv=None) -> list[dict]:
-    from atb.checkpoints import load_model
+    from atb.bench.roofline import gemm_gflops
 
     ap = argparse.ArgumentParser(prog="python -m atb.bench.infer", description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="smollm2", help="comma-separated: " + ", ".join(_MODELS))
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--batches", default="1,16")
-    ap.add_argument("--modes", default="graph,python", help="TransformerInfer decode paths: graph, python")
+    ap.add_argument("--modes", default="graph,python,patched",
+                    help="comma-separated: graph, python (TransformerInfer decode paths), patched (patch_hf_model)")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
@@ -86,44 +116,52 @@ def main(argv=None) -> list[dict]:
         atb.set_num_threads(args.threads)
 
     results = []
-    hdr = (f"{'dtype':9} {'batch':>5} {'path':>6} | {'prefill tok/s':>13} {'x HF':>5} | {'decode tok/s':>12} "
-           f"{'x HF':>5} | {'step ms':>7} {'roofline':>8} | {'thru tok/s':>10} {'x b1':>5}")
+    hdr = (f"{'model':9} {'dtype':9} {'batch':>5} {'path':>7} | {'prefill tok/s':>13} {'x HF':>5} {'%peak':>5} | "
+           f"{'decode tok/s':>12} {'x HF':>5} {'x b1':>5} | {'step ms':>7} {'roofline':>8}")
     if not args.json:
-        print(f"SmolLM2-135M, {args.prompt}-token prompts, {args.new} new tokens, median of {args.repeats}, "
+        print(f"{args.prompt}-token prompts, {args.new} new tokens, median of {args.repeats}, "
               f"threads={torch.get_num_threads()}")
         print(hdr)
         print("-" * len(hdr), flush=True)
-    for dname in args.dtypes.split(","):
-        model, _ = load_model(dtype=_DTYPES[dname])
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        bw = stream_read_gbps(weights) * 1e9
-        per_batch = {}
-        for b in (int(x) for x in args.batches.split(",")):
-            r = bench_one(model, _prompts(b, args.prompt, model.config.vocab_size, seed=b), args.new, args.repeats,
-                          modes)
-            r.update(dtype=dname, bandwidth_GB_s=bw / 1e9)
-            per_batch[b] = r
-            results.append(r)
-            for mode in modes:
-                m = r[mode]
-                m["decode_vs_hf"] = m["decode_tok_s"] / r["hf"]["decode_tok_s"]
-                m["prefill_vs_hf"] = m["prefill_tok_s"] / r["hf"]["prefill_tok_s"]
-                # One decode step streams every weight once, whatever the batch.
-                m["roofline_fraction"] = m["decode_tok_s"] / b * r["weights_bytes"] / bw
-                if 1 in per_batch and b != 1:
-                    m["throughput_vs_batch1"] = m["throughput_tok_s"] / per_batch[1][mode]["throughput_tok_s"]
-            if not args.json:
+    for mname in args.models.split(","):
+        if mname not in _MODELS:
+            raise SystemExit(f"atb.bench.infer: error: unknown model '{mname}'; known: {', '.join(_MODELS)}")
+        for dname in args.dtypes.split(","):
+            dtype = _DTYPES[dname]
+            model = _load(mname, dtype)
+            weights = sum(p.numel() * p.element_size() for p in model.parameters())
+            linear_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+            bw = stream_read_gbps(weights) * 1e9
+            peak = gemm_gflops(dtype) * 1e9
+            per_batch = {}
+            for b in (int(x) for x in args.batches.split(",")):
+                r = bench_one(model, _prompts(b, args.prompt, model.config.vocab_size, seed=b), args.new,
+                              args.repeats, modes)
+                r.update(model=mname, dtype=dname, bandwidth_GB_s=bw / 1e9, gemm_peak_GFLOP_s=peak / 1e9)
+                per_batch[b] = r
+                results.append(r)
                 for name in modes + ["hf"]:
                     m = r[name]
-                    ratio = lambda k: f"{m[k]:5.2f}" if k in m else f"{'':5}"  # noqa: E731
-                    roof = f"{m['roofline_fraction']:8.0%}" if "roofline_fraction" in m else f"{'':8}"
-                    thr = f"{m['throughput_vs_batch1']:5.1f}" if "throughput_vs_batch1" in m else f"{'':5}"
-                    print(f"{dname:9} {b:>5} {name:>6} | {m['prefill_tok_s']:13.0f} {ratio('prefill_vs_hf')} | "
-                          f"{m['decode_tok_s']:12.1f} {ratio('decode_vs_hf')} | {m['step_ms']:7.1f} {roof} | "
-                          f"{m['throughput_tok_s']:10.1f} {thr}", flush=True)
-        if not args.json:
-            print(f"{dname}: streaming-read bandwidth in this run {bw / 1e9:.1f} GB/s", flush=True)
-        del model
+                    if name != "hf":
+                        m["decode_vs_hf"] = m["decode_tok_s"] / r["hf"]["decode_tok_s"]
+                        m["prefill_vs_hf"] = m["prefill_tok_s"] / r["hf"]["prefill_tok_s"]
+                    # One decode step streams every weight once, whatever the batch.
+                    m["roofline_fraction"] = m["decode_tok_s"] / b * weights / bw
+                    m["prefill_peak_fraction"] = m["prefill_tok_s"] * 2 * linear_params / peak
+                    if 1 in per_batch and b != 1:
+                        m["decode_vs_batch1"] = m["decode_tok_s"] / per_batch[1][name]["decode_tok_s"]
+                if not args.json:
+                    for name in modes + ["hf"]:
+                        m = r[name]
+                        ratio = lambda k, w=5: f"{m[k]:{w}.2f}" if k in m else f"{'':{w}}"  # noqa: E731
+                        print(f"{mname:9} {dname:9} {b:>5} {name:>7} | {m['prefill_tok_s']:13.0f} "
+                              f"{ratio('prefill_vs_hf')} {m['prefill_peak_fraction']:5.0%} | "
+                              f"{m['decode_tok_s']:12.1f} {ratio('decode_vs_hf')} {ratio('decode_vs_batch1')} | "
+                              f"{m['step_ms']:7.1f} {m['roofline_fraction']:8.0%}", flush=True)
+            if not args.json:
+                print(f"{mname} {dname}: streaming read {bw / 1e9:.1f} GB/s, GEMM peak {peak / 1e9:.0f} GFLOP/s "
+                      f"(torch.matmul 1024^3), weights {weights / 1e6:.0f} MB", flush=True)
+            del model
     if args.json:
         print(json.dumps(results, indent=1))
     return results
