@@ -153,7 +153,7 @@ def follow(engine, tp, grace: float = 15.0) -> None:
 
     def on_signal(signum, _frame):
         if not signalled:
-            log.warning("rank %d: %s received; following rank 0 for up to %g s more", tp.rank,
+            log.info("rank %d: %s received; following rank 0 for up to %g s more", tp.rank,
                         signal.Signals(signum).name, grace)
             signalled.append(time.monotonic())
 
