@@ -146,15 +146,24 @@ def test_tp2_server_matches_tp1_aborts_a_stream_and_stops_on_sigterm(checkpoint)
             except Exception as e:  # noqa: BLE001
                 errors.append(e)
 
+        def sampled():
+            # Unseeded sampling: each rank's generator differs, so rank 0's tokens are broadcast in the step.
+            try:
+                r = httpx.post(url + "/v1/completions", timeout=120, json={
+                    "prompt": PROMPTS[1], "max_tokens": NEW_TOKENS, "ignore_eos": True, "temperature": 0.9})
+                got["sampled"] = r.json()["usage"]["completion_tokens"]
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
         threads = [threading.Thread(target=complete, args=(i,)) for i in range(len(PROMPTS))]
-        threads.append(threading.Thread(target=quitter))
+        threads += [threading.Thread(target=quitter), threading.Thread(target=sampled)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(180)
         assert not errors, errors
         assert [got[i] for i in range(len(PROMPTS))] == want
-        assert got["quit"] == 3
+        assert got["quit"] == 3 and got["sampled"] == NEW_TOKENS
         deadline = time.time() + 30
         while True:   # the dropped stream's blocks come back: its abort reached the engine
             m = parse_metrics(httpx.get(url + "/metrics").text)
@@ -175,8 +184,9 @@ def test_tp2_server_matches_tp1_aborts_a_stream_and_stops_on_sigterm(checkpoint)
         took = time.time() - t0
         err = run.stderr.read()
         assert "Traceback" not in err and "atb: error" not in err, err[-3000:]
-        # Only rank 0 logs requests: one line per request (4 + the dropped stream + the one after the pause).
-        assert err.count("prompt_tokens=") == len(PROMPTS) + 2, err[-3000:]
+        # Only rank 0 logs requests: one line per request (4 greedy, the dropped stream, the sampled one and the
+        # one after the pause).
+        assert err.count("prompt_tokens=") == len(PROMPTS) + 3, err[-3000:]
         assert "finish=abort" in err and "tp control:" in err
         assert took < 30
     finally:
