@@ -1,7 +1,7 @@
 """Prefix caching on SmolLM2-135M: TTFT of requests that share a system prompt, caching on vs off.
 
     python -m atb.bench.prefix [--dtype bfloat16] [--requests 8] [--system 1024] [--user 32] [--new 64]
-                               [--threads N] [--json]
+                               [--patterns sequential,burst,conversation] [--threads N] [--json]
 
 Each request is a ``--system``-token shared prompt plus its own ``--user``
 tokens and generates ``--new`` tokens (greedy, EOS ignored). Two arrival
