@@ -209,8 +209,8 @@ def test_a_dead_rank_stops_the_others_with_an_error(checkpoint, victim):
         _wait_health(url, procs)
         survivor = procs[1 - victim]
         lines = []
-        with httpx.stream("POST", url + "/v1/completions", timeout=60,
-                          json={"prompt": [7] * 20, "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}) as r:
+        body = {"prompt": [7] * 20, "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", timeout=60, json=body) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     lines.append(line)
