@@ -168,6 +168,7 @@ def test_tp2_server_matches_tp1_aborts_a_stream_and_stops_on_sigterm(checkpoint)
         while True:   # the dropped stream's blocks come back: its abort reached the engine
             m = parse_metrics(httpx.get(url + "/metrics").text)
             if (m["atb_requests_running"], m["atb_requests_waiting"], m["atb_kv_blocks_used"]) == (0, 0, 0):
+                assert m["atb_tp_control_messages_total"] >= NEW_TOKENS and m["atb_tp_control_seconds_total"] > 0
                 break
             assert time.time() < deadline, m
             time.sleep(0.1)
@@ -179,10 +180,11 @@ def test_tp2_server_matches_tp1_aborts_a_stream_and_stops_on_sigterm(checkpoint)
 
         t0 = time.time()
         os.kill(ranks[0], signal.SIGTERM)
-        assert run.wait(30) == 0
-        assert all(_gone(pid) for pid in ranks.values())
+        code = run.wait(30)
         took = time.time() - t0
         err = run.stderr.read()
+        assert code == 0, err[-5000:]
+        assert all(_gone(pid) for pid in ranks.values())
         assert "Traceback" not in err and "atb: error" not in err, err[-3000:]
         # Only rank 0 logs requests: one line per request (4 greedy, the dropped stream, the sampled one and the
         # one after the pause).

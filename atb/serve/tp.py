@@ -122,6 +122,11 @@ class Leader:
             self._changes.append(("abort", request_id))
         return found
 
+    def stats(self) -> dict:
+        """The engine's stats plus the control broadcast counters (``/metrics`` shows them)."""
+        return dict(self._engine.stats(), tp_control_messages=self.control.messages,
+                    tp_control_seconds=self.control.seconds)
+
     def _send(self, command: int) -> None:
         changes, self._changes = self._changes, []
         t0 = time.perf_counter()
