@@ -95,8 +95,18 @@ def _gone(pid: int) -> bool:
 
 
 def _kill_all(procs) -> None:
+    """Kills what is left: torchrun starts its workers in sessions of their own, so they go by pid first."""
     for p in procs:
         if p.poll() is None:
+            try:
+                workers = list(_rank_pids(p.pid).values())
+            except (OSError, KeyError, ValueError):
+                workers = []
+            for pid in workers:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
 
