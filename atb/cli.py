@@ -347,9 +347,11 @@ def _join_tp(args) -> bool:
     from atb import distributed
 
     try:
-        distributed.init_process_group(args.tp_backend)
+        distributed.init_process_group(args.tp_backend,
+                                       timeout=getattr(args, "tp_timeout", distributed.DEFAULT_TIMEOUT_S))
     except ValueError as e:
-        raise UserError(f"{e} (run: torchrun --nproc-per-node {args.tp} -m atb generate --tp {args.tp} ...)") from None
+        raise UserError(f"{e} (run: torchrun --nproc-per-node {args.tp} -m atb {args.command} --tp {args.tp} "
+                        f"...)") from None
     if dist.get_world_size() != args.tp:
         raise UserError(f"--tp {args.tp} but torchrun started {dist.get_world_size()} processes")
     return dist.get_rank() == 0

@@ -173,6 +173,26 @@ def test_switch_is_validated(tiny):
     assert m["kv_blocks_used"] + m["kv_blocks_cached"] + m["kv_blocks_free"] == m["kv_blocks"]
 
 
+def test_a_block_filled_later_is_keyed_like_a_prompt_block():
+    c = manager(num_blocks=8, block_size=4)
+    p = list(range(6))                                     # 1 full block + 2 tokens; decode fills the second
+    keys = c.block_keys(p)
+    t, _ = c.allocate_prompt("a", p, keys, 12)
+    c.commit()
+    seq = p + [7, 8]
+    k1 = c.chain_key(keys[0], seq[4:8])
+    assert c.block_keys(seq) == keys + [k1]                # the same chain as a prompt of those tokens
+    assert c.key_block("a", 1, k1) and c.block_key(t[1]) == k1
+    assert not c.key_block("a", 1, k1)                     # already keyed: unchanged
+    c.free("a")
+    assert counts(c) == (0, 2, 6)
+    tb, hit = c.allocate_prompt("b", seq + [9], c.block_keys(seq + [9]), 12)
+    assert hit == 8 and tb[:2] == t[:2]
+    off = BlockManager(1, 1, 4, num_blocks=4, block_size=4)
+    off.allocate_prompt("a", p, [], 8)
+    assert not off.key_block("a", 1, k1) and off.block_key(off.block_table("a")[1]) is None
+
+
 # ---- the engine, tiny llama ---------------------------------------------------------------------------
 def shared_prompts(n=8, prefix=300, seed=0):
     pre = rand_tokens(prefix, seed)
@@ -360,3 +380,74 @@ def test_smollm2_shared_system_prompt_same_tokens_as_off(smollm2_fp32, smol_prom
     released(infer)
     s = infer.stats()
     assert s["prefix_cache_hits"] >= (7 + 8) * 288
+
+
+# ---- blocks filled by decode ----------------------------------------------------------------------------
+def test_a_follow_up_turn_reuses_the_blocks_its_answer_filled(tiny):
+    """Turn 2 = turn 1's prompt + its answer + a new message: the answer's full blocks come from the cache."""
+    bs = 16
+    first = rand_tokens(40, 70)
+    params = SamplingParams(max_new_tokens=45, ignore_eos=True)
+    off, on = engine(tiny, False), engine(tiny, True)
+    [ans] = run(on, [first], params)
+    assert run(off, [first], params) == [ans]
+    second = first + ans + rand_tokens(7, 71)
+    before = on.stats()
+    got = run(on, [second], params, ids=["t2"])
+    s = on.stats()
+    # Every block whose K/V turn 1 wrote (all its tokens but the last answer token) is a hit: 5 blocks, where
+    # prompt blocks alone would be 2.
+    written = len(first) + len(ans) - 1
+    assert s["prefix_cache_hits"] - before["prefix_cache_hits"] == written // bs * bs == 80
+    assert s["prefix_cache_queries"] - before["prefix_cache_queries"] == len(second)
+    assert got == run(off, [second], params, ids=["t2"])
+    released(on)
+
+
+def test_a_prompt_repeating_a_running_answer_shares_its_filled_blocks(tiny):
+    """Keyed while the first request still decodes: the second reads them (never writes them) and both
+    requests get their caching-off tokens."""
+    first = rand_tokens(20, 72)
+    p1 = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    on = engine(tiny, True)
+    on.add_request(first, p1, request_id="a")
+    out = []
+    while len(out) < 30:
+        for o in checked_step(on):
+            out = o.output_token_ids
+    second = first + out[:28] + rand_tokens(5, 73)          # 48 tokens of the running sequence: 3 blocks
+    p2 = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    on.add_request(second, p2, request_id="b")
+    got = {}
+    while on.has_unfinished():
+        for o in checked_step(on):
+            if o.request_id == "b" and on.scheduler.requests.get("b") is not None and not got:
+                assert table(on, "b")[:3] == table(on, "a")[:3]
+            if o.finished:
+                got[o.request_id] = o.output_token_ids
+    off = engine(tiny, False)
+    assert got["a"] == run(off, [first], p1)[0] and got["b"] == run(off, [second], p2)[0]
+    released(on)
+
+
+def test_conversations_under_a_small_pool_evict_exactly(tiny):
+    """Three-turn conversations whose answers fill blocks, in a pool that cannot keep them all: the same tokens
+    as caching off, nothing leaks, and the accounting adds up after every step."""
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+    def talk(infer):
+        convs = [rand_tokens(20 + 3 * i, 80 + i) for i in range(4)]
+        outs = []
+        for turn in range(3):
+            prompts = [c + rand_tokens(5, 90 + 10 * turn + i) for i, c in enumerate(convs)]
+            answers = run(infer, prompts, params, ids=[f"c{i}t{turn}" for i in range(4)])
+            outs.append(answers)
+            convs = [p + a for p, a in zip(prompts, answers)]
+        return outs
+
+    on = engine(tiny, True, max_seq_len=128, max_batch_size=2)
+    assert on.cache.num_blocks == 16
+    assert talk(on) == talk(engine(tiny, False, max_seq_len=128, max_batch_size=2))
+    released(on)
+    s = on.stats()
+    assert 0 < s["prefix_cache_hits"] < s["prefix_cache_queries"]

@@ -1,7 +1,7 @@
 """Prefix caching on SmolLM2-135M: TTFT of requests that share a system prompt, caching on vs off.
 
     python -m atb.bench.prefix [--dtype bfloat16] [--requests 8] [--system 1024] [--user 32] [--new 64]
-                               [--threads N] [--json]
+                               [--patterns sequential,burst,conversation] [--threads N] [--json]
 
 Each request is a ``--system``-token shared prompt plus its own ``--user``
 tokens and generates ``--new`` tokens (greedy, EOS ignored). Two arrival
@@ -9,7 +9,11 @@ patterns, each on a fresh engine with caching off and on:
 
 * ``sequential``: a request is added when the previous one has finished (a
   chat server answering one user after another);
-* ``burst``: all requests are added at once.
+* ``burst``: all requests are added at once;
+* ``conversation`` (with ``--patterns conversation``): one chat, a turn after
+  another: each request's prompt is the previous prompt, its answer and the
+  request's own ``--user`` tokens, so with caching on a turn reuses the
+  blocks the previous answer filled during decode.
 
 TTFT is the wall time from ``add_request`` to the step that returns the
 request's first token. Reported: the first request's TTFT, the mean and max of
@@ -37,15 +41,19 @@ def _prompts(n: int, system: int, user: int, vocab: int, seed: int = 0) -> list[
     return [shared + torch.randint(17, vocab, (user,), generator=g).tolist() for _ in range(n)]
 
 
-def run(infer, prompts: list[list[int]], new: int, pattern: str) -> dict:
-    """Drives the step API; per request its TTFT (s) and tokens, and the total wall time."""
+def run(infer, prompts: list[list[int]], new: int, pattern: str, user: int = 0) -> dict:
+    """Drives the step API; per request its TTFT (s) and tokens, and the total wall time. ``user``: the tokens
+    of a prompt past the shared ones (a turn's own tokens in ``conversation``)."""
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
-    added, ttft, tokens = {}, {}, {}
+    added, ttft, tokens, sent = {}, {}, {}, []
     pending = list(enumerate(prompts))
     t_start = time.perf_counter()
 
     def add():
         i, p = pending.pop(0)
+        if pattern == "conversation" and i:
+            p = sent[-1] + tokens[f"r{i - 1}"] + p[len(p) - user:]   # the chat so far + this turn's tokens
+        sent.append(p)
         rid = infer.add_request(p, params, request_id=f"r{i}")
         added[rid] = time.perf_counter()
 
@@ -79,7 +87,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--system", type=int, default=1024, help="shared prompt tokens")
     ap.add_argument("--user", type=int, default=32, help="per-request prompt tokens after the shared ones")
     ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--patterns", default="sequential,burst")
+    ap.add_argument("--patterns", default="sequential,burst", help="comma-separated: sequential, burst, conversation")
     ap.add_argument("--threads", type=int, default=None, help="torch and atb thread count (default: as set)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -89,7 +97,10 @@ def main(argv=None) -> list[dict]:
 
     model, _ = load_model(dtype=_DTYPES[args.dtype])
     prompts = _prompts(args.requests, args.system, args.user, model.config.vocab_size)
-    max_seq_len = args.system + args.user + args.new
+    patterns = args.patterns.split(",")
+    # A conversation's last turn holds every earlier turn and answer.
+    turns = args.requests if "conversation" in patterns else 1
+    max_seq_len = args.system + turns * (args.user + args.new)
     # Warm-up: kernels, allocator, the pool's first touch.
     warm = atb.TransformerInfer(model, max_seq_len=max_seq_len, max_batch_size=args.requests)
     warm.generate(prompts[:2], 2, eos_token_id=[])
@@ -103,12 +114,12 @@ def main(argv=None) -> list[dict]:
                f"{'total s':>7} | tokens")
         print(hdr)
         print("-" * len(hdr), flush=True)
-    for pattern in args.patterns.split(","):
+    for pattern in patterns:
         ref = None
         for caching in (False, True):
             infer = atb.TransformerInfer(model, max_seq_len=max_seq_len, max_batch_size=args.requests,
                                          enable_prefix_caching=caching)
-            r = run(infer, prompts, args.new, pattern)
+            r = run(infer, prompts, args.new, pattern, args.user)
             first, others = r["ttft_s"][0], r["ttft_s"][1:]
             mean = sum(others) / max(1, len(others))
             same = ref is None or r["tokens"] == ref

@@ -2,6 +2,7 @@
 
     python -m atb.bench.tp                      # TinyLlama-1.1B shape, bf16, batch 1 and 8, tp=1 (2 threads) vs tp=2
     python -m atb.bench.tp --layers 4 --steps 8 # a quick sanity run
+    python -m atb.bench.tp --control            # the per-step cost of `atb serve --tp`'s control messages
 
 A random-weight checkpoint of the preset's shape is written to a temporary
 directory one layer per safetensors file (so no process ever holds the whole
@@ -11,6 +12,14 @@ tp=N)``. Per batch size: decode tok/s over ``--steps`` steps after a warm-up,
 the time spent inside collectives per step (all-reduces after the embedding
 and every o/down projection, plus the greedy argmax reduction), and each
 rank's peak RSS.
+
+``--control`` measures instead what following rank 0 costs per engine step
+under ``atb serve --tp`` (``atb.serve.tp``): the 16-byte header broadcast of a
+plain step and a message carrying one new request, against
+``torch.distributed.broadcast_object_list`` of the same content. Each message
+is followed by a one-element all-reduce (a step's first collective, where a
+late follower would be waited for); the all-reduce alone is timed too and
+subtracted. Variants are interleaved round by round, medians reported.
 
 The projection for N machines takes the measured per-step compute of tp=1,
 divides it by N (decode streams the weights: each rank streams 1/N), and adds
@@ -118,6 +127,70 @@ def _worker(job: dict) -> None:
         dist.destroy_process_group()
 
 
+def _control_worker(job: dict) -> None:
+    """One rank of ``--control``: rank 0 prints microseconds per message and variant as one JSON line."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from atb.distributed import TensorParallel
+    from atb.engine import SamplingParams
+    from atb.serve.tp import STEP, _Channel
+
+    rank, world = job["rank"], job["world"]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job['port']}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    channel = _Channel(TensorParallel())
+    one = torch.zeros(1)
+    add = [("add", "cmpl-0123456789abcdef0123456789abcdef", list(range(100, 100 + job["prompt_len"])),
+            SamplingParams(max_new_tokens=64, temperature=0.7, do_sample=True))]
+
+    def header(changes):
+        def go():
+            if rank == 0:
+                channel.send(STEP, changes)
+            else:
+                channel.receive()
+        return go
+
+    def objects(changes):
+        def go():
+            box = [(STEP, changes)] if rank == 0 else [None]
+            dist.broadcast_object_list(box, src=0)
+        return go
+
+    variants = {"all_reduce only": lambda: None, "header, plain step": header([]),
+                "object_list, plain step": objects([]), "header + payload, 1 add": header(add),
+                "object_list, 1 add": objects(add)}
+    per: dict[str, list[float]] = {k: [] for k in variants}
+    n = job["steps"]
+    for _ in range(job["rounds"]):
+        for name, go in variants.items():   # interleaved: every round times every variant
+            dist.all_reduce(one)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                go()
+                dist.all_reduce(one)
+            per[name].append((time.perf_counter() - t0) / n * 1e6)
+    if rank == 0:
+        med = {k: sorted(v)[len(v) // 2] for k, v in per.items()}
+        print(json.dumps(med), flush=True)
+    dist.destroy_process_group()
+
+
+def control(args) -> dict:
+    """Runs ``--control`` on 2 ranks of one thread each; rank 0's medians (us per message)."""
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "atb.bench.tp", "--worker", json.dumps(
+        {"control": True, "rank": r, "world": 2, "port": port, "steps": args.steps * 25, "rounds": 9,
+         "prompt_len": args.prompt_len})], env=env, stdout=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError("bench.tp --control: a rank failed")
+    return json.loads(outs[0].strip().splitlines()[-1])
+
+
 def _status_kb(key: str) -> int:
     """A ``/proc/self/status`` field in kB (0 where there is none)."""
     try:
@@ -177,9 +250,20 @@ def main(argv=None) -> int:
     p.add_argument("--python", dest="graph", action="store_false", help="the Python executor instead of the graph")
     p.add_argument("--net-latency-us", type=float, default=30.0, help="per-hop latency of the projected network")
     p.add_argument("--net-gbps", type=float, default=10.0, help="bandwidth of the projected network")
+    p.add_argument("--control", action="store_true",
+                   help="time atb serve --tp's per-step control broadcast (2 ranks) instead")
     args = p.parse_args(argv)
     if args.worker:
-        _worker(json.loads(args.worker))
+        job = json.loads(args.worker)
+        (_control_worker if job.get("control") else _worker)(job)
+        return 0
+    if args.control:
+        med = control(args)
+        base = med.pop("all_reduce only")
+        print(f"control message per engine step, 2 ranks over gloo on 127.0.0.1 (median us, a 1-element "
+              f"all-reduce of {base:.0f} us subtracted; the add carries a {args.prompt_len}-token prompt):")
+        for name, us in med.items():
+            print(f"  {name:<26}{us - base:8.1f}")
         return 0
     with tempfile.TemporaryDirectory(prefix="atb-bench-tp-") as path:
         shape = write_checkpoint(path, args.preset, getattr(torch, args.dtype), args.layers or None)

@@ -6,8 +6,12 @@ block matches only at the same position after the same prefix. On admission a
 request takes the longest run of cached blocks that starts its prompt
 (reference counted, read only) and gets private blocks for the rest; prefill
 then computes only the uncached suffix. The last partial block of a prompt, and
-every block past the prompt, is always private, so decode never writes a shared
-block either.
+every block past the prompt, is private while it is being written, so decode
+never writes a shared block either.
+
+A block that decode fills is keyed the same way once its K/V is written
+(:meth:`key_block`, from the scheduler): a follow-up chat turn that resends the
+previous answer finds that answer's full blocks cached too.
 
 A block is in exactly one of three states, and the counts always add up to
 ``num_blocks``:
@@ -91,9 +95,14 @@ class BlockManager(PagedKVCache):
         """
         bs, parent, keys = self.block_size, _ROOT, []
         for i in range(len(tokens) // bs):
-            parent = hashlib.sha256(parent + array("q", tokens[i * bs:(i + 1) * bs]).tobytes()).digest()
+            parent = self.chain_key(parent, tokens[i * bs:(i + 1) * bs])
             keys.append(parent)
         return keys
+
+    @staticmethod
+    def chain_key(parent: bytes | None, block_tokens: list[int]) -> bytes:
+        """The key of a full block of ``block_tokens`` after the block keyed ``parent`` (None: the first block)."""
+        return hashlib.sha256((parent or _ROOT) + array("q", block_tokens).tobytes()).digest()
 
     def cached_prefix(self, keys: list[bytes]) -> list[int]:
         """Blocks of the longest run of ``keys`` (from the first) whose content is cached; nothing changes."""
@@ -144,6 +153,18 @@ class BlockManager(PagedKVCache):
             self.query_tokens += len(prompt)
             self.hit_tokens += len(hit) * self.block_size
         return table, len(hit) * self.block_size
+
+    def key_block(self, seq_id, index: int, key: bytes) -> bool:
+        """Keys block ``index`` of a sequence whose K/V is now entirely written (decode filled it): from now on
+        it is shared like a prefill block, and cached when freed. A block already keyed, or a key that another
+        block holds (the same content computed twice), leaves it as it is; True when it was keyed."""
+        if not self.enable_prefix_caching:
+            return False
+        b = self._table(seq_id, "key_block")[index]
+        if b in self._key_of or key in self._block_of:
+            return False
+        self._key(b, key)
+        return True
 
     def commit(self) -> None:
         """The prefill that fills the pending blocks finished: their keys stand."""

@@ -10,7 +10,9 @@ running request never has to wait for a block.
 With prefix caching on, admission first looks the prompt's full blocks up in
 the block manager: the cached run that starts the prompt is shared, only the
 rest is allocated, and only the uncached tokens count against the prefill
-budget (``Request.cached`` tells the engine where its prefill starts).
+budget (``Request.cached`` tells the engine where its prefill starts). Blocks
+that decode fills are keyed as well (:meth:`Scheduler.key_filled_blocks`), so
+a later prompt that repeats a previous answer reuses its K/V.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ class Request:
     """One prompt being generated: its tokens so far, its sampling state and where it stands."""
 
     __slots__ = ("request_id", "prompt", "params", "eos", "out", "table", "seen", "gen", "reason", "reported",
-                 "streamed", "keys", "cached")
+                 "streamed", "keys", "cached", "keyed")
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, eos: frozenset,
                  gen: torch.Generator | None):
@@ -42,8 +44,11 @@ class Request:
         self.reason: str | None = None
         self.reported = 0            # tokens already handed out in a RequestOutput
         self.streamed = 0            # tokens already handed to generate's stream callback
-        self.keys: list[bytes] | None = None  # prefix-cache keys of the prompt's full blocks (computed once)
+        # Prefix-cache keys of the sequence's full blocks: the prompt's (computed once), then each block decode
+        # fills, appended by the scheduler.
+        self.keys: list[bytes] | None = None
         self.cached = 0              # prompt tokens whose K/V was already cached when it was admitted
+        self.keyed = 0               # leading full blocks whose key was offered to the block manager
 
     @property
     def length(self) -> int:
@@ -106,6 +111,8 @@ class Scheduler:
         out: list[Request] = []
         budget = self.max_prefill_tokens
         cache = self.cache
+        if cache.enable_prefix_caching:
+            self.key_filled_blocks(self.running)
         while self.waiting and len(self.running) + len(out) < self.max_batch_size:
             req = self.waiting[0]
             if req.keys is None:
@@ -123,15 +130,41 @@ class Scheduler:
                                          f"and nothing is running (blocks held outside the engine?): {e}") from e
                 break
             self.waiting.popleft()
+            req.keyed = len(req.keys)   # allocate_prompt offered the prompt's full blocks
             out.append(req)
             budget -= n
         return out
+
+    def key_filled_blocks(self, reqs) -> None:
+        """Keys the blocks that decode filled since the last call, exactly as a prefill keys a prompt's.
+
+        A running request that has produced tokens has the K/V of every position but its last token's written
+        (that token goes in at the next decode step): the blocks wholly before it are full and are never
+        written again. Called when the next step admits (so a prompt repeating an answer finds it) and when a
+        request finishes (before its blocks are freed into the cache).
+        """
+        cache = self.cache
+        bs = cache.block_size
+        for r in reqs:
+            if not r.out:
+                continue   # its prefill has not completed: nothing past the cached prefix is written
+            full = (r.length - 1) // bs
+            if full <= r.keyed:
+                continue
+            seq = r.prompt + r.out
+            for i in range(r.keyed, full):
+                key = cache.chain_key(r.keys[i - 1] if i else None, seq[i * bs:(i + 1) * bs])
+                r.keys.append(key)
+                cache.key_block(r, i, key)
+            r.keyed = full
 
     def finish(self, req: Request, reason: str) -> None:
         """Marks a request finished and returns its blocks (it must be waiting or running)."""
         req.reason = reason
         del self.requests[req.request_id]
         if req in self.cache:
+            if self.cache.enable_prefix_caching:
+                self.key_filled_blocks((req,))
             self.cache.free(req)
         try:
             self.running.remove(req)

@@ -40,12 +40,12 @@ _FINISH = {"eos": "stop", "length": "length", "max_seq_len": "length"}
 class ServerState:
     """What the handlers share: the engine loop, the tokenizer, limits and metrics."""
 
-    def __init__(self, engine, tokenizer, model_name: str, max_waiting: int):
+    def __init__(self, engine, tokenizer, model_name: str, max_waiting: int, followers=None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_seq_len = engine.max_seq_len
-        self.loop = EngineLoop(engine, max_waiting=max_waiting)
+        self.loop = EngineLoop(engine, max_waiting=max_waiting, followers=followers)
         self.metrics = Metrics()
         self.created = int(time.time())
 
@@ -236,9 +236,11 @@ async def _event_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
-def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256) -> FastAPI:
-    """The OpenAI-compatible app over ``engine`` (a ``TransformerInfer``); its engine thread runs with the app."""
-    state = ServerState(engine, tokenizer, model_name, max_waiting)
+def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256, followers=None) -> FastAPI:
+    """The OpenAI-compatible app over ``engine`` (a ``TransformerInfer``); its engine thread runs with the app.
+
+    Under tensor parallelism ``engine`` and ``followers`` are rank 0's ``atb.serve.tp.Leader``."""
+    state = ServerState(engine, tokenizer, model_name, max_waiting, followers)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -387,7 +389,14 @@ def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_lev
             super().handle_exit(sig, frame)
             app.state.atb.loop.begin_shutdown_threadsafe()
 
-    return Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10))
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10))
+
+    def on_fatal():
+        # From the engine thread; uvicorn checks the flag on its own loop and shuts down as for a signal.
+        server.should_exit = True
+
+    app.state.atb.loop.on_fatal = on_fatal
+    return server
 
 
 def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:

@@ -7,6 +7,7 @@ user error.
 from __future__ import annotations
 
 import logging
+import os
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -31,6 +32,12 @@ def add_parser(sub, model_args) -> None:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    s.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks (under torchrun --nproc-per-node N): rank 0 serves HTTP, the other "
+                        "ranks follow its engine steps")
+    s.add_argument("--tp-backend", default="gloo", help="torch.distributed backend for --tp (default gloo)")
+    s.add_argument("--tp-timeout", type=float, default=60.0,
+                   help="seconds a rank waits for the others before failing with an error (default 60)")
     s.set_defaults(func=cmd_serve)
 
 
@@ -45,28 +52,73 @@ def cmd_serve(args) -> int:
     for flag in ("max_batch_size", "max_seq_len", "max_prefill_tokens", "max_waiting", "port"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if not args.tp_timeout > 0:
+        raise UserError(f"--tp-timeout must be positive, got {args.tp_timeout}")
 
     import atb
-    from atb.serve.app import create_app, run
+    from atb.cli import _join_tp
+    from atb.serve.app import create_app, make_server
 
+    lead = _join_tp(args)   # under --tp: rank 0 serves, the others follow (and log only their own failures)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("atb.serve").setLevel(args.log_level.upper())
+    logging.getLogger("atb.serve").setLevel(args.log_level.upper() if lead else "WARNING")
     dtype = _torch_dtype(args.dtype)
     _check_soc_dtype(args.soc_type, dtype)
     if args.threads:
         atb.set_num_threads(args.threads)
-    progress = Progress(not args.quiet)
-    model, tok, label = _load(args, dtype, progress)
-    if tok is None:
+    progress = Progress(not args.quiet and lead)
+    if args.tp > 1 and args.model and os.path.isdir(args.model):
+        # Each rank reads only its slices of the directory's safetensors files; only rank 0 tokenizes.
+        from transformers import AutoTokenizer
+
+        model, label = args.model, args.model
+        tok = AutoTokenizer.from_pretrained(args.model) if lead else None
+    else:
+        model, tok, label = _load(args, dtype, progress)
+    if tok is None and lead:
         raise UserError("serve needs a tokenizer: use the default model or --model with a tokenizer")
     progress("building engine")
     try:
-        engine = atb.TransformerInfer(model, max_seq_len=args.max_seq_len, soc_type=args.soc_type,
+        engine = atb.TransformerInfer(model, max_seq_len=args.max_seq_len, soc_type=args.soc_type, dtype=dtype,
                                       max_batch_size=args.max_batch_size, max_prefill_tokens=args.max_prefill_tokens,
-                                      enable_prefix_caching=not args.no_prefix_caching)
+                                      enable_prefix_caching=not args.no_prefix_caching,
+                                      tp=args.tp if args.tp > 1 else None)
     except ValueError as e:
         raise UserError(str(e)) from None
     progress.done()
+    if args.tp > 1:
+        return _serve_tp(args, engine, tok, label, lead)
     app = create_app(engine, tok, model_name=args.served_model_name or label, max_waiting=args.max_waiting)
-    run(app, host=args.host, port=args.port, log_level=args.log_level)
+    make_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
+    return 0
+
+
+def _serve_tp(args, engine, tok, label: str, lead: bool) -> int:
+    """Rank 0 serves HTTP through a `Leader`; every other rank follows it until it shuts down."""
+    from atb.cli import UserError
+    from atb.distributed import TensorParallelError
+    from atb.serve.app import create_app, make_server
+    from atb.serve.tp import Leader, follow
+
+    import torch.distributed as dist
+
+    tp = engine.runner.tp
+    if not lead:
+        try:
+            follow(engine, tp)
+        except (TensorParallelError, RuntimeError) as e:
+            raise UserError(str(e)) from None
+        dist.destroy_process_group()   # every rank got here together: gloo's threads are joined before exit
+        return 0
+    # Heartbeats well inside the timeout, so an idle server never makes a follower give up.
+    leader = Leader(engine, tp, heartbeat=min(5.0, args.tp_timeout / 4))
+    logging.getLogger("atb.serve").info("tensor parallel: rank 0 of %d serves; the other ranks follow its steps",
+                                        tp.world)
+    app = create_app(leader, tok, model_name=args.served_model_name or label, max_waiting=args.max_waiting,
+                     followers=leader)
+    make_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
+    fatal = app.state.atb.loop.fatal
+    if fatal is not None:
+        raise UserError(str(fatal))
+    dist.destroy_process_group()
     return 0

@@ -17,6 +17,13 @@ Failure isolation: ``add_request`` raising fails that request alone. If
 ``step()`` itself raises, the engine cannot say which request caused it, so
 every request in the engine is aborted and failed; the thread survives and
 serves the next request.
+
+Under tensor parallelism (``followers``, an ``atb.serve.tp.Leader``, which is
+then also the engine) the thread sends the followers a heartbeat when it has
+been idle for the leader's interval and the shutdown message when it stops;
+an error of the leader's ``fatal_errors`` (a rank is gone) fails every request,
+stops accepting, records itself in ``fatal`` and calls ``on_fatal`` (the
+server then exits), since no step can run without the lost rank.
 """
 from __future__ import annotations
 
@@ -56,9 +63,12 @@ class _Commands:
 class EngineLoop:
     """Drives ``engine`` (add_request / step / abort / has_unfinished / stats) from one thread."""
 
-    def __init__(self, engine, max_waiting: int):
+    def __init__(self, engine, max_waiting: int, followers=None):
         self.engine = engine
         self.max_waiting = max_waiting
+        self.followers = followers
+        self.fatal: Exception | None = None
+        self.on_fatal = None   # called (on the engine thread) after a fatal error
         self._cond = threading.Condition()
         self._cmds = _Commands()
         self._busy = False  # the engine has unfinished requests (engine thread's view)
@@ -156,22 +166,47 @@ class EngineLoop:
             self._loop.call_soon_threadsafe(self._deliver, items)
 
     def _run(self) -> None:
+        followers = self.followers
+        heartbeat = followers.heartbeat_interval if followers is not None else None
+        fatal = followers.fatal_errors if followers is not None else ()
         while True:
             with self._cond:
                 while not (self._cmds.adds or self._cmds.aborts or self._busy or self._stop):
-                    self._cond.wait()
+                    if not self._cond.wait(heartbeat):
+                        break   # idle for a heartbeat interval (never without followers)
                 if self._stop:
                     break
                 cmds, self._cmds = self._cmds, _Commands()
+                work = bool(cmds.adds or cmds.aborts or self._busy)
             try:
-                self._iteration(cmds)
+                if work:
+                    self._iteration(cmds)
+                else:
+                    followers.heartbeat()
+            except fatal as e:
+                self._die(e)
+                return
             except Exception as e:  # noqa: BLE001 - the loop outlives any failure
                 log.exception("engine step failed; failing every request in the engine")
                 self._post(self._fail_all(EngineError(f"engine step failed: {e}")))
             with self._cond:
                 self._busy = self.engine.has_unfinished()
-        # Shutting down: free whatever is still held.
+        # Shutting down: free whatever is still held, then release the followers.
         self._fail_all(None)
+        if followers is not None:
+            try:
+                followers.shutdown()
+            except fatal as e:
+                log.error("could not tell the other ranks to shut down: %s", e)
+
+    def _die(self, e: Exception) -> None:
+        """A fatal error: every request fails with it and the server is told to stop."""
+        log.error("%s; stopping the server", e)
+        self.fatal = e
+        self.accepting = False
+        self._post(self._fail_all(EngineError(str(e))))
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     def _iteration(self, cmds: _Commands) -> None:
         """Applies aborts, then adds (each failing alone), then one engine step; posts what came out."""

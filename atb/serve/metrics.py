@@ -95,6 +95,11 @@ class Metrics:
                    "KV cache blocks held by no request, kept for prefix reuse until the pool needs them."))
         for name, key, help_ in gauges:
             metric(name, "gauge", help_, [f" {stats[key]}"])
+        if "tp_control_messages" in stats:   # serving under tensor parallelism (atb.serve.tp)
+            metric("tp_control_messages_total", "counter", "Control messages rank 0 broadcast to the other ranks.",
+                   [f" {stats['tp_control_messages']}"])
+            metric("tp_control_seconds_total", "counter", "Time rank 0 spent broadcasting control messages.",
+                   [f" {stats['tp_control_seconds']:.6f}"])
         with self._lock:
             metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [f" {self.prompt_tokens}"])
             metric("generation_tokens_total", "counter", "Output tokens generated.", [f" {self.generation_tokens}"])
