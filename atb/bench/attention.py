@@ -28,7 +28,7 @@ import torch
 
 import atb
 from atb.bench.roofline import (achieved_gbps, apply_threads, bench_clock, keep_freed_memory, kernel_bench_parser,
-                                stream_read_gbps, time_us_many)
+                                print_end_bandwidth, stream_read_gbps, time_us_many)
 
 PREFILL_SHAPES = ((9, 3, 64), (32, 8, 128))  # (heads, kv_heads, head_dim): SmolLM2-135M, Llama-8B-like
 PREFILL_SEQS = (512, 2048)
@@ -105,8 +105,7 @@ def bench_decode(contexts=(512, 2048, 8192), batches=(1, 16), shapes=DECODE_SHAP
                               f"{r['sdpa_gbps']:>9.1f} {r['atb_gbps']:>8.1f} {r['pct_bw']:>4.0f}% {r['max_diff']:>9.1e}",
                               flush=True)
                         gc.collect()
-    end_bw = stream_read_gbps(repeat=3 if quick else 9)
-    print(f"streaming read measured again at the end: {end_bw:.1f} GB/s (% bw above uses the first, {bw:.1f} GB/s)")
+    print_end_bandwidth(bw, quick)
     return rows
 
 

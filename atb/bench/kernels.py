@@ -23,7 +23,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 import atb
 from atb.bench.roofline import (achieved_gbps, apply_threads, bench_clock, keep_freed_memory, kernel_bench_parser,
-                                stream_read_gbps, time_us_many)
+                                print_end_bandwidth, stream_read_gbps, time_us_many)
 
 ROPE_HEADS = {576: (9, 3, 64), 4096: (32, 8, 128)}
 EPS = 1e-5
@@ -95,8 +95,7 @@ def run(repeat: int = 15, quick: bool = False, cpu_time: bool = False) -> list[d
                               f"{row['speedup']:>7.2f}x {nbytes / 1e6:>9.3f} {gbps:>7.1f} {row['pct_bw']:>5.0f}%",
                               flush=True)
                     gc.collect()
-    end_bw = stream_read_gbps(repeat=3 if quick else 9)
-    print(f"streaming read measured again at the end: {end_bw:.1f} GB/s (% bw above uses the first, {bw:.1f} GB/s)")
+    print_end_bandwidth(bw, quick)
     return rows
 
 

@@ -167,3 +167,9 @@ def bench_clock(cpu_time: bool):
     if cpu_time and (torch.get_num_threads() != 1 or atb.get_num_threads() != 1):
         raise SystemExit("--cpu-time needs --threads 1: thread CPU time misses work done on other threads")
     return time.thread_time if cpu_time else time.perf_counter
+
+
+def print_end_bandwidth(bw: float, quick: bool) -> None:
+    """Measures the streaming read again after a table, so drift from the load of other processes shows."""
+    end_bw = stream_read_gbps(repeat=3 if quick else 9)
+    print(f"streaming read measured again at the end: {end_bw:.1f} GB/s (% bw above uses the first, {bw:.1f} GB/s)")
