@@ -144,15 +144,19 @@ def linear_bias(op: str, name: str, b, w, x) -> None:
         raise ValueError(f"{op}: {name} has shape {tuple(b.shape)}, expected ({w.shape[0]},)")
 
 
-def linear_lists(op: str, weights, biases) -> tuple[list, list]:
-    """linear_multi's 1..3 weights and as many biases (None: no bias anywhere), as lists."""
+def linear_lists(op: str, weights, biases, x, check_weight) -> tuple[list, list]:
+    """linear_multi's 1..3 weights and as many biases (None: no bias anywhere), as lists, each pair checked
+    (``check_weight(op, name, w, x)`` for the weight kind at hand)."""
     weights = list(weights)
     if not 1 <= len(weights) <= 3:
         raise ValueError(f"{op}: weights must hold 1 to 3 tensors, got {len(weights)}")
     biases = [None] * len(weights) if biases is None else list(biases)
     if len(biases) != len(weights):
         raise ValueError(f"{op}: {len(biases)} biases for {len(weights)} weights")
-    return weights, biases
+    for i, (w, b) in enumerate(zip(weights, biases)):
+        check_weight(op, f"weights[{i}]", w, x)
+        linear_bias(op, f"biases[{i}]", b, w, x)
+    return weights, [None if b is None else b.contiguous() for b in biases]
 
 
 def linear_residual_arg(op: str, residual, x, w) -> None:

@@ -227,22 +227,15 @@ def linear_multi(x: torch.Tensor, weights, biases=None, *, soc_type: str | None 
     if any(_q.is_quantized(w) for w in weights):
         return _q.linear_multi(x, weights, biases, soc_type=soc_type)
     code = linear_x("linear_multi", x)
-    weights, biases = linear_lists("linear_multi", weights, biases)
+    weights, biases = linear_lists("linear_multi", weights, biases, x, _check_weight)
     x = x.contiguous()
-    segs, outs, keep = [], [], []
-    for i, (w, b) in enumerate(zip(weights, biases)):
-        _check_weight("linear_multi", f"weights[{i}]", w, x)
-        linear_bias("linear_multi", f"biases[{i}]", b, w, x)
-        w = w.contiguous()
-        b = None if b is None else b.contiguous()
-        out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
-        keep += [w, b]
-        outs.append(out)
-        segs.append((w.data_ptr(), _ptr(b), out.data_ptr(), w.shape[0]))
+    weights = [w.contiguous() for w in weights]  # the lists keep every pointer below alive through the launch
+    outs = tuple(torch.empty(x.shape[0], w.shape[0], dtype=x.dtype) for w in weights)
+    segs = [(w.data_ptr(), _ptr(b), out.data_ptr(), w.shape[0]) for w, b, out in zip(weights, biases, outs)]
     if x.shape[0]:
         _C.linear(x.data_ptr(), x.shape[0], x.shape[1], segs, 0, EPILOGUE_PLAIN, code,
                   resolve_soc(soc_type, "linear_multi", code))
-    return tuple(outs)
+    return outs
 
 
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, bias: torch.Tensor | None = None, *,

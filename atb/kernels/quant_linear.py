@@ -49,19 +49,12 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
 def linear_multi(x: torch.Tensor, weights, biases=None, *, soc_type: str | None = None) -> tuple[torch.Tensor, ...]:
     """Fused q/k/v projection over 1..3 quantized weights (formats may differ) sharing x."""
     code = linear_x("linear_multi", x)
-    weights, biases = linear_lists("linear_multi", weights, biases)
+    weights, biases = linear_lists("linear_multi", weights, biases, x, _check_weight)
     x = x.contiguous()
-    segs, outs, keep = [], [], []
-    for i, (w, b) in enumerate(zip(weights, biases)):
-        _check_weight("linear_multi", f"weights[{i}]", w, x)
-        linear_bias("linear_multi", f"biases[{i}]", b, w, x)
-        b = None if b is None else b.contiguous()
-        out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
-        keep.append(b)
-        outs.append(out)
-        segs.append(w.segment(0 if b is None else b.data_ptr(), out.data_ptr()))
+    outs = tuple(torch.empty(x.shape[0], w.shape[0], dtype=x.dtype) for w in weights)
+    segs = [w.segment(0 if b is None else b.data_ptr(), out.data_ptr()) for w, b, out in zip(weights, biases, outs)]
     _run("linear_multi", x, code, segs, 0, EPILOGUE_PLAIN, soc_type)
-    return tuple(outs)
+    return outs
 
 
 def linear_residual(x: torch.Tensor, weight: QuantizedWeight, residual: torch.Tensor,
