@@ -36,12 +36,11 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from atb import _C
-from atb.kernels._common import DTYPE_CODES, float_code, int_tensor, resolve_soc
+from atb.kernels._common import DTYPE_CODES, ROPE_STYLES, float_code, int_tensor, resolve_soc
 from atb.models.base import LayerWeights
 from atb.quant.formats import QuantizedWeight
 
 _LAYER_REQUIRED = ("input_norm", "q", "k", "v", "o", "post_attention_norm", "gate", "up", "down")
-_STYLES = {"neox": 0, "interleave": 1}
 
 
 def _need(name: str, t, dtype, shape) -> torch.Tensor:
@@ -157,13 +156,13 @@ class DecodeGraph:
         cos, sin = cos.contiguous(), sin.contiguous()
         keep += [cos, sin]
         style = config.get("rope_style", "neox")
-        if style not in _STYLES:
+        if style not in ROPE_STYLES:
             raise ValueError(f"DecodeGraph: rope_style must be 'neox' or 'interleave', got {style!r}")
         cfg = _C.DecodeGraphConfig()
         cfg.num_layers, cfg.hidden, cfg.intermediate, cfg.vocab = len(layers), hidden, inter, vocab
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim = H, KH, D
         cfg.eps, cfg.scale = float(config["eps"]), float(config.get("scale") or D ** -0.5)
-        cfg.rotary_dim, cfg.rope_style = cos.shape[1], _STYLES[style]
+        cfg.rotary_dim, cfg.rope_style = cos.shape[1], ROPE_STYLES[style]
         cfg.max_batch, cfg.max_seq_len = max_batch, cos.shape[0]
         cfg.num_blocks, cfg.block_size = cache_shape[0], cache_shape[1]
         cfg.dtype, cfg.cos_dtype = DTYPE_CODES[dtype], DTYPE_CODES[cos.dtype]

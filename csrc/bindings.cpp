@@ -13,12 +13,14 @@
 #include "ascendc/runtime.h"
 #include "ascendc/simd.h"
 #include "ascendc/soc.h"
+#include "binding_utils.h"
 #include "graph/decode_graph.h"
 #include "kernels/linear/linear_tiling.h"
 #include "kernels/rms_norm/rms_norm_tiling.h"
 #include "kernels/rope/rope_tiling.h"
 #include "kernels/swiglu/swiglu_tiling.h"
 #include "kernels/common/stream_read.h"
+#include "kernels/common/tiling_key.h"
 #include "kernels/common/ub_probe.h"
 #include "kernels/reshape_and_cache/reshape_and_cache_tiling.h"
 #include "kernels/paged_attention/paged_attention_tiling.h"
@@ -29,14 +31,13 @@
 namespace py = pybind11;
 using AscendC::DataType;
 using AscendC::SocInfo;
+using atb::bind::Def;
+using atb::bind::Dict;
+using atb::bind::Dt;
+using atb::bind::I32;
+using atb::bind::Ptr;
 
 namespace {
-
-void* Ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
-DataType Dt(int code) {
-  if (code < 0 || code > 2) AscendC::ThrowError("dtype code must be 0 (float32), 1 (float16) or 2 (bfloat16), got ", code);
-  return DataType(code);
-}
 
 // A quantized weight as the decode graph takes it: (data, scale, min or 0, bits, group, scale dtype code).
 using QuantTuple = std::tuple<uintptr_t, uintptr_t, uintptr_t, int64_t, int64_t, int>;
@@ -45,89 +46,48 @@ atb::QuantRef QuantRefOf(const QuantTuple& t) {
           Dt(std::get<5>(t))};
 }
 
+bool IsVariant(int64_t tilingKey, int64_t variant) { return atb::TilingKeyVariant(tilingKey) == variant; }
+
 py::dict RmsNormTilingDict(const atb::RmsNormTilingData& t) {
-  py::dict d;
-  d["rows"] = t.rows;
-  d["cols"] = t.cols;
-  d["block_dim"] = t.blockDim;
-  d["block_factor"] = t.blockFactor;
-  d["rows_per_loop"] = t.rowsPerLoop;
-  d["col_tile"] = t.colTile;
-  d["ub_bytes"] = t.ubBytes;
-  d["tiling_key"] = t.tilingKey;
-  d["split_d"] = (t.tilingKey % 10) == atb::RMS_NORM_SPLIT_D;
-  return d;
+  return Dict("rows", t.rows, "cols", t.cols, "block_dim", t.blockDim, "block_factor", t.blockFactor,
+              "rows_per_loop", t.rowsPerLoop, "col_tile", t.colTile, "ub_bytes", t.ubBytes, "tiling_key",
+              t.tilingKey, "split_d", IsVariant(t.tilingKey, atb::RMS_NORM_SPLIT_D));
 }
 
 py::dict RopeTilingDict(const atb::RopeTilingData& t) {
-  py::dict d;
-  d["tokens"] = t.tokens;
-  d["heads"] = t.heads;
-  d["kv_heads"] = t.kvHeads;
-  d["head_dim"] = t.headDim;
-  d["rotary_dim"] = t.rotaryDim;
-  d["block_dim"] = t.blockDim;
-  d["block_factor"] = t.blockFactor;
-  d["tokens_per_loop"] = t.tokensPerLoop;
-  d["heads_per_loop"] = t.headsPerLoop;
-  d["head_pitch"] = t.headPitch;
-  d["ub_bytes"] = t.ubBytes;
-  d["tiling_key"] = t.tilingKey;
-  return d;
+  return Dict("tokens", t.tokens, "heads", t.heads, "kv_heads", t.kvHeads, "head_dim", t.headDim, "rotary_dim",
+              t.rotaryDim, "block_dim", t.blockDim, "block_factor", t.blockFactor, "tokens_per_loop",
+              t.tokensPerLoop, "heads_per_loop", t.headsPerLoop, "head_pitch", t.headPitch, "ub_bytes", t.ubBytes,
+              "tiling_key", t.tilingKey);
 }
 
 py::dict SwiGluTilingDict(const atb::SwiGluTilingData& t) {
-  py::dict d;
-  d["rows"] = t.rows;
-  d["cols"] = t.cols;
-  d["col_tile"] = t.colTile;
-  d["col_chunks"] = t.colChunks;
-  d["units"] = t.units;
-  d["block_dim"] = t.blockDim;
-  d["block_factor"] = t.blockFactor;
-  d["rows_per_loop"] = t.rowsPerLoop;
-  d["ub_bytes"] = t.ubBytes;
-  d["tiling_key"] = t.tilingKey;
-  d["col_tiles"] = (t.tilingKey % 10) == atb::SWIGLU_COL_TILES;
-  return d;
+  return Dict("rows", t.rows, "cols", t.cols, "col_tile", t.colTile, "col_chunks", t.colChunks, "units", t.units,
+              "block_dim", t.blockDim, "block_factor", t.blockFactor, "rows_per_loop", t.rowsPerLoop, "ub_bytes",
+              t.ubBytes, "tiling_key", t.tilingKey, "col_tiles", IsVariant(t.tilingKey, atb::SWIGLU_COL_TILES));
 }
 
-const int32_t* I32(uintptr_t p) { return reinterpret_cast<const int32_t*>(p); }
-
 py::dict PagedAttentionTilingDict(const atb::PagedAttentionTilingData& t) {
-  py::dict d;
-  d["rows_per_tile"] = t.rowsPerTile;
-  d["heads_per_tile"] = t.headsPerTile;
-  d["kv_tile"] = t.kvTile;
-  d["chunk"] = t.chunk;
-  d["block_dim"] = t.blockDim;
-  d["merge_block_dim"] = t.mergeBlockDim;
-  d["ub_bytes"] = t.ubBytes;
-  d["workspace_floats"] = t.workspaceFloats;
-  d["tiling_key"] = t.tilingKey;
-  d["gather"] = (t.tilingKey % 10) == atb::PA_GATHER;
-  d["num_items"] = int64_t(t.items.size());
-  d["num_merge_groups"] = int64_t(t.groups.size());
   py::list items;
   for (const auto& it : t.items)
     items.append(py::make_tuple(it.batch, it.kvHead, it.g0, it.gn, it.q0, it.qn, it.kvStart, it.kvEnd, it.partial));
-  d["items"] = items;
-  return d;
+  return Dict("rows_per_tile", t.rowsPerTile, "heads_per_tile", t.headsPerTile, "kv_tile", t.kvTile, "chunk",
+              t.chunk, "block_dim", t.blockDim, "merge_block_dim", t.mergeBlockDim, "ub_bytes", t.ubBytes,
+              "workspace_floats", t.workspaceFloats, "tiling_key", t.tilingKey, "gather",
+              IsVariant(t.tilingKey, atb::PA_GATHER), "num_items", int64_t(t.items.size()), "num_merge_groups",
+              int64_t(t.groups.size()), "items", items);
 }
 
 py::dict FlashAttentionTilingDict(const atb::FlashAttentionTilingData& t) {
-  py::dict d;
-  d["group_size"] = t.groupSize;
-  d["group_split"] = t.groupSplit;
-  d["block_q"] = t.blockQ;
-  d["block_kv"] = t.blockKv;
-  d["max_rows"] = t.maxRows;
-  d["ub_bytes"] = t.ubBytes;
-  d["block_dim"] = t.blockDim;
-  d["tiling_key"] = t.tilingKey;
-  d["num_units"] = int64_t(t.units.size());
-  d["core_cost"] = t.coreCost;
-  return d;
+  return Dict("group_size", t.groupSize, "group_split", t.groupSplit, "block_q", t.blockQ, "block_kv", t.blockKv,
+              "max_rows", t.maxRows, "ub_bytes", t.ubBytes, "block_dim", t.blockDim, "tiling_key", t.tilingKey,
+              "num_units", int64_t(t.units.size()), "core_cost", t.coreCost);
+}
+
+// linear_tiling's keys; quant_linear_tiling adds its own to them.
+py::dict LinearTilingDict(const atb::LinearTilingData& t) {
+  return Dict("block_dim", t.blockDim, "block_factor", t.blockFactor, "m_tile", t.mTile, "n_tile", t.nTile,
+              "k_tile", t.kTile, "ub_bytes", t.ubBytes, "tiling_key", t.tilingKey);
 }
 
 }  // namespace
@@ -149,6 +109,16 @@ PYBIND11_MODULE(_C, m) {
                ", vector_core_num=" + std::to_string(s.vector_core_num) + ", ub_size=" + std::to_string(s.ub_size) +
                ", l1_size=" + std::to_string(s.l1_size) + ", supports_bf16=" + (s.supports_bf16 ? "True" : "False") + ")";
       });
+  // The codes the ops take as ints, exported once so Python reads them instead of mirroring them.
+  py::enum_<DataType>(m, "DataType")
+      .value("FLOAT32", DataType::FLOAT32)
+      .value("FLOAT16", DataType::FLOAT16)
+      .value("BFLOAT16", DataType::BFLOAT16);
+  py::enum_<atb::LinearEpilogue>(m, "LinearEpilogue")
+      .value("PLAIN", atb::LINEAR_PLAIN)
+      .value("RESIDUAL", atb::LINEAR_RESIDUAL)
+      .value("SWIGLU", atb::LINEAR_SWIGLU);
+  py::enum_<atb::RopeStyle>(m, "RopeStyle").value("NEOX", atb::ROPE_NEOX).value("INTERLEAVE", atb::ROPE_INTERLEAVE);
   m.def("get_soc", &AscendC::GetSocInfo, py::arg("name"));
   m.def("soc_names", &AscendC::SocNames);
   m.def("get_num_threads", &AscendC::GetNumThreads);
@@ -166,34 +136,36 @@ PYBIND11_MODULE(_C, m) {
         py::arg("ptr"), py::arg("nbytes"));
 
   // ---- rms_norm / add_rms_norm ---------------------------------------------
-  m.def("rms_norm_tiling",
-        [](int64_t rows, int64_t cols, int dtype, const SocInfo& soc, bool residual) {
-          return RmsNormTilingDict(atb::RmsNormTiling(rows, cols, Dt(dtype), 1e-6f, residual, soc));
-        },
-        py::arg("rows"), py::arg("cols"), py::arg("dtype"), py::arg("soc"), py::arg("residual") = false);
-  m.def("rms_norm",
-        [](uintptr_t y, uintptr_t x, uintptr_t weight, int64_t rows, int64_t cols, int dtype, float eps,
-           const SocInfo& soc) { atb::RmsNorm(Ptr(y), nullptr, Ptr(x), nullptr, Ptr(weight), rows, cols, Dt(dtype), eps, soc); },
-        py::arg("y"), py::arg("x"), py::arg("weight"), py::arg("rows"), py::arg("cols"), py::arg("dtype"),
-        py::arg("eps"), py::arg("soc"));
-  m.def("add_rms_norm",
-        [](uintptr_t y, uintptr_t residual_out, uintptr_t x, uintptr_t residual, uintptr_t weight, int64_t rows,
-           int64_t cols, int dtype, float eps, const SocInfo& soc) {
-          atb::RmsNorm(Ptr(y), Ptr(residual_out), Ptr(x), Ptr(residual), Ptr(weight), rows, cols, Dt(dtype), eps, soc);
-        },
-        py::arg("y"), py::arg("residual_out"), py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("rows"),
-        py::arg("cols"), py::arg("dtype"), py::arg("eps"), py::arg("soc"));
+  Def(
+      m, "rms_norm_tiling",
+      [](int64_t rows, int64_t cols, int dtype, const SocInfo& soc, bool residual) {
+        return RmsNormTilingDict(atb::RmsNormTiling(rows, cols, Dt(dtype), 1e-6f, residual, soc));
+      },
+      "rows", "cols", "dtype", "soc", py::arg("residual") = false);
+  Def(
+      m, "rms_norm",
+      [](uintptr_t y, uintptr_t x, uintptr_t weight, int64_t rows, int64_t cols, int dtype, float eps,
+         const SocInfo& soc) { atb::RmsNorm(Ptr(y), nullptr, Ptr(x), nullptr, Ptr(weight), rows, cols, Dt(dtype), eps, soc); },
+      "y", "x", "weight", "rows", "cols", "dtype", "eps", "soc");
+  Def(
+      m, "add_rms_norm",
+      [](uintptr_t y, uintptr_t residual_out, uintptr_t x, uintptr_t residual, uintptr_t weight, int64_t rows,
+         int64_t cols, int dtype, float eps, const SocInfo& soc) {
+        atb::RmsNorm(Ptr(y), Ptr(residual_out), Ptr(x), Ptr(residual), Ptr(weight), rows, cols, Dt(dtype), eps, soc);
+      },
+      "y", "residual_out", "x", "residual", "weight", "rows", "cols", "dtype", "eps", "soc");
 
   // ---- rope ------------------------------------------------------------------
-  m.def("rope_tiling",
-        [](int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t rotary_dim, int dtype,
-           const SocInfo& soc, int cos_dtype, bool interleave) {
-          return RopeTilingDict(atb::RopeTiling(tokens, heads, kv_heads, head_dim, rotary_dim, Dt(dtype),
-                                                Dt(cos_dtype < 0 ? dtype : cos_dtype),
-                                                interleave ? atb::ROPE_INTERLEAVE : atb::ROPE_NEOX, soc));
-        },
-        py::arg("tokens"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("rotary_dim"),
-        py::arg("dtype"), py::arg("soc"), py::arg("cos_dtype") = -1, py::arg("interleave") = false);
+  Def(
+      m, "rope_tiling",
+      [](int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t rotary_dim, int dtype,
+         const SocInfo& soc, int cos_dtype, bool interleave) {
+        return RopeTilingDict(atb::RopeTiling(tokens, heads, kv_heads, head_dim, rotary_dim, Dt(dtype),
+                                              Dt(cos_dtype < 0 ? dtype : cos_dtype), atb::bind::RopeStyleOf(interleave),
+                                              soc));
+      },
+      "tokens", "heads", "kv_heads", "head_dim", "rotary_dim", "dtype", "soc", py::arg("cos_dtype") = -1,
+      py::arg("interleave") = false);
   // Views cross as (data pointer, token stride, head stride), strides in elements.
   m.def("rope",
         [](uintptr_t q_out, int64_t qo_ts, int64_t qo_hs, uintptr_t k_out, int64_t ko_ts, int64_t ko_hs, uintptr_t q,
@@ -202,46 +174,38 @@ PYBIND11_MODULE(_C, m) {
            int cos_dtype, bool interleave, const SocInfo& soc) {
           atb::Rope({Ptr(q_out), qo_ts, qo_hs}, {Ptr(k_out), ko_ts, ko_hs}, {Ptr(q), q_ts, q_hs}, {Ptr(k), k_ts, k_hs},
                     Ptr(cos), Ptr(sin), tokens, heads, kv_heads, head_dim, rotary_dim, Dt(dtype), Dt(cos_dtype),
-                    interleave ? atb::ROPE_INTERLEAVE : atb::ROPE_NEOX, soc);
+                    atb::bind::RopeStyleOf(interleave), soc);
         });
   // ---- linear (decode-shaped, fused epilogues) ------------------------------
   // segments: [(weight_ptr, bias_ptr or 0, out_ptr, n)], 1..3 of them.
-  m.def("linear_tiling",
-        [](int64_t rows, int64_t k, std::vector<int64_t> seg_rows, int epilogue, int dtype, const SocInfo& soc) {
-          atb::LinearTilingData t = atb::LinearTiling(rows, k, seg_rows.data(), int64_t(seg_rows.size()),
-                                                      atb::LinearEpilogue(epilogue), Dt(dtype), soc);
-          py::dict d;
-          d["block_dim"] = t.blockDim;
-          d["block_factor"] = t.blockFactor;
-          d["m_tile"] = t.mTile;
-          d["n_tile"] = t.nTile;
-          d["k_tile"] = t.kTile;
-          d["ub_bytes"] = t.ubBytes;
-          d["tiling_key"] = t.tilingKey;
-          return d;
-        },
-        py::arg("m"), py::arg("k"), py::arg("seg_rows"), py::arg("epilogue"), py::arg("dtype"), py::arg("soc"));
-  m.def("linear",
-        [](uintptr_t x, int64_t rows, int64_t k, const std::vector<std::tuple<uintptr_t, uintptr_t, uintptr_t, int64_t>>& segs,
-           uintptr_t residual, int epilogue, int dtype, const SocInfo& soc) {
-          if (segs.empty() || segs.size() > size_t(atb::kLinearMaxSegments))
-            AscendC::ThrowError("linear: 1..", atb::kLinearMaxSegments, " segments, got ", segs.size());
-          if (epilogue < 0 || epilogue > 2) AscendC::ThrowError("linear: epilogue must be 0, 1 or 2, got ", epilogue);
-          atb::LinearSegment s[atb::kLinearMaxSegments];
-          for (size_t i = 0; i < segs.size(); ++i)
-            s[i] = {Ptr(std::get<0>(segs[i])), Ptr(std::get<1>(segs[i])), Ptr(std::get<2>(segs[i])), std::get<3>(segs[i])};
-          py::gil_scoped_release nogil;
-          atb::Linear(Ptr(x), rows, k, s, int64_t(segs.size()), Ptr(residual), atb::LinearEpilogue(epilogue), Dt(dtype), soc);
-        },
-        py::arg("x"), py::arg("m"), py::arg("k"), py::arg("segments"), py::arg("residual"), py::arg("epilogue"),
-        py::arg("dtype"), py::arg("soc"));
+  Def(
+      m, "linear_tiling",
+      [](int64_t rows, int64_t k, std::vector<int64_t> seg_rows, int epilogue, int dtype, const SocInfo& soc) {
+        return LinearTilingDict(atb::LinearTiling(rows, k, seg_rows.data(), int64_t(seg_rows.size()),
+                                                  atb::LinearEpilogue(epilogue), Dt(dtype), soc));
+      },
+      "m", "k", "seg_rows", "epilogue", "dtype", "soc");
+  Def(
+      m, "linear",
+      [](uintptr_t x, int64_t rows, int64_t k, const std::vector<std::tuple<uintptr_t, uintptr_t, uintptr_t, int64_t>>& segs,
+         uintptr_t residual, int epilogue, int dtype, const SocInfo& soc) {
+        atb::bind::CheckSegmentCount("linear", segs.size());
+        atb::LinearEpilogue ep = atb::bind::CheckedEpilogue("linear", epilogue);
+        atb::LinearSegment s[atb::kLinearMaxSegments];
+        for (size_t i = 0; i < segs.size(); ++i)
+          s[i] = {Ptr(std::get<0>(segs[i])), Ptr(std::get<1>(segs[i])), Ptr(std::get<2>(segs[i])), std::get<3>(segs[i])};
+        py::gil_scoped_release nogil;
+        atb::Linear(Ptr(x), rows, k, s, int64_t(segs.size()), Ptr(residual), ep, Dt(dtype), soc);
+      },
+      "x", "m", "k", "segments", "residual", "epilogue", "dtype", "soc");
 
   // ---- swiglu / silu_mul ---------------------------------------------------------
-  m.def("swiglu_tiling",
-        [](int64_t rows, int64_t cols, int dtype, const SocInfo& soc) {
-          return SwiGluTilingDict(atb::SwiGluTiling(rows, cols, Dt(dtype), soc));
-        },
-        py::arg("rows"), py::arg("cols"), py::arg("dtype"), py::arg("soc"));
+  Def(
+      m, "swiglu_tiling",
+      [](int64_t rows, int64_t cols, int dtype, const SocInfo& soc) {
+        return SwiGluTilingDict(atb::SwiGluTiling(rows, cols, Dt(dtype), soc));
+      },
+      "rows", "cols", "dtype", "soc");
   m.def("silu_mul",
         [](uintptr_t out, uintptr_t gate, int64_t gate_row_stride, uintptr_t up, int64_t up_row_stride, int64_t rows,
            int64_t cols, int dtype, const SocInfo& soc) {
@@ -249,44 +213,43 @@ PYBIND11_MODULE(_C, m) {
         });
 
   // ---- reshape_and_cache ---------------------------------------------------
-  m.def("reshape_and_cache",
-        [](uintptr_t key, int64_t key_stride, uintptr_t value, int64_t value_stride, uintptr_t key_cache,
-           uintptr_t value_cache, uintptr_t slot_mapping, int64_t tokens, int64_t kv_heads, int64_t head_dim,
-           int64_t num_blocks, int64_t block_size, int dtype, const SocInfo& soc) {
-          atb::ReshapeAndCache(Ptr(key), key_stride, Ptr(value), value_stride, Ptr(key_cache), Ptr(value_cache),
-                               I32(slot_mapping), tokens, kv_heads, head_dim, num_blocks, block_size, Dt(dtype), soc);
-        },
-        py::arg("key"), py::arg("key_stride"), py::arg("value"), py::arg("value_stride"), py::arg("key_cache"),
-        py::arg("value_cache"), py::arg("slot_mapping"), py::arg("tokens"), py::arg("kv_heads"), py::arg("head_dim"),
-        py::arg("num_blocks"), py::arg("block_size"), py::arg("dtype"), py::arg("soc"));
+  Def(
+      m, "reshape_and_cache",
+      [](uintptr_t key, int64_t key_stride, uintptr_t value, int64_t value_stride, uintptr_t key_cache,
+         uintptr_t value_cache, uintptr_t slot_mapping, int64_t tokens, int64_t kv_heads, int64_t head_dim,
+         int64_t num_blocks, int64_t block_size, int dtype, const SocInfo& soc) {
+        atb::ReshapeAndCache(Ptr(key), key_stride, Ptr(value), value_stride, Ptr(key_cache), Ptr(value_cache),
+                             I32(slot_mapping), tokens, kv_heads, head_dim, num_blocks, block_size, Dt(dtype), soc);
+      },
+      "key", "key_stride", "value", "value_stride", "key_cache", "value_cache", "slot_mapping", "tokens", "kv_heads",
+      "head_dim", "num_blocks", "block_size", "dtype", "soc");
 
   // ---- paged_attention -----------------------------------------------------
   // q_lens == 0 (null): decode, one query per sequence. window <= 0: none.
-  m.def("paged_attention_tiling",
-        [](int64_t batch, int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t num_blocks,
-           int64_t block_size, int64_t max_blocks, uintptr_t context_lens, uintptr_t q_lens, int64_t total_q,
-           int64_t window, int dtype, const SocInfo& soc) {
-          return PagedAttentionTilingDict(atb::PagedAttentionTiling(
-              batch, num_heads, kv_heads, head_dim, num_blocks, block_size, max_blocks, I32(context_lens),
-              I32(q_lens), total_q, num_heads * head_dim, 1.0f, window, Dt(dtype), soc));
-        },
-        py::arg("batch"), py::arg("num_heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("num_blocks"),
-        py::arg("block_size"), py::arg("max_blocks"), py::arg("context_lens"), py::arg("q_lens"), py::arg("total_q"),
-        py::arg("window"), py::arg("dtype"), py::arg("soc"));
-  m.def("paged_attention",
-        [](uintptr_t out, uintptr_t q, int64_t q_stride, uintptr_t key_cache, uintptr_t value_cache,
-           uintptr_t block_tables, uintptr_t context_lens, uintptr_t q_lens, int64_t batch, int64_t num_heads,
-           int64_t kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
-           int64_t total_q, float scale, int64_t window, int dtype, const SocInfo& soc) {
-          atb::PagedAttention(Ptr(out), Ptr(q), q_stride, Ptr(key_cache), Ptr(value_cache), I32(block_tables),
-                              I32(context_lens), I32(q_lens), batch, num_heads, kv_heads, head_dim, num_blocks,
-                              block_size, max_blocks, total_q, scale, window, Dt(dtype), soc);
-        },
-        py::arg("out"), py::arg("q"), py::arg("q_stride"), py::arg("key_cache"), py::arg("value_cache"),
-        py::arg("block_tables"), py::arg("context_lens"), py::arg("q_lens"), py::arg("batch"), py::arg("num_heads"),
-        py::arg("kv_heads"), py::arg("head_dim"), py::arg("num_blocks"), py::arg("block_size"),
-        py::arg("max_blocks"), py::arg("total_q"), py::arg("scale"), py::arg("window"), py::arg("dtype"),
-        py::arg("soc"));
+  Def(
+      m, "paged_attention_tiling",
+      [](int64_t batch, int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
+         int64_t max_blocks, uintptr_t context_lens, uintptr_t q_lens, int64_t total_q, int64_t window, int dtype,
+         const SocInfo& soc) {
+        return PagedAttentionTilingDict(atb::PagedAttentionTiling(
+            batch, num_heads, kv_heads, head_dim, num_blocks, block_size, max_blocks, I32(context_lens), I32(q_lens),
+            total_q, num_heads * head_dim, 1.0f, window, Dt(dtype), soc));
+      },
+      "batch", "num_heads", "kv_heads", "head_dim", "num_blocks", "block_size", "max_blocks", "context_lens", "q_lens",
+      "total_q", "window", "dtype", "soc");
+  Def(
+      m, "paged_attention",
+      [](uintptr_t out, uintptr_t q, int64_t q_stride, uintptr_t key_cache, uintptr_t value_cache,
+         uintptr_t block_tables, uintptr_t context_lens, uintptr_t q_lens, int64_t batch, int64_t num_heads,
+         int64_t kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
+         int64_t total_q, float scale, int64_t window, int dtype, const SocInfo& soc) {
+        atb::PagedAttention(Ptr(out), Ptr(q), q_stride, Ptr(key_cache), Ptr(value_cache), I32(block_tables),
+                            I32(context_lens), I32(q_lens), batch, num_heads, kv_heads, head_dim, num_blocks,
+                            block_size, max_blocks, total_q, scale, window, Dt(dtype), soc);
+      },
+      "out", "q", "q_stride", "key_cache", "value_cache", "block_tables", "context_lens", "q_lens", "batch",
+      "num_heads", "kv_heads", "head_dim", "num_blocks", "block_size", "max_blocks", "total_q", "scale", "window",
+      "dtype", "soc");
 
   // ---- decode graph ----------------------------------------------------------
   // Typed build description: a config and one DecodeLayer per layer, whose
@@ -380,10 +343,8 @@ PYBIND11_MODULE(_C, m) {
            [](atb::DecodeGraph& g, uintptr_t token_ids, uintptr_t positions, uintptr_t block_tables, int64_t max_blocks,
               uintptr_t context_lens, uintptr_t slot_mapping, int64_t batch, uintptr_t logits, uintptr_t argmax_out) {
              py::gil_scoped_release nogil;
-             g.Step(static_cast<const int32_t*>(Ptr(token_ids)), static_cast<const int32_t*>(Ptr(positions)),
-                    static_cast<const int32_t*>(Ptr(block_tables)), max_blocks,
-                    static_cast<const int32_t*>(Ptr(context_lens)), static_cast<const int32_t*>(Ptr(slot_mapping)),
-                    batch, Ptr(logits), static_cast<int32_t*>(Ptr(argmax_out)));
+             g.Step(I32(token_ids), I32(positions), I32(block_tables), max_blocks, I32(context_lens),
+                    I32(slot_mapping), batch, Ptr(logits), static_cast<int32_t*>(Ptr(argmax_out)));
            },
            py::arg("token_ids"), py::arg("positions"), py::arg("block_tables"), py::arg("max_blocks"),
            py::arg("context_lens"), py::arg("slot_mapping"), py::arg("batch"), py::arg("logits"),
@@ -415,85 +376,75 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("scratch_bytes", &atb::DecodeGraph::ScratchBytes);
 
   // ---- flash_attention -----------------------------------------------------
-  m.def("flash_attention_tiling",
-        [](const std::vector<int32_t>& cu_seqlens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int dtype,
-           const SocInfo& soc, bool causal, int64_t window) {
-          if (cu_seqlens.empty()) AscendC::ThrowError("flash_attention: cu_seqlens must have at least one entry");
-          int64_t batch = int64_t(cu_seqlens.size()) - 1;
-          return FlashAttentionTilingDict(atb::FlashAttentionTiling(cu_seqlens.data(), batch, cu_seqlens.back(),
-                                                                    num_heads, num_kv_heads, head_dim, Dt(dtype),
-                                                                    1.0f, causal, window, soc));
-        },
-        py::arg("cu_seqlens"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("dtype"),
-        py::arg("soc"), py::arg("causal") = true, py::arg("window") = 0);
-  m.def("flash_attention",
-        [](uintptr_t out, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t cu_seqlens, int64_t batch, int64_t tokens,
-           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const std::vector<int64_t>& strides, int dtype,
-           float scale, bool causal, int64_t window, const SocInfo& soc) {
-          if (strides.size() != 6) AscendC::ThrowError("flash_attention: strides must be (q_token, q_head, k_token, k_head, v_token, v_head)");
-          atb::FlashAttentionStrides st{strides[0], strides[1], strides[2], strides[3], strides[4], strides[5]};
-          py::gil_scoped_release release;
-          atb::FlashAttention(Ptr(out), Ptr(q), Ptr(k), Ptr(v), static_cast<const int32_t*>(Ptr(cu_seqlens)), batch,
-                              tokens, num_heads, num_kv_heads, head_dim, st, Dt(dtype), scale, causal, window, soc);
-        },
-        py::arg("out"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cu_seqlens"), py::arg("batch"),
-        py::arg("tokens"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("strides"),
-        py::arg("dtype"), py::arg("scale"), py::arg("causal"), py::arg("window"), py::arg("soc"));
+  Def(
+      m, "flash_attention_tiling",
+      [](const std::vector<int32_t>& cu_seqlens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int dtype,
+         const SocInfo& soc, bool causal, int64_t window) {
+        if (cu_seqlens.empty()) AscendC::ThrowError("flash_attention: cu_seqlens must have at least one entry");
+        int64_t batch = int64_t(cu_seqlens.size()) - 1;
+        return FlashAttentionTilingDict(atb::FlashAttentionTiling(cu_seqlens.data(), batch, cu_seqlens.back(),
+                                                                  num_heads, num_kv_heads, head_dim, Dt(dtype), 1.0f,
+                                                                  causal, window, soc));
+      },
+      "cu_seqlens", "num_heads", "num_kv_heads", "head_dim", "dtype", "soc", py::arg("causal") = true,
+      py::arg("window") = 0);
+  Def(
+      m, "flash_attention",
+      [](uintptr_t out, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t cu_seqlens, int64_t batch, int64_t tokens,
+         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const std::vector<int64_t>& strides, int dtype,
+         float scale, bool causal, int64_t window, const SocInfo& soc) {
+        if (strides.size() != 6) AscendC::ThrowError("flash_attention: strides must be (q_token, q_head, k_token, k_head, v_token, v_head)");
+        atb::FlashAttentionStrides st{strides[0], strides[1], strides[2], strides[3], strides[4], strides[5]};
+        py::gil_scoped_release release;
+        atb::FlashAttention(Ptr(out), Ptr(q), Ptr(k), Ptr(v), I32(cu_seqlens), batch, tokens, num_heads, num_kv_heads,
+                            head_dim, st, Dt(dtype), scale, causal, window, soc);
+      },
+      "out", "q", "k", "v", "cu_seqlens", "batch", "tokens", "num_heads", "num_kv_heads", "head_dim", "strides",
+      "dtype", "scale", "causal", "window", "soc");
 
   // ---- quant_linear (weight-only W8A16 / W4A16) -----------------------------
   // segments: [(data, scale, min or 0, bias or 0, out or 0, n, bits, group, scale dtype code)], 1..3 of them.
   using QuantSegTuple = std::tuple<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, int64_t, int64_t, int64_t, int>;
-  auto quantSegs = [](const std::vector<QuantSegTuple>& segs, std::vector<atb::QuantSegment>& out) {
-    if (segs.empty() || segs.size() > size_t(atb::kLinearMaxSegments))
-      AscendC::ThrowError("quant_linear: 1..", atb::kLinearMaxSegments, " segments, got ", segs.size());
+  auto quantSegs = [](const std::vector<QuantSegTuple>& segs) {
+    atb::bind::CheckSegmentCount("quant_linear", segs.size());
+    std::vector<atb::QuantSegment> out;
     for (const auto& t : segs)
       out.push_back({Ptr(std::get<0>(t)), Ptr(std::get<1>(t)), Ptr(std::get<2>(t)), Ptr(std::get<3>(t)),
                      Ptr(std::get<4>(t)), std::get<5>(t), std::get<6>(t), std::get<7>(t), Dt(std::get<8>(t))});
+    return out;
   };
-  m.def("quant_linear_tiling",
-        [quantSegs](int64_t rows, int64_t k, const std::vector<QuantSegTuple>& segs, int epilogue, int dtype,
-                    const SocInfo& soc) {
-          std::vector<atb::QuantSegment> s;
-          quantSegs(segs, s);
-          atb::QuantLinearTilingData q = atb::QuantLinearTiling(rows, k, s.data(), int64_t(s.size()),
-                                                                atb::LinearEpilogue(epilogue), Dt(dtype), soc);
-          const atb::LinearTilingData& t = q.base;
-          py::dict d;
-          d["block_dim"] = t.blockDim;
-          d["block_factor"] = t.blockFactor;
-          d["m_tile"] = t.mTile;
-          d["n_tile"] = t.nTile;
-          d["k_tile"] = t.kTile;
-          d["m_pass"] = t.mPass;
-          d["k_pad"] = q.kPad;
-          d["ub_bytes"] = t.ubBytes;
-          d["tiling_key"] = t.tilingKey;
-          d["gemm"] = t.tilingKey / 100 == atb::LINEAR_GEMM;
-          return d;
-        },
-        py::arg("m"), py::arg("k"), py::arg("segments"), py::arg("epilogue"), py::arg("dtype"), py::arg("soc"));
-  m.def("quant_linear",
-        [quantSegs](uintptr_t x, int64_t rows, int64_t k, const std::vector<QuantSegTuple>& segs, uintptr_t residual,
-                    int epilogue, int dtype, const SocInfo& soc) {
-          if (epilogue < 0 || epilogue > 2) AscendC::ThrowError("quant_linear: epilogue must be 0, 1 or 2, got ", epilogue);
-          std::vector<atb::QuantSegment> s;
-          quantSegs(segs, s);
-          py::gil_scoped_release nogil;
-          atb::QuantLinear(Ptr(x), rows, k, s.data(), int64_t(s.size()), Ptr(residual), atb::LinearEpilogue(epilogue),
-                           Dt(dtype), soc);
-        },
-        py::arg("x"), py::arg("m"), py::arg("k"), py::arg("segments"), py::arg("residual"), py::arg("epilogue"),
-        py::arg("dtype"), py::arg("soc"));
-  m.def("quant_dequant_rows",
-        [quantSegs](const QuantSegTuple& w, int64_t k, uintptr_t idx, int64_t count, uintptr_t out, int dtype,
-                    const SocInfo& soc) {
-          std::vector<atb::QuantSegment> s;
-          quantSegs({w}, s);
-          py::gil_scoped_release nogil;
-          atb::QuantDequantRows(s[0], k, static_cast<const int32_t*>(Ptr(idx)), count, Ptr(out), Dt(dtype), soc);
-        },
-        py::arg("weight"), py::arg("k"), py::arg("idx"), py::arg("count"), py::arg("out"), py::arg("dtype"),
-        py::arg("soc"));
+  Def(
+      m, "quant_linear_tiling",
+      [quantSegs](int64_t rows, int64_t k, const std::vector<QuantSegTuple>& segs, int epilogue, int dtype,
+                  const SocInfo& soc) {
+        std::vector<atb::QuantSegment> s = quantSegs(segs);
+        atb::QuantLinearTilingData q = atb::QuantLinearTiling(rows, k, s.data(), int64_t(s.size()),
+                                                              atb::LinearEpilogue(epilogue), Dt(dtype), soc);
+        py::dict d = LinearTilingDict(q.base);
+        atb::bind::Put(d, "m_pass", q.base.mPass, "k_pad", q.kPad, "gemm",
+                       atb::TilingKeyMode(q.base.tilingKey) == atb::LINEAR_GEMM);
+        return d;
+      },
+      "m", "k", "segments", "epilogue", "dtype", "soc");
+  Def(
+      m, "quant_linear",
+      [quantSegs](uintptr_t x, int64_t rows, int64_t k, const std::vector<QuantSegTuple>& segs, uintptr_t residual,
+                  int epilogue, int dtype, const SocInfo& soc) {
+        atb::LinearEpilogue ep = atb::bind::CheckedEpilogue("quant_linear", epilogue);
+        std::vector<atb::QuantSegment> s = quantSegs(segs);
+        py::gil_scoped_release nogil;
+        atb::QuantLinear(Ptr(x), rows, k, s.data(), int64_t(s.size()), Ptr(residual), ep, Dt(dtype), soc);
+      },
+      "x", "m", "k", "segments", "residual", "epilogue", "dtype", "soc");
+  Def(
+      m, "quant_dequant_rows",
+      [quantSegs](const QuantSegTuple& w, int64_t k, uintptr_t idx, int64_t count, uintptr_t out, int dtype,
+                  const SocInfo& soc) {
+        std::vector<atb::QuantSegment> s = quantSegs({w});
+        py::gil_scoped_release nogil;
+        atb::QuantDequantRows(s[0], k, I32(idx), count, Ptr(out), Dt(dtype), soc);
+      },
+      "weight", "k", "idx", "count", "out", "dtype", "soc");
   m.def("quant_set_isa", [](const std::string& isa) { atb::SelectQuantSimd(isa); }, py::arg("isa"));
   m.def("quant_isa", []() { return std::string(atb::QuantSimd().isa); });
   m.def("quant_isa_paths", []() { return atb::QuantIsaPaths(); });

@@ -22,14 +22,13 @@ both alike.
 """
 from __future__ import annotations
 
-import argparse
 import gc
-import time
 
 import torch
 
 import atb
-from atb.bench.roofline import achieved_gbps, keep_freed_memory, stream_read_gbps, time_us_many
+from atb.bench.roofline import (achieved_gbps, apply_threads, bench_clock, keep_freed_memory, kernel_bench_parser,
+                                print_end_bandwidth, stream_read_gbps, time_us_many)
 
 PREFILL_SHAPES = ((9, 3, 64), (32, 8, 128))  # (heads, kv_heads, head_dim): SmolLM2-135M, Llama-8B-like
 PREFILL_SEQS = (512, 2048)
@@ -74,13 +73,6 @@ def _decode_case(batch, ctx, heads, kv_heads, head_dim, dtype, working_set, repe
                 atb_gbps=achieved_gbps(kv_bytes, t_atb), sdpa_gbps=achieved_gbps(kv_bytes, t_sdpa), max_diff=diff)
 
 
-def _clock(cpu_time: bool):
-    """Thread CPU time (steadier on a busy machine, needs one thread everywhere) or wall time."""
-    if cpu_time and (torch.get_num_threads() != 1 or atb.get_num_threads() != 1):
-        raise SystemExit("--cpu-time needs --threads 1: thread CPU time misses work done on other threads")
-    return time.thread_time if cpu_time else time.perf_counter
-
-
 def bench_decode(contexts=(512, 2048, 8192), batches=(1, 16), shapes=DECODE_SHAPES,
                  dtypes=(torch.float32, torch.bfloat16), *, repeat: int = 15, quick: bool = False,
                  cpu_time: bool = False, working_set: int = 96 << 20) -> list[dict]:
@@ -89,7 +81,7 @@ def bench_decode(contexts=(512, 2048, 8192), batches=(1, 16), shapes=DECODE_SHAP
     cpu_time: time with the calling thread's CPU time (steadier on a busy machine; needs one thread
     for torch and atb, since it misses work done on other threads).
     """
-    clock = _clock(cpu_time)
+    clock = bench_clock(cpu_time)
     sample_us = 500.0 if quick else 2000.0
     bw = stream_read_gbps(repeat=3 if quick else 9)
     print(f"decode: paged_attention (block_size {BLOCK_SIZE}) vs SDPA(enable_gqa) over pre-gathered K/V | "
@@ -113,8 +105,7 @@ def bench_decode(contexts=(512, 2048, 8192), batches=(1, 16), shapes=DECODE_SHAP
                               f"{r['sdpa_gbps']:>9.1f} {r['atb_gbps']:>8.1f} {r['pct_bw']:>4.0f}% {r['max_diff']:>9.1e}",
                               flush=True)
                         gc.collect()
-    end_bw = stream_read_gbps(repeat=3 if quick else 9)
-    print(f"streaming read measured again at the end: {end_bw:.1f} GB/s (% bw above uses the first, {bw:.1f} GB/s)")
+    print_end_bandwidth(bw, quick)
     return rows
 
 
@@ -124,7 +115,7 @@ def bench_prefill(seqs=PREFILL_SEQS, shapes=PREFILL_SHAPES, dtypes=(torch.float3
 
     cpu_time: as for :func:`bench_decode` (needs one thread for torch and atb).
     """
-    clock = _clock(cpu_time)
+    clock = bench_clock(cpu_time)
     print("prefill: flash_attention vs SDPA(is_causal=True, enable_gqa=True), one causal sequence of S tokens | "
           f"clock: {'thread CPU time' if cpu_time else 'wall'}")
     head = (f"{'dtype':<9} {'H/KH/D':<9} {'S':>5} {'sdpa ms':>9} {'atb ms':>9} {'speedup':>8} "
@@ -166,18 +157,10 @@ def bench_prefill(seqs=PREFILL_SEQS, shapes=PREFILL_SHAPES, dtypes=(torch.float3
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m atb.bench.attention", description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeat", type=int, default=15, help="timed samples per measurement (median taken)")
-    p.add_argument("--quick", action="store_true", help="shorter samples and bandwidth probe (smoke run)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="threads for both torch and atb (default: as configured, torch's count)")
-    p.add_argument("--cpu-time", action="store_true",
-                   help="time with thread CPU time (needs --threads 1); steadier ratios on a busy machine")
+    p = kernel_bench_parser("python -m atb.bench.attention", __doc__.split("\n\n")[0])
     p.add_argument("--section", choices=("all", "prefill", "decode"), default="all", help="which benchmark to run")
     args = p.parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-        atb.set_num_threads(args.threads)
+    apply_threads(args.threads)
     torch.manual_seed(0)
     tuned = keep_freed_memory()
     info = atb.build_info()

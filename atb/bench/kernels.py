@@ -15,16 +15,15 @@ Stock code: HF ``LlamaRMSNorm`` forward; ``residual + x`` then ``LlamaRMSNorm``;
 """
 from __future__ import annotations
 
-import argparse
 import gc
-import time
 
 import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 import atb
-from atb.bench.roofline import achieved_gbps, keep_freed_memory, stream_read_gbps, time_us_many
+from atb.bench.roofline import (achieved_gbps, apply_threads, bench_clock, keep_freed_memory, kernel_bench_parser,
+                                print_end_bandwidth, stream_read_gbps, time_us_many)
 
 ROPE_HEADS = {576: (9, 3, 64), 4096: (32, 8, 128)}
 EPS = 1e-5
@@ -67,9 +66,7 @@ def _cases(hidden: int, tokens: int, dtype: torch.dtype):
 def run(repeat: int = 15, quick: bool = False, cpu_time: bool = False) -> list[dict]:
     torch.manual_seed(0)
     tuned = keep_freed_memory()
-    if cpu_time and (torch.get_num_threads() != 1 or atb.get_num_threads() != 1):
-        raise SystemExit("--cpu-time needs --threads 1: thread CPU time misses work done on other threads")
-    clock = time.thread_time if cpu_time else time.perf_counter
+    clock = bench_clock(cpu_time)
     sample_us = 500.0 if quick else 2000.0
     bw = stream_read_gbps(repeat=3 if quick else 9)
     info = atb.build_info()
@@ -98,23 +95,13 @@ def run(repeat: int = 15, quick: bool = False, cpu_time: bool = False) -> list[d
                               f"{row['speedup']:>7.2f}x {nbytes / 1e6:>9.3f} {gbps:>7.1f} {row['pct_bw']:>5.0f}%",
                               flush=True)
                     gc.collect()
-    end_bw = stream_read_gbps(repeat=3 if quick else 9)
-    print(f"streaming read measured again at the end: {end_bw:.1f} GB/s (% bw above uses the first, {bw:.1f} GB/s)")
+    print_end_bandwidth(bw, quick)
     return rows
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m atb.bench.kernels", description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeat", type=int, default=15, help="timed samples per measurement (median taken)")
-    p.add_argument("--quick", action="store_true", help="shorter samples and bandwidth probe (smoke run)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="threads for both torch and atb (default: as configured, torch's count)")
-    p.add_argument("--cpu-time", action="store_true",
-                   help="time with this thread's CPU time (needs --threads 1): steadier on a busy shared machine")
-    args = p.parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-        atb.set_num_threads(args.threads)
+    args = kernel_bench_parser("python -m atb.bench.kernels", __doc__.split("\n\n")[0]).parse_args(argv)
+    apply_threads(args.threads)
     run(repeat=args.repeat, quick=args.quick, cpu_time=args.cpu_time)
 
 

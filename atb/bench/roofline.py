@@ -12,12 +12,15 @@ The API (reuse it; keep benchmarks comparable):
   (:func:`achieved_gbps` turns bytes moved and µs into GB/s).
 * :func:`keep_freed_memory` -- call once before timing: stops glibc from handing large freed
   blocks back to the OS, so a fresh output tensor does not page-fault on every call.
+* :func:`kernel_bench_parser` / :func:`apply_threads` / :func:`bench_clock` -- the command line
+  (``--repeat --quick --threads --cpu-time``) and clock every kernel benchmark shares.
 
 The machine is shared and noisy: compare ratios measured in one run, never absolute numbers
 across runs.
 """
 from __future__ import annotations
 
+import argparse
 import ctypes
 import ctypes.util
 import statistics
@@ -26,6 +29,7 @@ from typing import Callable
 
 import torch
 
+import atb
 from atb import _C
 
 _BANDWIDTH_BUFFER_BYTES = 256 << 20  # 8x a 32 MiB L3: every pass comes from DRAM
@@ -137,3 +141,35 @@ class Machine:
 
     def bound(self, nbytes: float, flops: float) -> str:
         return "compute" if flops / self.gemm_peak > nbytes / self.bandwidth else "memory"
+
+
+def kernel_bench_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """A kernel benchmark's parser: ``--repeat``, ``--quick``, ``--threads``, ``--cpu-time``."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--repeat", type=int, default=15, help="timed samples per measurement (median taken)")
+    p.add_argument("--quick", action="store_true", help="shorter samples and bandwidth probe (smoke run)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads for both torch and atb (default: as configured, torch's count)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time with this thread's CPU time (needs --threads 1): steadier on a busy shared machine")
+    return p
+
+
+def apply_threads(threads: int | None) -> None:
+    """``--threads``: the same count for torch and atb (None keeps both)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+        atb.set_num_threads(threads)
+
+
+def bench_clock(cpu_time: bool):
+    """Thread CPU time (steadier on a busy machine, needs one thread everywhere) or wall time."""
+    if cpu_time and (torch.get_num_threads() != 1 or atb.get_num_threads() != 1):
+        raise SystemExit("--cpu-time needs --threads 1: thread CPU time misses work done on other threads")
+    return time.thread_time if cpu_time else time.perf_counter
+
+
+def print_end_bandwidth(bw: float, quick: bool) -> None:
+    """Measures the streaming read again after a table, so drift from the load of other processes shows."""
+    end_bw = stream_read_gbps(repeat=3 if quick else 9)
+    print(f"streaming read measured again at the end: {end_bw:.1f} GB/s (% bw above uses the first, {bw:.1f} GB/s)")

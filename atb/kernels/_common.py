@@ -11,9 +11,15 @@ import numbers
 
 import torch
 
+from atb import _C
 from atb import soc as _soc
 
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# The native core's codes (its exported enums), keyed as Python holds them.
+DTYPE_CODES = {torch.float32: int(_C.DataType.FLOAT32), torch.float16: int(_C.DataType.FLOAT16),
+               torch.bfloat16: int(_C.DataType.BFLOAT16)}
+EPILOGUE_PLAIN, EPILOGUE_RESIDUAL, EPILOGUE_SWIGLU = (
+    int(e) for e in (_C.LinearEpilogue.PLAIN, _C.LinearEpilogue.RESIDUAL, _C.LinearEpilogue.SWIGLU))
+ROPE_STYLES = {"neox": int(_C.RopeStyle.NEOX), "interleave": int(_C.RopeStyle.INTERLEAVE)}
 _FLOAT_NAMES = "float32, float16 or bfloat16"
 
 
@@ -61,6 +67,21 @@ def same_dtype(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Te
         raise TypeError(f"{op}: {name} is {t.dtype} but {ref_name} is {ref.dtype}; they must match")
 
 
+def same_shape(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.shape != ref.shape:
+        raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}, {ref_name} has {tuple(ref.shape)}; they must match")
+
+
+def kv_cache_pair(op: str, key_cache: torch.Tensor, value_cache: torch.Tensor, heads: str, why: str = "") -> None:
+    """key_cache and value_cache: one 4-D ``[num_blocks, block_size, <heads>, head_dim]`` contiguous shape."""
+    if key_cache.dim() != 4:
+        raise ValueError(f"{op}: key_cache must be 4-D [num_blocks, block_size, {heads}, head_dim], "
+                         f"got shape {tuple(key_cache.shape)}")
+    same_shape(op, "value_cache", value_cache, "key_cache", key_cache)
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError(f"{op}: key_cache and value_cache must be contiguous{why}")
+
+
 def real_arg(op: str, name: str, value, *, min_value: float | None = None) -> float:
     """A finite real scalar argument (scale, eps) as a float; numpy scalars are accepted.
 
@@ -100,3 +121,49 @@ def resolve_soc(soc_type, op: str | None = None, code: int = 0):
     if code == 2 and op is not None and not soc.supports_bf16:
         raise ValueError(f"{op}: bfloat16 is not supported on {soc.name} (no bf16 vector unit); use float16 or float32")
     return soc
+
+
+# Checks every linear entry (float and quantized weights) makes; the weight checks differ and stay with each.
+def linear_x(op: str, x) -> int:
+    """dtype code of x, a 2-D ``[M, K]`` float tensor with K >= 1."""
+    code = float_code(op, "x", x)
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if x.shape[1] == 0:
+        raise ValueError(f"{op}: x has K = 0 columns")
+    return code
+
+
+def linear_bias(op: str, name: str, b, w, x) -> None:
+    """``b`` is None or an ``[N]`` tensor of x's dtype, N = ``w.shape[0]``."""
+    if b is None:
+        return
+    float_code(op, name, b)
+    same_dtype(op, name, b, "x", x)
+    if b.dim() != 1 or b.shape[0] != w.shape[0]:
+        raise ValueError(f"{op}: {name} has shape {tuple(b.shape)}, expected ({w.shape[0]},)")
+
+
+def linear_lists(op: str, weights, biases, x, check_weight) -> tuple[list, list]:
+    """linear_multi's 1..3 weights and as many biases (None: no bias anywhere), as lists, each pair checked
+    (``check_weight(op, name, w, x)`` for the weight kind at hand)."""
+    weights = list(weights)
+    if not 1 <= len(weights) <= 3:
+        raise ValueError(f"{op}: weights must hold 1 to 3 tensors, got {len(weights)}")
+    biases = [None] * len(weights) if biases is None else list(biases)
+    if len(biases) != len(weights):
+        raise ValueError(f"{op}: {len(biases)} biases for {len(weights)} weights")
+    for i, (w, b) in enumerate(zip(weights, biases)):
+        check_weight(op, f"weights[{i}]", w, x)
+        linear_bias(op, f"biases[{i}]", b, w, x)
+    return weights, [None if b is None else b.contiguous() for b in biases]
+
+
+def linear_residual_arg(op: str, residual, x, w) -> None:
+    """``residual`` is ``[M, N]`` in x's dtype."""
+    float_code(op, "residual", residual)
+    same_dtype(op, "residual", residual, "x", x)
+    if tuple(residual.shape) != (x.shape[0], w.shape[0]):
+        raise ValueError(f"{op}: residual has shape {tuple(residual.shape)}, expected [{x.shape[0]}, {w.shape[0]}]")
+
+

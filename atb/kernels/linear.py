@@ -19,7 +19,9 @@ import torch
 
 from atb import _C
 from atb.kernels import quant_linear as _q
-from atb.kernels._common import float_code, resolve_soc, same_dtype
+from atb.kernels._common import (EPILOGUE_PLAIN, EPILOGUE_RESIDUAL, EPILOGUE_SWIGLU, float_code, linear_bias,
+                                 linear_lists, linear_residual_arg, linear_x, resolve_soc,
+                                 same_dtype, same_shape)
 
 # The policy the AVX2 host measured (native below 32 rows, the STREAM kernel's
 # single weight pass, and at every size in fp16/bf16, where torch had no fast
@@ -182,18 +184,6 @@ def routing_table(dtypes=(torch.float32, torch.bfloat16)) -> dict:
     return table
 
 
-_PLAIN, _RESIDUAL, _SWIGLU = 0, 1, 2
-
-
-def _check_x(op: str, x) -> int:
-    code = float_code(op, "x", x)
-    if x.dim() != 2:
-        raise ValueError(f"{op}: x must be 2-D [M, K], got shape {tuple(x.shape)}")
-    if x.shape[1] == 0:
-        raise ValueError(f"{op}: x has K = 0 columns")
-    return code
-
-
 def _check_weight(op: str, name: str, w, x) -> None:
     float_code(op, name, w)
     same_dtype(op, name, w, "x", x)
@@ -201,15 +191,6 @@ def _check_weight(op: str, name: str, w, x) -> None:
         raise ValueError(f"{op}: {name} has shape {tuple(w.shape)}, expected [N, {x.shape[1]}] (HF layout [out, in])")
     if w.shape[0] == 0:
         raise ValueError(f"{op}: {name} has N = 0 rows")
-
-
-def _check_bias(op: str, name: str, b, w, x) -> None:
-    if b is None:
-        return
-    float_code(op, name, b)
-    same_dtype(op, name, b, "x", x)
-    if b.dim() != 1 or b.shape[0] != w.shape[0]:
-        raise ValueError(f"{op}: {name} has shape {tuple(b.shape)}, expected ({w.shape[0]},)")
 
 
 def _ptr(t) -> int:
@@ -224,15 +205,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     if _q.is_quantized(weight):
         return _q.linear(x, weight, bias, soc_type=soc_type)
-    code = _check_x("linear", x)
+    code = linear_x("linear", x)
     _check_weight("linear", "weight", weight, x)
-    _check_bias("linear", "bias", bias, weight, x)
+    linear_bias("linear", "bias", bias, weight, x)
     x, weight = x.contiguous(), weight.contiguous()
     bias = None if bias is None else bias.contiguous()
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
     if x.shape[0]:
         _C.linear(x.data_ptr(), x.shape[0], x.shape[1], [(weight.data_ptr(), _ptr(bias), out.data_ptr(), weight.shape[0])],
-                  0, _PLAIN, code, resolve_soc(soc_type, "linear", code))
+                  0, EPILOGUE_PLAIN, code, resolve_soc(soc_type, "linear", code))
     return out
 
 
@@ -245,27 +226,16 @@ def linear_multi(x: torch.Tensor, weights, biases=None, *, soc_type: str | None 
     weights = list(weights)
     if any(_q.is_quantized(w) for w in weights):
         return _q.linear_multi(x, weights, biases, soc_type=soc_type)
-    code = _check_x("linear_multi", x)
-    if not 1 <= len(weights) <= 3:
-        raise ValueError(f"linear_multi: weights must hold 1 to 3 tensors, got {len(weights)}")
-    biases = [None] * len(weights) if biases is None else list(biases)
-    if len(biases) != len(weights):
-        raise ValueError(f"linear_multi: {len(biases)} biases for {len(weights)} weights")
+    code = linear_x("linear_multi", x)
+    weights, biases = linear_lists("linear_multi", weights, biases, x, _check_weight)
     x = x.contiguous()
-    segs, outs, keep = [], [], []
-    for i, (w, b) in enumerate(zip(weights, biases)):
-        _check_weight("linear_multi", f"weights[{i}]", w, x)
-        _check_bias("linear_multi", f"biases[{i}]", b, w, x)
-        w = w.contiguous()
-        b = None if b is None else b.contiguous()
-        out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
-        keep += [w, b]
-        outs.append(out)
-        segs.append((w.data_ptr(), _ptr(b), out.data_ptr(), w.shape[0]))
+    weights = [w.contiguous() for w in weights]  # the lists keep every pointer below alive through the launch
+    outs = tuple(torch.empty(x.shape[0], w.shape[0], dtype=x.dtype) for w in weights)
+    segs = [(w.data_ptr(), _ptr(b), out.data_ptr(), w.shape[0]) for w, b, out in zip(weights, biases, outs)]
     if x.shape[0]:
-        _C.linear(x.data_ptr(), x.shape[0], x.shape[1], segs, 0, _PLAIN, code,
+        _C.linear(x.data_ptr(), x.shape[0], x.shape[1], segs, 0, EPILOGUE_PLAIN, code,
                   resolve_soc(soc_type, "linear_multi", code))
-    return tuple(outs)
+    return outs
 
 
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -273,20 +243,16 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
     """``residual + linear(x, weight, bias)`` (o_proj / down_proj), each rounded to x's dtype as HF does."""
     if _q.is_quantized(weight):
         return _q.linear_residual(x, weight, residual, bias, soc_type=soc_type)
-    code = _check_x("linear_residual", x)
+    code = linear_x("linear_residual", x)
     _check_weight("linear_residual", "weight", weight, x)
-    _check_bias("linear_residual", "bias", bias, weight, x)
-    float_code("linear_residual", "residual", residual)
-    same_dtype("linear_residual", "residual", residual, "x", x)
-    if tuple(residual.shape) != (x.shape[0], weight.shape[0]):
-        raise ValueError(f"linear_residual: residual has shape {tuple(residual.shape)}, "
-                         f"expected [{x.shape[0]}, {weight.shape[0]}]")
+    linear_bias("linear_residual", "bias", bias, weight, x)
+    linear_residual_arg("linear_residual", residual, x, weight)
     x, weight, residual = x.contiguous(), weight.contiguous(), residual.contiguous()
     bias = None if bias is None else bias.contiguous()
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
     if x.shape[0]:
         _C.linear(x.data_ptr(), x.shape[0], x.shape[1], [(weight.data_ptr(), _ptr(bias), out.data_ptr(), weight.shape[0])],
-                  residual.data_ptr(), _RESIDUAL, code, resolve_soc(soc_type, "linear_residual", code))
+                  residual.data_ptr(), EPILOGUE_RESIDUAL, code, resolve_soc(soc_type, "linear_residual", code))
     return out
 
 
@@ -295,19 +261,17 @@ def linear_swiglu(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.T
     """``silu(x @ gate_weight.T) * (x @ up_weight.T)`` in one weight pass (LLaMA MLP's first half)."""
     if _q.is_quantized(gate_weight) or _q.is_quantized(up_weight):
         return _q.linear_swiglu(x, gate_weight, up_weight, soc_type=soc_type)
-    code = _check_x("linear_swiglu", x)
+    code = linear_x("linear_swiglu", x)
     _check_weight("linear_swiglu", "gate_weight", gate_weight, x)
     _check_weight("linear_swiglu", "up_weight", up_weight, x)
-    if gate_weight.shape != up_weight.shape:
-        raise ValueError(f"linear_swiglu: gate_weight has shape {tuple(gate_weight.shape)}, up_weight has "
-                         f"{tuple(up_weight.shape)}; they must match")
+    same_shape("linear_swiglu", "gate_weight", gate_weight, "up_weight", up_weight)
     x, gate_weight, up_weight = x.contiguous(), gate_weight.contiguous(), up_weight.contiguous()
     n = gate_weight.shape[0]
     out = torch.empty(x.shape[0], n, dtype=x.dtype)
     if x.shape[0]:
         _C.linear(x.data_ptr(), x.shape[0], x.shape[1],
                   [(gate_weight.data_ptr(), 0, out.data_ptr(), n), (up_weight.data_ptr(), 0, 0, n)],
-                  0, _SWIGLU, code, resolve_soc(soc_type, "linear_swiglu", code))
+                  0, EPILOGUE_SWIGLU, code, resolve_soc(soc_type, "linear_swiglu", code))
     return out
 
 

@@ -6,7 +6,7 @@ import math
 import torch
 
 from atb import _C
-from atb.kernels._common import float_code, int_tensor, real_arg, resolve_soc, same_dtype, window_arg
+from atb.kernels._common import float_code, int_tensor, kv_cache_pair, real_arg, resolve_soc, same_dtype, window_arg
 
 _OP = "paged_attention"
 
@@ -40,15 +40,8 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         float_code(_OP, "value_cache", value_cache)
         same_dtype(_OP, "key_cache", key_cache, "q", q)
         same_dtype(_OP, "value_cache", value_cache, "q", q)
+    kv_cache_pair(_OP, key_cache, value_cache, "num_kv_heads")
     cache_shape = key_cache.shape
-    if len(cache_shape) != 4:
-        raise ValueError(f"{_OP}: key_cache must be 4-D [num_blocks, block_size, num_kv_heads, head_dim], "
-                         f"got shape {tuple(cache_shape)}")
-    if value_cache.shape != cache_shape:
-        raise ValueError(f"{_OP}: value_cache has shape {tuple(value_cache.shape)}, key_cache has "
-                         f"{tuple(cache_shape)}; they must match")
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        raise ValueError(f"{_OP}: key_cache and value_cache must be contiguous")
     num_blocks, block_size, kv_heads, head_dim = cache_shape
     if not (num_blocks and block_size and kv_heads and head_dim):
         raise ValueError(f"{_OP}: the cache is empty (shape {tuple(cache_shape)})")

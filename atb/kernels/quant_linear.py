@@ -11,23 +11,12 @@ from __future__ import annotations
 import torch
 
 from atb import _C
-from atb.kernels._common import float_code, resolve_soc, same_dtype
+from atb.kernels._common import (EPILOGUE_PLAIN, EPILOGUE_RESIDUAL, EPILOGUE_SWIGLU, linear_bias,
+                                 linear_lists, linear_residual_arg, linear_x, resolve_soc, same_shape)
 from atb.quant.formats import QuantizedWeight
-
-_PLAIN, _RESIDUAL, _SWIGLU = 0, 1, 2
-
 
 def is_quantized(w) -> bool:
     return isinstance(w, QuantizedWeight)
-
-
-def _check_x(op: str, x) -> int:
-    code = float_code(op, "x", x)
-    if x.dim() != 2:
-        raise ValueError(f"{op}: x must be 2-D [M, K], got shape {tuple(x.shape)}")
-    if x.shape[1] == 0:
-        raise ValueError(f"{op}: x has K = 0 columns")
-    return code
 
 
 def _check_weight(op: str, name: str, w, x) -> None:
@@ -38,15 +27,6 @@ def _check_weight(op: str, name: str, w, x) -> None:
         raise ValueError(f"{op}: {name} has shape {tuple(w.shape)}, expected [N, {x.shape[1]}] (HF layout [out, in])")
 
 
-def _check_bias(op: str, name: str, b, w, x) -> None:
-    if b is None:
-        return
-    float_code(op, name, b)
-    same_dtype(op, name, b, "x", x)
-    if b.dim() != 1 or b.shape[0] != w.shape[0]:
-        raise ValueError(f"{op}: {name} has shape {tuple(b.shape)}, expected ({w.shape[0]},)")
-
-
 def _run(op, x, code, segs, residual, epilogue, soc_type):
     if x.shape[0]:
         _C.quant_linear(x.data_ptr(), x.shape[0], x.shape[1], segs, residual, epilogue, code, resolve_soc(soc_type))
@@ -55,72 +35,54 @@ def _run(op, x, code, segs, residual, epilogue, soc_type):
 def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None, *,
            soc_type: str | None = None) -> torch.Tensor:
     """``x @ dequant(weight).T + bias``."""
-    code = _check_x("linear", x)
+    code = linear_x("linear", x)
     _check_weight("linear", "weight", weight, x)
-    _check_bias("linear", "bias", bias, weight, x)
+    linear_bias("linear", "bias", bias, weight, x)
     x = x.contiguous()
     bias = None if bias is None else bias.contiguous()
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
-    _run("linear", x, code, [weight.segment(0 if bias is None else bias.data_ptr(), out.data_ptr())], 0, _PLAIN,
-         soc_type)
+    _run("linear", x, code, [weight.segment(0 if bias is None else bias.data_ptr(), out.data_ptr())], 0,
+         EPILOGUE_PLAIN, soc_type)
     return out
 
 
 def linear_multi(x: torch.Tensor, weights, biases=None, *, soc_type: str | None = None) -> tuple[torch.Tensor, ...]:
     """Fused q/k/v projection over 1..3 quantized weights (formats may differ) sharing x."""
-    code = _check_x("linear_multi", x)
-    weights = list(weights)
-    if not 1 <= len(weights) <= 3:
-        raise ValueError(f"linear_multi: weights must hold 1 to 3 tensors, got {len(weights)}")
-    biases = [None] * len(weights) if biases is None else list(biases)
-    if len(biases) != len(weights):
-        raise ValueError(f"linear_multi: {len(biases)} biases for {len(weights)} weights")
+    code = linear_x("linear_multi", x)
+    weights, biases = linear_lists("linear_multi", weights, biases, x, _check_weight)
     x = x.contiguous()
-    segs, outs, keep = [], [], []
-    for i, (w, b) in enumerate(zip(weights, biases)):
-        _check_weight("linear_multi", f"weights[{i}]", w, x)
-        _check_bias("linear_multi", f"biases[{i}]", b, w, x)
-        b = None if b is None else b.contiguous()
-        out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
-        keep.append(b)
-        outs.append(out)
-        segs.append(w.segment(0 if b is None else b.data_ptr(), out.data_ptr()))
-    _run("linear_multi", x, code, segs, 0, _PLAIN, soc_type)
-    return tuple(outs)
+    outs = tuple(torch.empty(x.shape[0], w.shape[0], dtype=x.dtype) for w in weights)
+    segs = [w.segment(0 if b is None else b.data_ptr(), out.data_ptr()) for w, b, out in zip(weights, biases, outs)]
+    _run("linear_multi", x, code, segs, 0, EPILOGUE_PLAIN, soc_type)
+    return outs
 
 
 def linear_residual(x: torch.Tensor, weight: QuantizedWeight, residual: torch.Tensor,
                     bias: torch.Tensor | None = None, *, soc_type: str | None = None) -> torch.Tensor:
     """``residual + linear(x, weight, bias)``, each rounded to x's dtype as HF does."""
-    code = _check_x("linear_residual", x)
+    code = linear_x("linear_residual", x)
     _check_weight("linear_residual", "weight", weight, x)
-    _check_bias("linear_residual", "bias", bias, weight, x)
-    float_code("linear_residual", "residual", residual)
-    same_dtype("linear_residual", "residual", residual, "x", x)
-    if tuple(residual.shape) != (x.shape[0], weight.shape[0]):
-        raise ValueError(f"linear_residual: residual has shape {tuple(residual.shape)}, "
-                         f"expected [{x.shape[0]}, {weight.shape[0]}]")
+    linear_bias("linear_residual", "bias", bias, weight, x)
+    linear_residual_arg("linear_residual", residual, x, weight)
     x, residual = x.contiguous(), residual.contiguous()
     bias = None if bias is None else bias.contiguous()
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
     _run("linear_residual", x, code, [weight.segment(0 if bias is None else bias.data_ptr(), out.data_ptr())],
-         residual.data_ptr(), _RESIDUAL, soc_type)
+         residual.data_ptr(), EPILOGUE_RESIDUAL, soc_type)
     return out
 
 
 def linear_swiglu(x: torch.Tensor, gate_weight: QuantizedWeight, up_weight: QuantizedWeight, *,
                   soc_type: str | None = None) -> torch.Tensor:
     """``silu(x @ dequant(gate).T) * (x @ dequant(up).T)`` in one pass over both weights."""
-    code = _check_x("linear_swiglu", x)
+    code = linear_x("linear_swiglu", x)
     _check_weight("linear_swiglu", "gate_weight", gate_weight, x)
     _check_weight("linear_swiglu", "up_weight", up_weight, x)
-    if gate_weight.shape != up_weight.shape:
-        raise ValueError(f"linear_swiglu: gate_weight has shape {tuple(gate_weight.shape)}, up_weight has "
-                         f"{tuple(up_weight.shape)}; they must match")
+    same_shape("linear_swiglu", "gate_weight", gate_weight, "up_weight", up_weight)
     x = x.contiguous()
     out = torch.empty(x.shape[0], gate_weight.shape[0], dtype=x.dtype)
-    _run("linear_swiglu", x, code, [gate_weight.segment(0, out.data_ptr()), up_weight.segment(0, 0)], 0, _SWIGLU,
-         soc_type)
+    _run("linear_swiglu", x, code, [gate_weight.segment(0, out.data_ptr()), up_weight.segment(0, 0)], 0,
+         EPILOGUE_SWIGLU, soc_type)
     return out
 
 

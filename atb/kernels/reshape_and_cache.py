@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from atb import _C
-from atb.kernels._common import float_code, int_tensor, resolve_soc, same_dtype
+from atb.kernels._common import float_code, int_tensor, kv_cache_pair, resolve_soc, same_dtype
 
 _OP = "reshape_and_cache"
 
@@ -41,14 +41,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     same_dtype(_OP, "value_cache", value_cache, "key_cache", key_cache)
     same_dtype(_OP, "key", key, "key_cache", key_cache)
     same_dtype(_OP, "value", value, "key_cache", key_cache)
-    if key_cache.dim() != 4:
-        raise ValueError(f"{_OP}: key_cache must be 4-D [num_blocks, block_size, kv_heads, head_dim], "
-                         f"got shape {tuple(key_cache.shape)}")
-    if value_cache.shape != key_cache.shape:
-        raise ValueError(f"{_OP}: value_cache has shape {tuple(value_cache.shape)}, key_cache has "
-                         f"{tuple(key_cache.shape)}; they must match")
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        raise ValueError(f"{_OP}: key_cache and value_cache must be contiguous (they are written in place)")
+    kv_cache_pair(_OP, key_cache, value_cache, "kv_heads", " (they are written in place)")
     num_blocks, block_size, kv_heads, head_dim = key_cache.shape
     key = _rows("key", key, kv_heads, head_dim)
     value = _rows("value", value, kv_heads, head_dim)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from atb import _C
-from atb.kernels._common import float_code, real_arg, resolve_soc, same_dtype
+from atb.kernels._common import float_code, real_arg, resolve_soc, same_dtype, same_shape
 
 
 def _check(op: str, x: torch.Tensor, weight: torch.Tensor) -> int:
@@ -48,8 +48,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     code = _check("add_rms_norm", x, weight)
     float_code("add_rms_norm", "residual", residual)
     same_dtype("add_rms_norm", "residual", residual, "x", x)
-    if residual.shape != x.shape:
-        raise ValueError(f"add_rms_norm: residual has shape {tuple(residual.shape)}, x has {tuple(x.shape)}; they must match")
+    same_shape("add_rms_norm", "residual", residual, "x", x)
     eps = real_arg("add_rms_norm", "eps", eps, min_value=0.0)
     x = x.contiguous()
     residual = residual.contiguous()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from atb import _C
-from atb.kernels._common import float_code, resolve_soc
+from atb.kernels._common import float_code, resolve_soc, same_shape
 
 
 def _rows(t: torch.Tensor, cols: int) -> torch.Tensor:
@@ -29,8 +29,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, soc_type: str | None = Non
     if float_code("silu_mul", "up", up) != code:
         raise TypeError(f"silu_mul: up is {up.dtype} but gate is {gate.dtype}; they must match")
     shape = gate.shape
-    if up.shape != shape:
-        raise ValueError(f"silu_mul: up has shape {tuple(up.shape)}, gate has {tuple(shape)}; they must match")
+    same_shape("silu_mul", "up", up, "gate", gate)
     if not shape:
         raise ValueError("silu_mul: gate must have at least 1 dimension, got a scalar")
     cols = shape[-1]

@@ -187,18 +187,27 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
+    """What every choice carries beside its text, message or delta (which serialises last)."""
     index: int = 0
-    text: str
     logprobs: None = None
     finish_reason: str | None
 
 
-class CompletionResponse(BaseModel):
+class _Response(BaseModel):
+    """The envelope every response and stream chunk shares; each fixes ``object`` and its choice type."""
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+
+
+class CompletionChoice(_Choice):
+    text: str
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -208,18 +217,12 @@ class ChatResponseMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int = 0
+class ChatChoice(_Choice):
     message: ChatResponseMessage
-    logprobs: None = None
-    finish_reason: str | None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChoice]
     usage: Usage
 
@@ -234,18 +237,13 @@ class ChatDelta(BaseModel):
         return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
 
 
-class ChatChunkChoice(BaseModel):
-    index: int = 0
+class ChatChunkChoice(_Choice):
     delta: ChatDelta
-    logprobs: None = None
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 

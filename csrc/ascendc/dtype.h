@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "error.h"
+
 namespace AscendC {
 
 struct half { uint16_t bits; };
@@ -75,5 +77,17 @@ template <typename T> struct DataTypeOf;
 template <> struct DataTypeOf<float> { static constexpr DataType value = DataType::FLOAT32; };
 template <> struct DataTypeOf<half> { static constexpr DataType value = DataType::FLOAT16; };
 template <> struct DataTypeOf<bfloat16_t> { static constexpr DataType value = DataType::BFLOAT16; };
+
+// fn(T{}) with T the storage type of `dtype`: the one switch from a dtype to a kernel instantiation
+// (call sites read T as decltype(tag)).
+template <typename F>
+decltype(auto) DispatchDtype(DataType dtype, F&& fn) {
+  switch (dtype) {
+    case DataType::FLOAT32: return fn(float{});
+    case DataType::FLOAT16: return fn(half{});
+    case DataType::BFLOAT16: return fn(bfloat16_t{});
+  }
+  ThrowError("no kernel for dtype code ", int(dtype));
+}
 
 }  // namespace AscendC

@@ -21,6 +21,8 @@
 namespace AscendC {
 
 using GM_ADDR = uint8_t*;
+// A host pointer as the kernels' global-memory address.
+inline GM_ADDR GmAddr(const void* p) { return reinterpret_cast<GM_ADDR>(const_cast<void*>(p)); }
 constexpr int32_t BUFFER_NUM = 2;   // double buffering (ping-pong)
 constexpr int64_t ONE_BLK_SIZE = 32;  // bytes moved per DataCopy block
 constexpr int64_t UB_ALIGN = 64;      // UB slot alignment (cache line)

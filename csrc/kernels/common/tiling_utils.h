@@ -10,6 +10,13 @@
 
 namespace atb {
 
+// The one "dtype supported on this SoC" rule: bfloat16 needs the SoC's bf16 `unit` ("vector" or "cube").
+inline void CheckDtypeOnSoc(const char* op, AscendC::DataType dtype, const AscendC::SocInfo& soc,
+                            const char* unit = "vector") {
+  ATB_CHECK(dtype != AscendC::DataType::BFLOAT16 || soc.supports_bf16, op, ": bfloat16 is not supported on ", soc.name,
+            " (no bf16 ", unit, " unit); use float16 or float32");
+}
+
 // On an NPU a vector kernel uses every vector core that gets a row. On the
 // host a hand-off to another thread costs a few microseconds, so a core must
 // get at least minBytesPerCore of traffic before it is worth waking.

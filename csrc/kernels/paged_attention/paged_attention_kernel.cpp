@@ -15,6 +15,7 @@
 
 #include "ascendc/kernel_operator.h"
 #include "paged_attention_tiling.h"
+#include "kernels/common/tiling_key.h"
 
 using namespace AscendC;
 
@@ -37,7 +38,7 @@ class KernelPagedAttention {
             const PagedAttentionTilingData& t) {
     t_ = &t;
     d_ = t.headDim;
-    gather_ = t.tilingKey % 10 == PA_GATHER;
+    gather_ = TilingKeyVariant(t.tilingKey) == PA_GATHER;
     qGm_.SetGlobalBuffer(reinterpret_cast<T*>(q));
     kGm_.SetGlobalBuffer(reinterpret_cast<T*>(keyCache));
     vGm_.SetGlobalBuffer(reinterpret_cast<T*>(valueCache));
@@ -373,23 +374,16 @@ void PagedAttentionRun(const PagedAttentionTilingData& t, void* out, const void*
   thread_local std::vector<float> workspace;
   if (int64_t(workspace.size()) < t.workspaceFloats) workspace.resize(size_t(t.workspaceFloats));
   float* ws = workspace.data();
-  auto gm = [](const void* p) { return reinterpret_cast<GM_ADDR>(const_cast<void*>(p)); };
+  DataType dtype = TilingKeyDtype(t.tilingKey);
   auto attention = [&]() {
-    switch (DataType(t.tilingKey / 10)) {
-      case DataType::FLOAT32: return RunPagedAttention<float>(gm(q), gm(keyCache), gm(valueCache), blockTables, gm(out), ws, t);
-      case DataType::FLOAT16: return RunPagedAttention<half>(gm(q), gm(keyCache), gm(valueCache), blockTables, gm(out), ws, t);
-      case DataType::BFLOAT16:
-        return RunPagedAttention<bfloat16_t>(gm(q), gm(keyCache), gm(valueCache), blockTables, gm(out), ws, t);
-    }
+    DispatchDtype(dtype, [&](auto tag) {
+      RunPagedAttention<decltype(tag)>(GmAddr(q), GmAddr(keyCache), GmAddr(valueCache), blockTables, GmAddr(out), ws, t);
+    });
   };
   KernelLaunch(t.blockDim, soc.ub_size, attention);
   if (t.groups.empty()) return;
   auto merge = [&]() {
-    switch (DataType(t.tilingKey / 10)) {
-      case DataType::FLOAT32: return RunPagedAttentionMerge<float>(ws, gm(out), t);
-      case DataType::FLOAT16: return RunPagedAttentionMerge<half>(ws, gm(out), t);
-      case DataType::BFLOAT16: return RunPagedAttentionMerge<bfloat16_t>(ws, gm(out), t);
-    }
+    DispatchDtype(dtype, [&](auto tag) { RunPagedAttentionMerge<decltype(tag)>(ws, GmAddr(out), t); });
   };
   KernelLaunch(t.mergeBlockDim, soc.ub_size, merge);
 }

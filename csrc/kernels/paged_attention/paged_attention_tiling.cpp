@@ -4,6 +4,7 @@
 
 #include "ascendc/error.h"
 #include "kernels/common/tiling_utils.h"
+#include "kernels/common/tiling_key.h"
 
 namespace atb {
 
@@ -66,8 +67,7 @@ PagedAttentionTilingData PagedAttentionTiling(int64_t batch, int64_t numHeads, i
             ">= 1 block table column, got ", numBlocks, ", ", blockSize, ", ", maxBlocks);
   ATB_CHECK(qStride >= numHeads * headDim, op, ": q's token stride ", qStride, " must be >= num_heads * head_dim = ",
             numHeads * headDim);
-  ATB_CHECK(dtype != AscendC::DataType::BFLOAT16 || soc.supports_bf16, op, ": bfloat16 is not supported on ", soc.name,
-            " (no bf16 vector unit); use float16 or float32");
+  CheckDtypeOnSoc(op, dtype, soc);
 
   PagedAttentionTilingData t;
   t.batch = batch;
@@ -118,7 +118,7 @@ PagedAttentionTilingData PagedAttentionTiling(int64_t batch, int64_t numHeads, i
   t.ubBytes = AttentionUb(m, tn, headDim, elt, gather);
   ATB_CHECK(t.ubBytes <= soc.ub_size, op, " tiling: needs ", t.ubBytes, " bytes of UB, ", soc.name, " has ", soc.ub_size);
   t.mergeUbBytes = MergeUb(headDim, elt);
-  t.tilingKey = int64_t(dtype) * 10 + (gather ? PA_GATHER : PA_DIRECT);
+  t.tilingKey = EncodeTilingKey(dtype, gather ? PA_GATHER : PA_DIRECT);
 
   // Work items: q tiles x the fixed chunk grid over each tile's key range x
   // KV heads, heads innermost. Cores take contiguous runs of items, so one core

@@ -6,6 +6,7 @@
 
 #include "ascendc/kernel_operator.h"
 #include "reshape_and_cache_tiling.h"
+#include "kernels/common/tiling_key.h"
 
 using namespace AscendC;
 
@@ -112,19 +113,11 @@ void ReshapeAndCache(const void* key, int64_t keyStride, const void* value, int6
 void ReshapeAndCacheRun(const ReshapeAndCacheTilingData& t, const void* key, int64_t keyStride, const void* value,
                         int64_t valueStride, void* keyCache, void* valueCache, const int32_t* slotMapping,
                         const SocInfo& soc) {
-  auto gm = [](const void* p) { return reinterpret_cast<GM_ADDR>(const_cast<void*>(p)); };
   auto kernel = [&]() {
-    switch (DataType(t.tilingKey)) {
-      case DataType::FLOAT32:
-        return RunReshapeAndCache<float>(gm(key), keyStride, gm(value), valueStride, gm(keyCache), gm(valueCache),
-                                         slotMapping, t);
-      case DataType::FLOAT16:
-        return RunReshapeAndCache<half>(gm(key), keyStride, gm(value), valueStride, gm(keyCache), gm(valueCache),
-                                        slotMapping, t);
-      case DataType::BFLOAT16:
-        return RunReshapeAndCache<bfloat16_t>(gm(key), keyStride, gm(value), valueStride, gm(keyCache),
-                                              gm(valueCache), slotMapping, t);
-    }
+    DispatchDtype(TilingKeyDtype(t.tilingKey), [&](auto tag) {
+      RunReshapeAndCache<decltype(tag)>(GmAddr(key), keyStride, GmAddr(value), valueStride, GmAddr(keyCache),
+                                        GmAddr(valueCache), slotMapping, t);
+    });
   };
   KernelLaunch(t.blockDim, soc.ub_size, kernel);
 }

@@ -6,6 +6,7 @@
 
 #include "ascendc/error.h"
 #include "kernels/common/tiling_utils.h"
+#include "kernels/common/tiling_key.h"
 
 namespace atb {
 
@@ -20,8 +21,7 @@ ReshapeAndCacheTilingData ReshapeAndCacheTiling(int64_t tokens, int64_t kvHeads,
                                                 AscendC::DataType dtype, const AscendC::SocInfo& soc) {
   ATB_CHECK(tokens >= 1 && kvHeads >= 1 && headDim >= 1, "reshape_and_cache tiling: tokens, kv_heads and head_dim ",
             "must be >= 1, got ", tokens, ", ", kvHeads, ", ", headDim);
-  ATB_CHECK(dtype != AscendC::DataType::BFLOAT16 || soc.supports_bf16, "reshape_and_cache: bfloat16 is not supported on ",
-            soc.name, " (no bf16 vector unit); use float16 or float32");
+  CheckDtypeOnSoc("reshape_and_cache", dtype, soc);
   ReshapeAndCacheTilingData t;
   t.tokens = tokens;
   t.rowElems = kvHeads * headDim;
@@ -36,7 +36,7 @@ ReshapeAndCacheTilingData ReshapeAndCacheTiling(int64_t tokens, int64_t kvHeads,
   while (r > 1 && TileUb(r, rowBytes) > soc.ub_size) --r;
   t.tokensPerLoop = r;
   t.ubBytes = TileUb(r, rowBytes);
-  t.tilingKey = int64_t(dtype);
+  t.tilingKey = EncodeTilingKey(dtype, 0);
   return t;
 }
 

@@ -13,7 +13,7 @@ struct ReshapeAndCacheTilingData {
   int64_t blockFactor = 0;     // tokens per core; the last core takes the remainder
   int64_t tokensPerLoop = 0;   // tokens per UB tile
   int64_t ubBytes = 0;
-  int64_t tilingKey = 0;       // dtype
+  int64_t tilingKey = 0;       // dtype * 10 (one variant)
 };
 
 // Pure host function of (tokens, kvHeads, headDim, dtype, SoC).

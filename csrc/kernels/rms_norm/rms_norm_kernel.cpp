@@ -9,6 +9,7 @@
 
 #include "ascendc/kernel_operator.h"
 #include "rms_norm_tiling.h"
+#include "kernels/common/tiling_key.h"
 
 using namespace AscendC;
 
@@ -43,7 +44,7 @@ class KernelRmsNorm {
 
   void Process() {
     if (rowCount_ == 0) return;
-    if (t_.tilingKey % 10 == RMS_NORM_ROWS) {
+    if (TilingKeyVariant(t_.tilingKey) == RMS_NORM_ROWS) {
       LoadWeight(0, t_.cols);
       for (int64_t r = 0; r < rowCount_; r += t_.rowsPerLoop) {
         int64_t n = std::min(t_.rowsPerLoop, rowCount_ - r);
@@ -206,13 +207,10 @@ void RunRmsNorm(GM_ADDR x, GM_ADDR residual, GM_ADDR weight, GM_ADDR y, GM_ADDR 
 void RmsNorm(void* y, void* residualOut, const void* x, const void* residual, const void* weight, int64_t rows,
              int64_t cols, DataType dtype, float eps, const SocInfo& soc) {
   RmsNormTilingData t = RmsNormTiling(rows, cols, dtype, eps, residual != nullptr, soc);
-  auto gm = [](const void* p) { return reinterpret_cast<GM_ADDR>(const_cast<void*>(p)); };
   auto kernel = [&]() {
-    switch (DataType(t.tilingKey / 10)) {
-      case DataType::FLOAT32: return RunRmsNorm<float>(gm(x), gm(residual), gm(weight), gm(y), gm(residualOut), t);
-      case DataType::FLOAT16: return RunRmsNorm<half>(gm(x), gm(residual), gm(weight), gm(y), gm(residualOut), t);
-      case DataType::BFLOAT16: return RunRmsNorm<bfloat16_t>(gm(x), gm(residual), gm(weight), gm(y), gm(residualOut), t);
-    }
+    DispatchDtype(TilingKeyDtype(t.tilingKey), [&](auto tag) {
+      RunRmsNorm<decltype(tag)>(GmAddr(x), GmAddr(residual), GmAddr(weight), GmAddr(y), GmAddr(residualOut), t);
+    });
   };
   KernelLaunch(t.blockDim, soc.ub_size, kernel);
 }

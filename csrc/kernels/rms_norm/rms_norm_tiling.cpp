@@ -2,6 +2,7 @@
 
 #include "ascendc/error.h"
 #include "kernels/common/tiling_utils.h"
+#include "kernels/common/tiling_key.h"
 
 namespace atb {
 
@@ -25,8 +26,7 @@ RmsNormTilingData RmsNormTiling(int64_t rows, int64_t cols, AscendC::DataType dt
   // Errors carry the name the caller used: the fused PRENORM form is add_rms_norm.
   const char* op = hasResidual ? "add_rms_norm" : "rms_norm";
   ATB_CHECK(rows >= 1 && cols >= 1, op, " tiling: rows and cols must be >= 1, got ", rows, " x ", cols);
-  ATB_CHECK(dtype != AscendC::DataType::BFLOAT16 || soc.supports_bf16, op, ": bfloat16 is not supported on ",
-            soc.name, " (no bf16 vector unit); use float16 or float32");
+  CheckDtypeOnSoc(op, dtype, soc);
   RmsNormTilingData t;
   t.rows = rows;
   t.cols = cols;
@@ -59,7 +59,7 @@ RmsNormTilingData RmsNormTiling(int64_t rows, int64_t cols, AscendC::DataType dt
     t.colTile = tile;
     t.ubBytes = streams * AscendC::BUFFER_NUM * UbSlot(tile * elt) * 2 + UbSlot(tile * 4) * 2;
   }
-  t.tilingKey = int64_t(dtype) * 10 + variant;
+  t.tilingKey = EncodeTilingKey(dtype, variant);
   ATB_CHECK(t.ubBytes <= soc.ub_size, op, " tiling: needs ", t.ubBytes, " bytes of UB, ", soc.name, " has ",
             soc.ub_size);
   return t;

@@ -2,6 +2,7 @@
 
 #include "ascendc/error.h"
 #include "kernels/common/tiling_utils.h"
+#include "kernels/common/tiling_key.h"
 
 namespace atb {
 
@@ -31,8 +32,7 @@ RopeTilingData RopeTiling(int64_t tokens, int64_t heads, int64_t kvHeads, int64_
             "head_dim must be >= 1, got ", tokens, ", ", heads, ", ", kvHeads, ", ", headDim);
   ATB_CHECK(rotaryDim >= 2 && rotaryDim % 2 == 0 && rotaryDim <= headDim, "rope tiling: rotary_dim must be even and in [2, head_dim=",
             headDim, "], got ", rotaryDim);
-  ATB_CHECK(dtype != AscendC::DataType::BFLOAT16 || soc.supports_bf16, "rope: bfloat16 is not supported on ",
-            soc.name, " (no bf16 vector unit); use float16 or float32");
+  CheckDtypeOnSoc("rope", dtype, soc);
   ATB_CHECK(cosDtype == dtype || cosDtype == AscendC::DataType::FLOAT32, "rope: cos/sin must be ",
             AscendC::DataTypeName(dtype), " (q's dtype) or float32, got ", AscendC::DataTypeName(cosDtype));
   RopeTilingData t;
@@ -63,7 +63,7 @@ RopeTilingData RopeTiling(int64_t tokens, int64_t heads, int64_t kvHeads, int64_
   t.ubBytes = TileUb(t.tokensPerLoop, t.headsPerLoop, t.headPitch, rotaryDim, elt);
   ATB_CHECK(t.ubBytes <= soc.ub_size, "rope tiling: one head of ", headDim, " ", AscendC::DataTypeName(dtype),
             " elements needs ", t.ubBytes, " bytes of UB, ", soc.name, " has ", soc.ub_size);
-  t.tilingKey = int64_t(dtype) * 100 + int64_t(cosDtype) * 10 + int64_t(style);
+  t.tilingKey = EncodeTilingKey(cosDtype, style, int64_t(dtype));
   return t;
 }
 

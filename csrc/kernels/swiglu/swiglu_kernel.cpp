@@ -7,6 +7,7 @@
 
 #include "ascendc/kernel_operator.h"
 #include "swiglu_tiling.h"
+#include "kernels/common/tiling_key.h"
 
 using namespace AscendC;
 
@@ -105,13 +106,10 @@ void RunSiluMul(GM_ADDR out, GM_ADDR gate, int64_t gs, GM_ADDR up, int64_t us, c
 void SiluMul(void* out, const void* gate, int64_t gateRowStride, const void* up, int64_t upRowStride, int64_t rows,
              int64_t cols, DataType dtype, const SocInfo& soc) {
   SwiGluTilingData t = SwiGluTiling(rows, cols, dtype, soc);
-  auto gm = [](const void* p) { return reinterpret_cast<GM_ADDR>(const_cast<void*>(p)); };
   auto kernel = [&]() {
-    switch (DataType(t.tilingKey / 10)) {
-      case DataType::FLOAT32: return RunSiluMul<float>(gm(out), gm(gate), gateRowStride, gm(up), upRowStride, t);
-      case DataType::FLOAT16: return RunSiluMul<half>(gm(out), gm(gate), gateRowStride, gm(up), upRowStride, t);
-      case DataType::BFLOAT16: return RunSiluMul<bfloat16_t>(gm(out), gm(gate), gateRowStride, gm(up), upRowStride, t);
-    }
+    DispatchDtype(TilingKeyDtype(t.tilingKey), [&](auto tag) {
+      RunSiluMul<decltype(tag)>(GmAddr(out), GmAddr(gate), gateRowStride, GmAddr(up), upRowStride, t);
+    });
   };
   KernelLaunch(t.blockDim, soc.ub_size, kernel);
 }

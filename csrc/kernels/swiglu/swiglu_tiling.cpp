@@ -2,6 +2,7 @@
 
 #include "ascendc/error.h"
 #include "kernels/common/tiling_utils.h"
+#include "kernels/common/tiling_key.h"
 
 namespace atb {
 
@@ -21,8 +22,7 @@ constexpr int64_t kTileCapBytes = 8 * 1024;
 
 SwiGluTilingData SwiGluTiling(int64_t rows, int64_t cols, AscendC::DataType dtype, const AscendC::SocInfo& soc) {
   ATB_CHECK(rows >= 1 && cols >= 1, "swiglu tiling: rows and cols must be >= 1, got ", rows, " x ", cols);
-  ATB_CHECK(dtype != AscendC::DataType::BFLOAT16 || soc.supports_bf16, "swiglu: bfloat16 is not supported on ",
-            soc.name, " (no bf16 vector unit); use float16 or float32");
+  CheckDtypeOnSoc("swiglu", dtype, soc);
   SwiGluTilingData t;
   t.rows = rows;
   t.cols = cols;
@@ -52,7 +52,7 @@ SwiGluTilingData SwiGluTiling(int64_t rows, int64_t cols, AscendC::DataType dtyp
   t.ubBytes = TileUb(t.rowsPerLoop, t.colTile, elt);
   ATB_CHECK(t.ubBytes <= soc.ub_size, "swiglu tiling: needs ", t.ubBytes, " bytes of UB, ", soc.name, " has ",
             soc.ub_size);
-  t.tilingKey = int64_t(dtype) * 10 + variant;
+  t.tilingKey = EncodeTilingKey(dtype, variant);
   return t;
 }
 
