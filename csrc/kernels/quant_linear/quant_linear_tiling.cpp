@@ -26,14 +26,16 @@ int64_t RowBytes(const QuantSegment& s, int64_t kPad) {
 // UB of one STREAM tile:
 //   x          fp32 [mTile, kTile]     (zero-padded past K)
 //   xsum       fp32 [mTile, kTile/32]  (x summed per 32-value chunk: the W4 min term)
+//   x bf16     bf16 [mTile, kTile]     (bf16 x only: the AVX512-BF16 W4 route reads x as it came)
 //   scale, min fp32 [nTile, kTile/32]  per stream (this tile's group scales, widened)
 //   sums       fp32 [mTile, nTile]     per stream
 //   out queue  BUFFER_NUM x T [mTile, nTile]; residual queue the same (RESIDUAL)
-int64_t StreamUb(int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep) {
+int64_t StreamUb(int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep, bool bf16) {
   int64_t streams = ep == LINEAR_SWIGLU ? 2 : 1, chunks = kt / kQuantChunk;
   int64_t ub = UbSlot(mt * kt * 4) + UbSlot(mt * chunks * 4) +
                streams * (2 * UbSlot(nt * chunks * 4) + UbSlot(mt * nt * 4)) + AscendC::BUFFER_NUM * UbSlot(mt * nt * elt);
   if (ep == LINEAR_RESIDUAL) ub += AscendC::BUFFER_NUM * UbSlot(mt * nt * elt);
+  if (bf16) ub += UbSlot(mt * kt * 2);
   return ub;
 }
 
@@ -125,6 +127,7 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
   }
   if (ep == LINEAR_SWIGLU) t.rows = segs[0].n;
   int64_t elt = AscendC::DataTypeSize(dtype);
+  bool bf16 = dtype == AscendC::DataType::BFLOAT16;
   if (m >= kLinearGemmMinRows) {
     GemmTiling(t, q.kPad, elt, ep, soc);
     q.kChunks = t.kTile / kQuantChunk;
@@ -143,7 +146,7 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
   t.kTile = q.kPad;
   // The W4 micro-kernel keeps the group sums of up to 4 x rows on its stack.
   while (std::min<int64_t>(t.mTile, 4) * (t.kTile / kQuantChunk) > kQuantMaxGroupSums) t.kTile = HalveK(t.kTile);
-  while (StreamUb(t.mTile, t.nTile, t.kTile, elt, ep) > soc.ub_size) {
+  while (StreamUb(t.mTile, t.nTile, t.kTile, elt, ep, bf16) > soc.ub_size) {
     if (t.kTile > 4 * kQuantKAlign) {
       t.kTile = HalveK(t.kTile);
     } else if (t.nTile > 8) {
@@ -157,7 +160,7 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
     }
   }
   q.kChunks = t.kTile / kQuantChunk;
-  t.ubBytes = StreamUb(t.mTile, t.nTile, t.kTile, elt, ep);
+  t.ubBytes = StreamUb(t.mTile, t.nTile, t.kTile, elt, ep, bf16);
   t.tilingKey = LINEAR_STREAM * 100 + int64_t(dtype) * 10 + ep;
   return q;
 }

@@ -4,9 +4,14 @@
 //
 // Why not VNNI: vpdpbusd multiplies int8 by int8, so it needs the activations
 // quantized to int8 (W8A8). Here the activations stay fp32/bf16/fp16 (A16), so
-// the weights are widened to fp32 in registers and meet x in FMAs.
+// the weights are widened to fp32 in registers and meet x in FMAs; with bf16
+// activations on an AVX512-BF16 CPU, the W4 GEMV instead turns nibbles into
+// bf16 and meets x in vdpbf16ps (exact products, see quant_simd.h). The file is
+// compiled with avx512bf16 enabled, but only GemvW4Bf16 uses it and its table
+// is handed out only when CPUID reports the extension.
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "quant_simd.h"
 
@@ -14,7 +19,7 @@
 #include <immintrin.h>
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")
 // GCC 12's own avx512fintrin.h (_mm512_reduce_add_ps, the widening loads) trips these on its
 // deliberately undefined __Y temporaries.
 #pragma GCC diagnostic push
@@ -51,11 +56,97 @@ struct V512 {
 
 #include "quant_simd_impl.h"
 
+// bf16 bit patterns of the integers 0..15 (twice: vpermw indexes 32 words by their low 5 bits).
+__m512i NibbleToBf16Table() {
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) {
+    float f = float(i & 15);
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    t[i] = uint16_t(u >> 16);  // exact: small integers have no low mantissa bits
+  }
+  return _mm512_load_si512(t);
+}
+
+// NR weight rows x MB rows of x. Per 32-value chunk and weight row: one 16-byte load widened to 16
+// words, low/high nibbles (values 0..15 and 16..31 of the chunk, so natural x order) joined into 32
+// word indices, vpermw to bf16, and one vdpbf16ps per x row. Each group's dot t is scaled into the
+// row's accumulator once per group; the min term is one dot of mins and x's group sums at the end.
+// At M == 1, NR = 8 independent dpbf16 chains cover the instruction's latency.
+template <int NR, int MB>
+void GemvW4Bf16Block(float* y, int64_t ldy, const uint16_t* x, int64_t ldx, const float* xg, int64_t ldxg,
+                     const uint8_t* q, int64_t ldq, const float* scale, const float* min, int64_t lds, int64_t kLen,
+                     int64_t G, bool accumulate, __m512i lut) {
+  const __m256i low = _mm256_set1_epi16(0xF);
+  __m512 a[NR][MB];
+  for (int r = 0; r < NR; ++r)
+    for (int mb = 0; mb < MB; ++mb) a[r][mb] = _mm512_setzero_ps();
+  int64_t ng = (kLen + G - 1) / G;
+  for (int64_t g = 0; g < ng; ++g) {
+    int64_t k0 = g * G, k1 = std::min(kLen, k0 + G);
+    __m512 t[NR][MB];
+    for (int r = 0; r < NR; ++r)
+      for (int mb = 0; mb < MB; ++mb) t[r][mb] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1; k += 32) {
+      __m512bh xv[MB];
+      for (int mb = 0; mb < MB; ++mb) xv[mb] = (__m512bh)_mm512_loadu_si512(x + mb * ldx + k);
+      for (int r = 0; r < NR; ++r) {
+        __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * ldq + k / 2)));
+        __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, low)), _mm256_srli_epi16(b, 4), 1);
+        __m512bh w = (__m512bh)_mm512_permutexvar_epi16(idx, lut);
+        for (int mb = 0; mb < MB; ++mb) t[r][mb] = _mm512_dpbf16_ps(t[r][mb], w, xv[mb]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      __m512 s = _mm512_set1_ps(scale[r * lds + g]);
+      for (int mb = 0; mb < MB; ++mb) a[r][mb] = _mm512_fmadd_ps(t[r][mb], s, a[r][mb]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int mb = 0; mb < MB; ++mb) {
+      float v = _mm512_reduce_add_ps(a[r][mb]) + DotLanes<V512>(min + r * lds, xg + mb * ldxg, ng);
+      float* o = y + mb * ldy + r;
+      *o = accumulate ? *o + v : v;
+    }
+}
+
+template <int MB>
+struct W4Bf16Rows {
+  static void Run(float* y, int64_t ldy, const uint16_t* x, int64_t ldx, const float* xg, int64_t ldxg,
+                  const uint8_t* q, int64_t ldq, const float* scale, const float* min, int64_t lds, int64_t N,
+                  int64_t kLen, int64_t G, bool acc) {
+    constexpr int NR = MB == 1 ? 8 : 2;  // 32 zmm: t, acc, x, the table and the unpack temporaries
+    const __m512i lut = NibbleToBf16Table();
+    int64_t n = 0;
+    for (; n + NR <= N; n += NR)
+      GemvW4Bf16Block<NR, MB>(y + n, ldy, x, ldx, xg, ldxg, q + n * ldq, ldq, scale + n * lds, min + n * lds, lds,
+                              kLen, G, acc, lut);
+    for (; n < N; ++n)
+      GemvW4Bf16Block<1, MB>(y + n, ldy, x, ldx, xg, ldxg, q + n * ldq, ldq, scale + n * lds, min + n * lds, lds,
+                             kLen, G, acc, lut);
+  }
+};
+
+void GemvW4Bf16(float* y, int64_t ldy, const uint16_t* x, int64_t ldx, const float* xsum, int64_t ldxs,
+                const uint8_t* q, int64_t ldq, const float* scale, const float* min, int64_t lds, int64_t M, int64_t N,
+                int64_t kLen, int64_t G, bool acc) {
+  GemvW4Blocks<4, uint16_t, W4Bf16Rows>(y, ldy, x, ldx, xsum, ldxs, q, ldq, scale, min, lds, M, N, kLen, G, acc);
+}
+
 const QuantSimdOps kOps = MakeQuantOps<V512>("avx512");
+
+QuantSimdOps WithBf16(QuantSimdOps ops) {
+  ops.gemv_w4_bf16 = GemvW4Bf16;
+  return ops;
+}
+const QuantSimdOps kOpsBf16 = WithBf16(kOps);
 
 }  // namespace
 
-const QuantSimdOps* QuantAvx512Ops() { return &kOps; }
+const QuantSimdOps* QuantAvx512Ops() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16") ? &kOpsBf16 : &kOps;
+}
 
 }  // namespace atb
 

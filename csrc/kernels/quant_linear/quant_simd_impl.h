@@ -143,14 +143,16 @@ void GemvW8Rows(float* y, int64_t ldy, const float* x, int64_t ldx, const int8_t
 // under it), from their 32-value chunk sums: the W4 min term per row is then one vector dot
 // (mins . group sums) instead of a serial chain per group.
 
-template <class V>
-void GemvW4(float* y, int64_t ldy, const float* x, int64_t ldx, const float* xsum, int64_t ldxs, const uint8_t* q,
-            int64_t ldq, const float* scale, const float* min, int64_t lds, int64_t M, int64_t N, int64_t kLen,
-            int64_t G, bool acc) {
+// The W4 GEMV over blocks of up to kMB rows of x (element type X: fp32, or bf16 bits for the
+// AVX512-BF16 route), Rows<MB> the row walker of one block. Shared by both routes.
+template <int kMB, class X, template <int> class Rows>
+void GemvW4Blocks(float* y, int64_t ldy, const X* x, int64_t ldx, const float* xsum, int64_t ldxs, const uint8_t* q,
+                  int64_t ldq, const float* scale, const float* min, int64_t lds, int64_t M, int64_t N, int64_t kLen,
+                  int64_t G, bool acc) {
   int64_t ng = (kLen + G - 1) / G, chunks = kLen / 32, cpg = G / 32;
   float xg[kQuantMaxGroupSums];
   for (int64_t m = 0; m < M;) {
-    int64_t mb = std::min<int64_t>(V::kMB, M - m);
+    int64_t mb = std::min<int64_t>(kMB, M - m);
     for (int64_t i = 0; i < mb; ++i)
       for (int64_t g = 0; g < ng; ++g) {
         float s = 0.0f;
@@ -158,15 +160,35 @@ void GemvW4(float* y, int64_t ldy, const float* x, int64_t ldx, const float* xsu
         xg[i * ng + g] = s;
       }
     float* ym = y + m * ldy;
-    const float* xm = x + m * ldx;
+    const X* xm = x + m * ldx;
     switch (mb) {
-      case 1: GemvW4Rows<V, 1>(ym, ldy, xm, ldx, xg, ng, q, ldq, scale, min, lds, N, kLen, G, acc); break;
-      case 2: GemvW4Rows<V, 2>(ym, ldy, xm, ldx, xg, ng, q, ldq, scale, min, lds, N, kLen, G, acc); break;
-      case 3: GemvW4Rows<V, V::kMB >= 3 ? 3 : 1>(ym, ldy, xm, ldx, xg, ng, q, ldq, scale, min, lds, N, kLen, G, acc); break;
-      default: GemvW4Rows<V, V::kMB >= 4 ? 4 : 1>(ym, ldy, xm, ldx, xg, ng, q, ldq, scale, min, lds, N, kLen, G, acc); break;
+      case 1: Rows<1>::Run(ym, ldy, xm, ldx, xg, ng, q, ldq, scale, min, lds, N, kLen, G, acc); break;
+      case 2: Rows<2>::Run(ym, ldy, xm, ldx, xg, ng, q, ldq, scale, min, lds, N, kLen, G, acc); break;
+      case 3: Rows<kMB >= 3 ? 3 : 1>::Run(ym, ldy, xm, ldx, xg, ng, q, ldq, scale, min, lds, N, kLen, G, acc); break;
+      default: Rows<kMB >= 4 ? 4 : 1>::Run(ym, ldy, xm, ldx, xg, ng, q, ldq, scale, min, lds, N, kLen, G, acc); break;
     }
     m += mb;
   }
+}
+
+template <class V>
+struct W4RowsOf {
+  template <int MB>
+  struct Rows {
+    static void Run(float* y, int64_t ldy, const float* x, int64_t ldx, const float* xg, int64_t ldxg,
+                    const uint8_t* q, int64_t ldq, const float* scale, const float* min, int64_t lds, int64_t N,
+                    int64_t kLen, int64_t G, bool acc) {
+      GemvW4Rows<V, MB>(y, ldy, x, ldx, xg, ldxg, q, ldq, scale, min, lds, N, kLen, G, acc);
+    }
+  };
+};
+
+template <class V>
+void GemvW4(float* y, int64_t ldy, const float* x, int64_t ldx, const float* xsum, int64_t ldxs, const uint8_t* q,
+            int64_t ldq, const float* scale, const float* min, int64_t lds, int64_t M, int64_t N, int64_t kLen,
+            int64_t G, bool acc) {
+  GemvW4Blocks<V::kMB, float, W4RowsOf<V>::template Rows>(y, ldy, x, ldx, xsum, ldxs, q, ldq, scale, min, lds, M, N,
+                                                           kLen, G, acc);
 }
 
 template <class V>
@@ -208,5 +230,5 @@ void DequantW8(float* dst, const int8_t* q, const float* scale, int64_t kLen, in
 
 template <class V>
 QuantSimdOps MakeQuantOps(const char* isa) {
-  return QuantSimdOps{isa, GemvW4<V>, GemvW8<V>, DequantW4<V>, DequantW8<V>};
+  return QuantSimdOps{isa, GemvW4<V>, GemvW8<V>, nullptr, DequantW4<V>, DequantW8<V>};
 }
