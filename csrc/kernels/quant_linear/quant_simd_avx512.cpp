@@ -130,7 +130,7 @@ struct W4Bf16Rows {
 void GemvW4Bf16(float* y, int64_t ldy, const uint16_t* x, int64_t ldx, const float* xsum, int64_t ldxs,
                 const uint8_t* q, int64_t ldq, const float* scale, const float* min, int64_t lds, int64_t M, int64_t N,
                 int64_t kLen, int64_t G, bool acc) {
-  GemvW4Blocks<4, uint16_t, W4Bf16Rows>(y, ldy, x, ldx, xsum, ldxs, q, ldq, scale, min, lds, M, N, kLen, G, acc);
+  GemvBlocks<4, uint16_t, W4Bf16Rows>(y, ldy, x, ldx, xsum, ldxs, q, ldq, scale, min, lds, M, N, kLen, G, acc);
 }
 
 const QuantSimdOps kOps = MakeQuantOps<V512>("avx512");
