@@ -16,13 +16,6 @@ namespace {
 // K chunks below all of kPad are multiples of the largest group (128), so no group straddles two chunks.
 constexpr int64_t kQuantKAlign = 128;
 
-// Weight bytes of one row of segment s: packed values plus its scales (and mins).
-int64_t RowBytes(const QuantSegment& s, int64_t kPad) {
-  int64_t groups = s.group ? CeilDiv(kPad, s.group) : 1;
-  int64_t sb = AscendC::DataTypeSize(s.scaleType);
-  return kPad * s.bits / 8 + groups * sb * (s.bits == 4 ? 2 : 1);
-}
-
 // UB of one STREAM tile:
 //   x          fp32 [mTile, kTile]     (zero-padded past K)
 //   xsum       fp32 [mTile, kTile/32]  (x summed per 32-value chunk: the W4 min term)
@@ -113,7 +106,6 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
   t.m = m;
   t.k = k;
   t.numSegments = numSegments;
-  int64_t weightBytes = 0;
   for (int64_t s = 0; s < numSegments; ++s) {
     const QuantSegment& g = segs[s];
     ATB_CHECK(g.n >= 1, "quant_linear tiling: segment ", s, " has N=", g.n, ", must be >= 1");
@@ -123,7 +115,6 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
     ATB_CHECK(g.bits == 8 || g.group != 0, "quant_linear tiling: 4-bit segment ", s, " needs a group size");
     t.segRows[s] = g.n;
     t.rows += g.n;
-    weightBytes += g.n * RowBytes(g, q.kPad);
   }
   if (ep == LINEAR_SWIGLU) t.rows = segs[0].n;
   int64_t elt = AscendC::DataTypeSize(dtype);
@@ -135,7 +126,11 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
     return q;
   }
   int64_t cores = std::max<int64_t>(1, soc.cube_core_num);
-  if (soc.is_host) cores = std::min(cores, std::max<int64_t>(1, weightBytes / kHostMinBytesPerCore));
+  // A quantized row costs its unpacking, which scales with its values, not its bytes: count a core's
+  // work in bf16 bytes (2 per value), so a layer splits over the cores as its bf16 form would.
+  int64_t work = 0;
+  for (int64_t s = 0; s < numSegments; ++s) work += segs[s].n * q.kPad * 2;
+  if (soc.is_host) cores = std::min(cores, std::max<int64_t>(1, work / kHostMinBytesPerCore));
   // Rows per core in blocks of 4 (the widest micro-kernel row block), every core gets rows.
   t.blockFactor = AlignUp(CeilDiv(t.rows, std::min(cores, t.rows)), 4);
   t.blockDim = CeilDiv(t.rows, t.blockFactor);
