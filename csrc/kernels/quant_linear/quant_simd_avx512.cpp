@@ -68,40 +68,87 @@ __m512i NibbleToBf16Table() {
   return _mm512_load_si512(t);
 }
 
-// NR weight rows x MB rows of x. Per 32-value chunk and weight row: one 16-byte load widened to 16
-// words, low/high nibbles (values 0..15 and 16..31 of the chunk, so natural x order) joined into 32
-// word indices, vpermw to bf16, and one vdpbf16ps per x row. Each group's dot t is scaled into the
-// row's accumulator once per group; the min term is one dot of mins and x's group sums at the end.
+// 32 bf16 values of x: [x[k + a .. k + a + 16), x[k + b .. k + b + 16)].
+inline __m512bh XHalves(const uint16_t* x, int64_t a, int64_t b) {
+  __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + a));
+  __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + b));
+  return (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+// NR weight rows x MB rows of x, two 32-value chunks (A, B) at a time: one 32-byte load widened to 32
+// words, one AND and one shift give the nibble indices [A 0..15, B 0..15] and [A 16..31, B 16..31],
+// two vpermw turn them into bf16, and they meet x (loaded in the same halves) in two vdpbf16ps per x
+// row. Lanes 0..7 of the dot then hold chunk A, lanes 8..15 chunk B: with G = 32 (A and B in two
+// groups) the pair's dot is scaled by [scale A x 8, scale B x 8]; with G >= 64 a pair never crosses a
+// group, and each group's dot is scaled once. A last odd chunk goes alone (its 16 bytes give
+// [0..15, 16..31] in one register). The min term is one dot of mins and x's group sums at the end.
 // At M == 1, NR = 8 independent dpbf16 chains cover the instruction's latency.
 template <int NR, int MB>
 void GemvW4Bf16Block(float* y, int64_t ldy, const uint16_t* x, int64_t ldx, const float* xg, int64_t ldxg,
                      const uint8_t* q, int64_t ldq, const float* scale, const float* min, int64_t lds, int64_t kLen,
                      int64_t G, bool accumulate, __m512i lut) {
-  const __m256i low = _mm256_set1_epi16(0xF);
+  const __m512i low = _mm512_set1_epi16(0xF);
   __m512 a[NR][MB];
   for (int r = 0; r < NR; ++r)
     for (int mb = 0; mb < MB; ++mb) a[r][mb] = _mm512_setzero_ps();
-  int64_t ng = (kLen + G - 1) / G;
-  for (int64_t g = 0; g < ng; ++g) {
-    int64_t k0 = g * G, k1 = std::min(kLen, k0 + G);
-    __m512 t[NR][MB];
+  // t[r][mb] (+)= the pair at k of weight row r . x row mb
+  auto pair = [&](int64_t k, __m512 (&t)[NR][MB]) {
+    __m512bh xl[MB], xh[MB];
+    for (int mb = 0; mb < MB; ++mb) {
+      xl[mb] = XHalves(x + mb * ldx, k, k + 32);
+      xh[mb] = XHalves(x + mb * ldx, k + 16, k + 48);
+    }
+    for (int r = 0; r < NR; ++r) {
+      __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * ldq + k / 2)));
+      __m512bh wl = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(b, low), lut);
+      __m512bh wh = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut);
+      for (int mb = 0; mb < MB; ++mb) t[r][mb] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(t[r][mb], wl, xl[mb]), wh, xh[mb]);
+    }
+  };
+  auto zero = [](__m512 (&t)[NR][MB]) {
     for (int r = 0; r < NR; ++r)
       for (int mb = 0; mb < MB; ++mb) t[r][mb] = _mm512_setzero_ps();
-    for (int64_t k = k0; k < k1; k += 32) {
-      __m512bh xv[MB];
-      for (int mb = 0; mb < MB; ++mb) xv[mb] = (__m512bh)_mm512_loadu_si512(x + mb * ldx + k);
-      for (int r = 0; r < NR; ++r) {
-        __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * ldq + k / 2)));
-        __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, low)), _mm256_srli_epi16(b, 4), 1);
-        __m512bh w = (__m512bh)_mm512_permutexvar_epi16(idx, lut);
-        for (int mb = 0; mb < MB; ++mb) t[r][mb] = _mm512_dpbf16_ps(t[r][mb], w, xv[mb]);
-      }
-    }
+  };
+  // a[r][mb] += t[r][mb] * the scale of group g of row r
+  auto scaleInto = [&](int64_t g, __m512 (&t)[NR][MB]) {
     for (int r = 0; r < NR; ++r) {
       __m512 s = _mm512_set1_ps(scale[r * lds + g]);
       for (int mb = 0; mb < MB; ++mb) a[r][mb] = _mm512_fmadd_ps(t[r][mb], s, a[r][mb]);
     }
+  };
+  int64_t pairsEnd = kLen & ~int64_t(63);
+  __m512 t[NR][MB];
+  if (G == 32) {
+    for (int64_t k = 0; k < pairsEnd; k += 64) {
+      zero(t);
+      pair(k, t);
+      int64_t g = k / 32;
+      for (int r = 0; r < NR; ++r) {
+        __m512 s = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scale[r * lds + g]), _mm512_set1_ps(scale[r * lds + g + 1]));
+        for (int mb = 0; mb < MB; ++mb) a[r][mb] = _mm512_fmadd_ps(t[r][mb], s, a[r][mb]);
+      }
+    }
+  } else {
+    for (int64_t k0 = 0; k0 < pairsEnd; k0 += G) {
+      zero(t);
+      for (int64_t k = k0; k < std::min(pairsEnd, k0 + G); k += 64) pair(k, t);
+      scaleInto(k0 / G, t);
+    }
   }
+  if (pairsEnd < kLen) {
+    int64_t k = pairsEnd;
+    zero(t);
+    for (int r = 0; r < NR; ++r) {
+      __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * ldq + k / 2)));
+      __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi16(0xF))),
+                                       _mm256_srli_epi16(b, 4), 1);
+      __m512bh w = (__m512bh)_mm512_permutexvar_epi16(idx, lut);
+      for (int mb = 0; mb < MB; ++mb)
+        t[r][mb] = _mm512_dpbf16_ps(t[r][mb], w, (__m512bh)_mm512_loadu_si512(x + mb * ldx + k));
+    }
+    scaleInto(k / G, t);
+  }
+  int64_t ng = (kLen + G - 1) / G;
   for (int r = 0; r < NR; ++r)
     for (int mb = 0; mb < MB; ++mb) {
       float v = _mm512_reduce_add_ps(a[r][mb]) + DotLanes<V512>(min + r * lds, xg + mb * ldxg, ng);
