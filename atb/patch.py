@@ -537,6 +537,8 @@ class _PatchState:
     forwards: list            # (module, had_instance_forward, previous instance forward)
     attn_before: str | None
     attn_set: bool
+    # quantize=: (parameter, its quantized copy) for every float weight released at patch time
+    released: list = field(default_factory=list)
 
 
 _PROJECTIONS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -574,8 +576,11 @@ def patch_hf_model(model, *, soc_type: str | None = None, rms_norm: bool = True,
     decode sizes, and prefill in fp16/bf16; fp32 prefill stays on torch's GEMM). ``soc_type`` is the SoC every kernel tiles for.
     ``quantize`` (``"w8a16"``, ``"w4a16[-gN]"``, ``"native"`` or an ``atb.quantize(model)`` result, as for
     ``TransformerInfer``): every projection, the embedding and the LM head run on quantized copies of their
-    weights through the native kernels (fewer bytes per token); the float parameters stay in place for
-    ``unpatch_hf_model`` and for gradients, so memory grows by the quantized copies rather than shrinking.
+    weights through the native kernels (fewer bytes per token), and their float parameters are released
+    (each becomes an empty tensor of its dtype), so the model's memory shrinks to the quantized size.
+    Gradients through those weights are then unavailable (a forward recording autograd raises), and
+    ``unpatch_hf_model`` restores them dequantized from the quantized copies (quantization is lossy:
+    they are not the original values).
     """
     version = check_transformers_version()
     options = dict(rms_norm=bool(rms_norm), rope=bool(rope), attention=bool(attention), mlp=bool(mlp),
@@ -656,6 +661,7 @@ def patch_hf_model(model, *, soc_type: str | None = None, rms_norm: bool = True,
     except Exception:
         _restore(model, forwards, None, False)
         raise
+    released = [] if quantized is None else _release_float_weights(model, quant)
 
     report = PatchReport(type(model).__name__, spec.model_type, _dtype_name(model), version, True, all_options,
                          plan, (attn_before, model.config._attn_implementation),
@@ -666,11 +672,40 @@ def patch_hf_model(model, *, soc_type: str | None = None, rms_norm: bool = True,
                         "inference_mode, generate) runs fused")
     if quantized is not None:
         report.notes.append(f"quantized ({quantize if isinstance(quantize, str) else 'custom'}): every projection, "
-                            "the embedding and the LM head read their quantized copies (float parameters kept)")
+                            "the embedding and the LM head read their quantized copies; their float parameters "
+                            "were released (unpatch_hf_model restores them dequantized)")
     if config_reasons:
         report.notes.append("partial patch: " + "; ".join(f"{k} stays stock: {v}" for k, v in config_reasons.items()))
-    setattr(model, _STATE_ATTR, _PatchState(all_options, report, forwards, attn_before, attn_set))
+    setattr(model, _STATE_ATTR, _PatchState(all_options, report, forwards, attn_before, attn_set, released))
     return report
+
+
+def _release_float_weights(model, quant) -> list:
+    """Empties the float ``weight`` of every module reading a quantized copy (a tied table once) so its
+    storage is freed; returns (parameter, quantized copy) pairs for ``unpatch_hf_model``."""
+    released, seen = [], set()
+    for mod in model.modules():
+        w = quant.get(id(mod), {}).get("weight")
+        p = getattr(mod, "weight", None)
+        if isinstance(w, QuantizedWeight) and isinstance(p, torch.Tensor) and id(p) not in seen:
+            seen.add(id(p))
+            released.append((p, w))
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    _return_freed_memory()
+    return released
+
+
+def _return_freed_memory() -> None:
+    """glibc keeps freed heap pages (the released weights, quantization's temporaries) for reuse, so the
+    process's RSS would not show the bytes saved: hand them back to the OS (a no-op elsewhere)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _restore(model, forwards, attn_before, attn_set) -> None:
@@ -692,6 +727,8 @@ def unpatch_hf_model(model) -> bool:
     if state is None:
         return False
     _restore(model, state.forwards, state.attn_before, state.attn_set)
+    for p, w in state.released:
+        p.data = w.dequantize(p.dtype)
     del model.__dict__[_STATE_ATTR]
     return True
 

@@ -171,6 +171,28 @@ def test_tiling_fits_ub(soc, m, k, ep):
     assert t["k_tile"] >= t["k_pad"] or t["k_tile"] % 128 == 0
 
 
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("n,k", [(13, 64), (131, 576), (9, 608), (40, 1000), (17, 4127)])
+def test_w4_decode_bf16_pairs_and_tails(m, group, n, k, isa):
+    # bf16 x on an AVX512-BF16 CPU takes the vdpbf16ps route: chunk pairs, a lone last chunk (K/32 odd),
+    # groups of two chunks (G = 32) or whole pairs, short last groups, row blocks of 8 and their tails.
+    x = torch.randn(m, k).bfloat16()
+    q = _qw(n, k, "w4a16", group)
+    b = torch.randn(n).bfloat16()
+    assert_close(K.linear(x, q, b), linear_ref(x, quant_dequant_ref(q), b), scale=_scale(k))
+
+
+@pytest.mark.parametrize("fmt_bits,group", [(8, 0), (4, 32), (4, 128)])
+@pytest.mark.parametrize("n,k", [(576, 576), (192, 576), (64, 64), (2048, 5632)])
+def test_decode_splits_over_cores_as_bf16(fmt_bits, group, n, k):
+    # A quantized row's cost is its unpacking (per value), so decode uses as many cores as the bf16 layer.
+    host = atb.get_soc("host")
+    bf16 = DTYPE_CODES[torch.bfloat16]
+    t = _C.quant_linear_tiling(1, k, [_seg(n, fmt_bits, group)], 0, bf16, host)
+    assert t["block_dim"] == _C.linear_tiling(1, k, [n], 0, bf16, host)["block_dim"]
+
+
 def test_tiling_rejects_bad_formats():
     info = atb.get_soc("host")
     with pytest.raises(ValueError, match="bits"):

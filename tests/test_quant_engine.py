@@ -118,3 +118,24 @@ def test_bad_quantize_spec():
         atb.TransformerInfer(model, max_seq_len=64, quantize="native")
     with pytest.raises(TypeError, match="quantize: expected"):
         atb.TransformerInfer(model, max_seq_len=64, quantize=8)
+
+
+def test_patch_releases_float_weights_and_unpatch_restores_them():
+    model = random_model("tiny")
+    gate = model.model.layers[0].mlp.gate_proj.weight
+    before = gate.detach().clone()
+    q = atb.quantize(model, "w8a16")
+    atb.patch_hf_model(model, quantize=q)
+    try:
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all(m.weight.numel() == 0 for m in linears)
+        assert model.model.embed_tokens.weight.numel() == 0
+        assert model.model.norm.weight.numel() > 0  # norms stay float
+        out = model.generate(torch.tensor([[5, 17, 99]]), max_new_tokens=3, do_sample=False)
+        assert out.shape == (1, 6)
+    finally:
+        atb.unpatch_hf_model(model)
+    assert gate.shape == before.shape and gate.dtype == before.dtype
+    # restored from the quantized copy: W8A16 per channel is within half a step of the original
+    step = before.abs().amax(dim=1, keepdim=True) / 127
+    assert ((gate - before).abs() <= step * 0.5 + 1e-6).all()

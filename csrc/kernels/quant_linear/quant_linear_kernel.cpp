@@ -5,8 +5,11 @@
 // dequantizing in registers: x sits widened to fp32 (zero-padded to kPad) in UB
 // with its per-32-value sums (the W4 min term), the tile's group scales are
 // widened to fp32 in UB, and the micro-kernel (quant_simd.h) keeps every group's
-// partial dot in registers and scales it once per group.
+// partial dot in registers and scales it once per group. With bf16 x and a W4
+// segment on an AVX512-BF16 CPU, x is also kept as bf16 (zero-padded) for the
+// vdpbf16ps route (quant_simd.h: gemv_w4_bf16).
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/common/tiling_utils.h"
 #include "quant_linear_io.h"
@@ -18,6 +21,7 @@ namespace {
 
 template <typename T>
 class KernelQuantLinear : LinearIo<T> {
+  static constexpr bool kBf16 = std::is_same<T, bfloat16_t>::value;
   using Io = LinearIo<T>;
   using Io::t_, Io::ep_, Io::streams_, Io::pipe_, Io::xGm_;
 
@@ -33,6 +37,7 @@ class KernelQuantLinear : LinearIo<T> {
     int64_t mt = t_.mTile, nt = t_.nTile;
     pipe_.InitBuffer(xBuf_, mt * t_.kTile * sizeof(float));
     pipe_.InitBuffer(xsumBuf_, mt * kChunks_ * sizeof(float));
+    if (kBf16) pipe_.InitBuffer(xbBuf_, mt * t_.kTile * sizeof(uint16_t));
     for (int s = 0; s < streams_; ++s) {
       pipe_.InitBuffer(scaleBuf_[s], nt * kChunks_ * sizeof(float));
       pipe_.InitBuffer(minBuf_[s], nt * kChunks_ * sizeof(float));
@@ -79,6 +84,11 @@ class KernelQuantLinear : LinearIo<T> {
       CastRaw<float, T>(row, xGm_.GetPhyAddr((m0 + m) * t_.k + k0), valid);
       std::fill(row + valid, row + kl, 0.0f);
       for (int64_t c = 0; c < kl / kQuantChunk; ++c) xs[m * kChunks_ + c] = Simd().reduce_sum(row + c * kQuantChunk, kQuantChunk);
+      if (kBf16) {
+        uint16_t* xb = xbBuf_.Get<uint16_t>().GetPhyAddr(m * t_.kTile);
+        std::copy_n(reinterpret_cast<const uint16_t*>(xGm_.GetPhyAddr((m0 + m) * t_.k + k0)), valid, xb);
+        std::fill(xb + valid, xb + kl, uint16_t(0));
+      }
     }
   }
 
@@ -92,6 +102,9 @@ class KernelQuantLinear : LinearIo<T> {
     const float* xs = xsumBuf_.Get<float>().GetPhyAddr();
     if (q.bits == 4) {
       const uint8_t* w = static_cast<const uint8_t*>(q.data) + row * (kPad_ / 2) + k0 / 2;
+      if (kBf16 && QuantSimd().gemv_w4_bf16)
+        return QuantSimd().gemv_w4_bf16(y, nt, xbBuf_.Get<uint16_t>().GetPhyAddr(), t_.kTile, xs, kChunks_, w, kPad_ / 2,
+                                        sc.scale, sc.min, sc.lds, mt, nt, kl, sc.group, k0 > 0);
       QuantSimd().gemv_w4(y, nt, x, t_.kTile, xs, kChunks_, w, kPad_ / 2, sc.scale, sc.min, sc.lds, mt, nt, kl, sc.group,
                           k0 > 0);
     } else {
@@ -102,7 +115,7 @@ class KernelQuantLinear : LinearIo<T> {
 
   const QuantSegment* q_ = nullptr;
   int64_t kPad_ = 0, kChunks_ = 0, first_ = 0, last_ = 0;
-  TBuf<TPosition::VECCALC> xBuf_, xsumBuf_, scaleBuf_[2], minBuf_[2], sums_[2];
+  TBuf<TPosition::VECCALC> xBuf_, xsumBuf_, xbBuf_, scaleBuf_[2], minBuf_[2], sums_[2];
 };
 
 // Embedding rows: each core dequantizes its share of the requested rows, in K pieces that fit its UB.

@@ -16,24 +16,19 @@ namespace {
 // K chunks below all of kPad are multiples of the largest group (128), so no group straddles two chunks.
 constexpr int64_t kQuantKAlign = 128;
 
-// Weight bytes of one row of segment s: packed values plus its scales (and mins).
-int64_t RowBytes(const QuantSegment& s, int64_t kPad) {
-  int64_t groups = s.group ? CeilDiv(kPad, s.group) : 1;
-  int64_t sb = AscendC::DataTypeSize(s.scaleType);
-  return kPad * s.bits / 8 + groups * sb * (s.bits == 4 ? 2 : 1);
-}
-
 // UB of one STREAM tile:
 //   x          fp32 [mTile, kTile]     (zero-padded past K)
 //   xsum       fp32 [mTile, kTile/32]  (x summed per 32-value chunk: the W4 min term)
+//   x bf16     bf16 [mTile, kTile]     (bf16 x only: the AVX512-BF16 W4 route reads x as it came)
 //   scale, min fp32 [nTile, kTile/32]  per stream (this tile's group scales, widened)
 //   sums       fp32 [mTile, nTile]     per stream
 //   out queue  BUFFER_NUM x T [mTile, nTile]; residual queue the same (RESIDUAL)
-int64_t StreamUb(int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep) {
+int64_t StreamUb(int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep, bool bf16) {
   int64_t streams = ep == LINEAR_SWIGLU ? 2 : 1, chunks = kt / kQuantChunk;
   int64_t ub = UbSlot(mt * kt * 4) + UbSlot(mt * chunks * 4) +
                streams * (2 * UbSlot(nt * chunks * 4) + UbSlot(mt * nt * 4)) + AscendC::BUFFER_NUM * UbSlot(mt * nt * elt);
   if (ep == LINEAR_RESIDUAL) ub += AscendC::BUFFER_NUM * UbSlot(mt * nt * elt);
+  if (bf16) ub += UbSlot(mt * kt * 2);
   return ub;
 }
 
@@ -111,7 +106,6 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
   t.m = m;
   t.k = k;
   t.numSegments = numSegments;
-  int64_t weightBytes = 0;
   for (int64_t s = 0; s < numSegments; ++s) {
     const QuantSegment& g = segs[s];
     ATB_CHECK(g.n >= 1, "quant_linear tiling: segment ", s, " has N=", g.n, ", must be >= 1");
@@ -121,10 +115,10 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
     ATB_CHECK(g.bits == 8 || g.group != 0, "quant_linear tiling: 4-bit segment ", s, " needs a group size");
     t.segRows[s] = g.n;
     t.rows += g.n;
-    weightBytes += g.n * RowBytes(g, q.kPad);
   }
   if (ep == LINEAR_SWIGLU) t.rows = segs[0].n;
   int64_t elt = AscendC::DataTypeSize(dtype);
+  bool bf16 = dtype == AscendC::DataType::BFLOAT16;
   if (m >= kLinearGemmMinRows) {
     GemmTiling(t, q.kPad, elt, ep, soc);
     q.kChunks = t.kTile / kQuantChunk;
@@ -132,7 +126,11 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
     return q;
   }
   int64_t cores = std::max<int64_t>(1, soc.cube_core_num);
-  if (soc.is_host) cores = std::min(cores, std::max<int64_t>(1, weightBytes / kHostMinBytesPerCore));
+  // A quantized row costs its unpacking, which scales with its values, not its bytes: count a core's
+  // work in bf16 bytes (2 per value), so a layer splits over the cores as its bf16 form would.
+  int64_t work = 0;
+  for (int64_t s = 0; s < numSegments; ++s) work += segs[s].n * q.kPad * 2;
+  if (soc.is_host) cores = std::min(cores, std::max<int64_t>(1, work / kHostMinBytesPerCore));
   // Rows per core in blocks of 4 (the widest micro-kernel row block), every core gets rows.
   t.blockFactor = AlignUp(CeilDiv(t.rows, std::min(cores, t.rows)), 4);
   t.blockDim = CeilDiv(t.rows, t.blockFactor);
@@ -143,7 +141,7 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
   t.kTile = q.kPad;
   // The W4 micro-kernel keeps the group sums of up to 4 x rows on its stack.
   while (std::min<int64_t>(t.mTile, 4) * (t.kTile / kQuantChunk) > kQuantMaxGroupSums) t.kTile = HalveK(t.kTile);
-  while (StreamUb(t.mTile, t.nTile, t.kTile, elt, ep) > soc.ub_size) {
+  while (StreamUb(t.mTile, t.nTile, t.kTile, elt, ep, bf16) > soc.ub_size) {
     if (t.kTile > 4 * kQuantKAlign) {
       t.kTile = HalveK(t.kTile);
     } else if (t.nTile > 8) {
@@ -157,7 +155,7 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
     }
   }
   q.kChunks = t.kTile / kQuantChunk;
-  t.ubBytes = StreamUb(t.mTile, t.nTile, t.kTile, elt, ep);
+  t.ubBytes = StreamUb(t.mTile, t.nTile, t.kTile, elt, ep, bf16);
   t.tilingKey = LINEAR_STREAM * 100 + int64_t(dtype) * 10 + ep;
   return q;
 }

@@ -40,6 +40,15 @@ struct QuantSimdOps {
   // W8 GEMV, symmetric: y[m*ldy + n] (+)= sum_g scale[n*lds + g] * sum_{k in g} q(n, k) * x[m*ldx + k].
   void (*gemv_w8)(float* y, int64_t ldy, const float* x, int64_t ldx, const int8_t* q, int64_t ldq,
                   const float* scale, int64_t lds, int64_t M, int64_t N, int64_t kLen, int64_t G, bool accumulate);
+  // W4 GEMV with bf16 activations: as gemv_w4, x given as bf16 bits (zero-padded to kLen). Null
+  // unless the CPU has AVX512-BF16: there the nibbles become bf16 through a 16-entry vpermw table and
+  // meet x in vdpbf16ps, 32 weights per instruction, where the fp32 route needs two int->float
+  // conversions and two FMAs (it is compute-bound at W4's byte rate). Products of a 4-bit integer
+  // and a bf16 value are exact in fp32, so with bf16 x the numbers are those of the fp32 route up to
+  // the order of the fp32 additions.
+  void (*gemv_w4_bf16)(float* y, int64_t ldy, const uint16_t* x, int64_t ldx, const float* xsum, int64_t ldxs,
+                       const uint8_t* q, int64_t ldq, const float* scale, const float* min, int64_t lds, int64_t M,
+                       int64_t N, int64_t kLen, int64_t G, bool accumulate);
   // One row, kLen values (a multiple of 32): dst[k] = fma(q(k), scale[k / G], min[k / G]) (W4),
   // q(k) * scale[k / G] (W8); one rounding, as gguf's own dequantization.
   void (*dequant_w4)(float* dst, const uint8_t* q, const float* scale, const float* min, int64_t kLen, int64_t G);

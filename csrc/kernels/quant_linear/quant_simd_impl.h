@@ -27,10 +27,12 @@ float DotLanes(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-template <class V, int NR, int MB>
-void GemvW4Block(float* y, int64_t ldy, const float* x, int64_t ldx, const float* xg, int64_t ldxg,
-                 const uint8_t* q, int64_t ldq, const float* scale, const float* min, int64_t lds, int64_t kLen,
-                 int64_t G, bool accumulate) {
+// One block of NR weight rows x MB rows of x, for Bits = 4 (q: packed nibbles, + the min term) or 8
+// (q: int8). ldq counts bytes.
+template <class V, int Bits, int NR, int MB>
+void GemvBlock(float* y, int64_t ldy, const float* x, int64_t ldx, const float* xg, int64_t ldxg, const uint8_t* q,
+               int64_t ldq, const float* scale, const float* min, int64_t lds, int64_t kLen, int64_t G,
+               bool accumulate) {
   using R = typename V::reg;
   constexpr int TV = MB == 1 ? V::kVecs : 1;
   R a[NR][MB];
@@ -46,53 +48,14 @@ void GemvW4Block(float* y, int64_t ldy, const float* x, int64_t ldx, const float
     for (int64_t k = k0; k < k1; k += 32) {
       R xv[MB][V::kVecs];
       for (int mb = 0; mb < MB; ++mb)
-        for (int v = 0; v < V::kVecs; ++v) xv[mb][v] = V::load(x + mb * ldx + k + V::kW4Off[v]);
+        for (int v = 0; v < V::kVecs; ++v)
+          xv[mb][v] = V::load(x + mb * ldx + k + (Bits == 4 ? V::kW4Off[v] : V::kW8Off[v]));
       for (int r = 0; r < NR; ++r) {
         R w[V::kVecs];
-        V::UnpackW4(q + r * ldq + k / 2, w);
-        for (int mb = 0; mb < MB; ++mb)
-          for (int v = 0; v < V::kVecs; ++v) t[r][mb][v % TV] = V::fma(w[v], xv[mb][v], t[r][mb][v % TV]);
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      R s = V::set1(scale[r * lds + g]);
-      for (int mb = 0; mb < MB; ++mb) {
-        R sum = t[r][mb][0];
-        for (int v = 1; v < TV; ++v) sum = V::add(sum, t[r][mb][v]);
-        a[r][mb] = V::fma(sum, s, a[r][mb]);
-      }
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int mb = 0; mb < MB; ++mb) {
-      float v = V::hsum(a[r][mb]) + DotLanes<V>(min + r * lds, xg + mb * ldxg, ng);
-      float* o = y + mb * ldy + r;
-      *o = accumulate ? *o + v : v;
-    }
-}
-
-template <class V, int NR, int MB>
-void GemvW8Block(float* y, int64_t ldy, const float* x, int64_t ldx, const int8_t* q, int64_t ldq,
-                 const float* scale, int64_t lds, int64_t kLen, int64_t G, bool accumulate) {
-  using R = typename V::reg;
-  constexpr int TV = MB == 1 ? V::kVecs : 1;
-  R a[NR][MB];
-  for (int r = 0; r < NR; ++r)
-    for (int mb = 0; mb < MB; ++mb) a[r][mb] = V::zero();
-  int64_t ng = (kLen + G - 1) / G;
-  for (int64_t g = 0; g < ng; ++g) {
-    int64_t k0 = g * G, k1 = std::min(kLen, k0 + G);
-    R t[NR][MB][TV];
-    for (int r = 0; r < NR; ++r)
-      for (int mb = 0; mb < MB; ++mb)
-        for (int v = 0; v < TV; ++v) t[r][mb][v] = V::zero();
-    for (int64_t k = k0; k < k1; k += 32) {
-      R xv[MB][V::kVecs];
-      for (int mb = 0; mb < MB; ++mb)
-        for (int v = 0; v < V::kVecs; ++v) xv[mb][v] = V::load(x + mb * ldx + k + V::kW8Off[v]);
-      for (int r = 0; r < NR; ++r) {
-        R w[V::kVecs];
-        V::UnpackW8(q + r * ldq + k, w);
+        if constexpr (Bits == 4)
+          V::UnpackW4(q + r * ldq + k / 2, w);
+        else
+          V::UnpackW8(reinterpret_cast<const int8_t*>(q + r * ldq + k), w);
         for (int mb = 0; mb < MB; ++mb)
           for (int v = 0; v < V::kVecs; ++v) t[r][mb][v % TV] = V::fma(w[v], xv[mb][v], t[r][mb][v % TV]);
       }
@@ -109,81 +72,79 @@ void GemvW8Block(float* y, int64_t ldy, const float* x, int64_t ldx, const int8_
   for (int r = 0; r < NR; ++r)
     for (int mb = 0; mb < MB; ++mb) {
       float v = V::hsum(a[r][mb]);
+      if constexpr (Bits == 4) v += DotLanes<V>(min + r * lds, xg + mb * ldxg, ng);
       float* o = y + mb * ldy + r;
       *o = accumulate ? *o + v : v;
     }
 }
 
-// Walks M in blocks of up to V::kMB rows and N in blocks of NR rows; tails take NR = 1.
-template <class V, int MB>
-void GemvW4Rows(float* y, int64_t ldy, const float* x, int64_t ldx, const float* xg, int64_t ldxg,
-                const uint8_t* q, int64_t ldq, const float* scale, const float* min, int64_t lds, int64_t N,
-                int64_t kLen, int64_t G, bool acc) {
-  constexpr int NR = MB == 1 ? V::kNR1 : V::kNR;
-  int64_t n = 0;
-  for (; n + NR <= N; n += NR)
-    GemvW4Block<V, NR, MB>(y + n, ldy, x, ldx, xg, ldxg, q + n * ldq, ldq, scale + n * lds, min + n * lds, lds,
-                           kLen, G, acc);
-  for (; n < N; ++n)
-    GemvW4Block<V, 1, MB>(y + n, ldy, x, ldx, xg, ldxg, q + n * ldq, ldq, scale + n * lds, min + n * lds, lds,
-                          kLen, G, acc);
-}
+// Walks N in blocks of NR weight rows (NR1 at M == 1, NR otherwise); tails take NR = 1.
+template <class V, int Bits>
+struct RowsOf {
+  template <int MB>
+  struct Rows {
+    static void Run(float* y, int64_t ldy, const float* x, int64_t ldx, const float* xg, int64_t ldxg,
+                    const uint8_t* q, int64_t ldq, const float* scale, const float* min, int64_t lds, int64_t N,
+                    int64_t kLen, int64_t G, bool acc) {
+      constexpr int NR = MB == 1 ? V::kNR1 : V::kNR;
+      auto mn = [&](int64_t n) { return Bits == 4 ? min + n * lds : nullptr; };
+      int64_t n = 0;
+      for (; n + NR <= N; n += NR)
+        GemvBlock<V, Bits, NR, MB>(y + n, ldy, x, ldx, xg, ldxg, q + n * ldq, ldq, scale + n * lds, mn(n), lds,
+                                   kLen, G, acc);
+      for (; n < N; ++n)
+        GemvBlock<V, Bits, 1, MB>(y + n, ldy, x, ldx, xg, ldxg, q + n * ldq, ldq, scale + n * lds, mn(n), lds, kLen,
+                                  G, acc);
+    }
+  };
+};
 
-template <class V, int MB>
-void GemvW8Rows(float* y, int64_t ldy, const float* x, int64_t ldx, const int8_t* q, int64_t ldq,
-                const float* scale, int64_t lds, int64_t N, int64_t kLen, int64_t G, bool acc) {
-  constexpr int NR = MB == 1 ? V::kNR1 : V::kNR;
-  int64_t n = 0;
-  for (; n + NR <= N; n += NR)
-    GemvW8Block<V, NR, MB>(y + n, ldy, x, ldx, q + n * ldq, ldq, scale + n * lds, lds, kLen, G, acc);
-  for (; n < N; ++n) GemvW8Block<V, 1, MB>(y + n, ldy, x, ldx, q + n * ldq, ldq, scale + n * lds, lds, kLen, G, acc);
-}
-
-// Group sums of x rows (at most kQuantMaxGroupSums: the tiling keeps min(mTile, 4) x kTile / 32
-// under it), from their 32-value chunk sums: the W4 min term per row is then one vector dot
+// The GEMV over blocks of up to kMB rows of x (element type X: fp32, or bf16 bits for the
+// AVX512-BF16 W4 route), Rows<MB> the row walker of one block. With xsum (W4), each block's x
+// group sums (at most kQuantMaxGroupSums: the tiling keeps min(mTile, 4) x kTile / 32 under it)
+// come first, from the 32-value chunk sums: the W4 min term per row is then one vector dot
 // (mins . group sums) instead of a serial chain per group.
+template <int kMB, class X, template <int> class Rows>
+void GemvBlocks(float* y, int64_t ldy, const X* x, int64_t ldx, const float* xsum, int64_t ldxs, const uint8_t* q,
+                int64_t ldq, const float* scale, const float* min, int64_t lds, int64_t M, int64_t N, int64_t kLen,
+                int64_t G, bool acc) {
+  int64_t ng = (kLen + G - 1) / G, chunks = kLen / 32, cpg = G / 32;
+  float xg[kQuantMaxGroupSums];
+  for (int64_t m = 0; m < M;) {
+    int64_t mb = std::min<int64_t>(kMB, M - m);
+    if (xsum)
+      for (int64_t i = 0; i < mb; ++i)
+        for (int64_t g = 0; g < ng; ++g) {
+          float s = 0.0f;
+          for (int64_t c = g * cpg; c < std::min(chunks, (g + 1) * cpg); ++c) s += xsum[(m + i) * ldxs + c];
+          xg[i * ng + g] = s;
+        }
+    float* ym = y + m * ldy;
+    const X* xm = x + m * ldx;
+    switch (mb) {
+      case 1: Rows<1>::Run(ym, ldy, xm, ldx, xg, ng, q, ldq, scale, min, lds, N, kLen, G, acc); break;
+      case 2: Rows<2>::Run(ym, ldy, xm, ldx, xg, ng, q, ldq, scale, min, lds, N, kLen, G, acc); break;
+      case 3: Rows<kMB >= 3 ? 3 : 1>::Run(ym, ldy, xm, ldx, xg, ng, q, ldq, scale, min, lds, N, kLen, G, acc); break;
+      default: Rows<kMB >= 4 ? 4 : 1>::Run(ym, ldy, xm, ldx, xg, ng, q, ldq, scale, min, lds, N, kLen, G, acc); break;
+    }
+    m += mb;
+  }
+}
 
 template <class V>
 void GemvW4(float* y, int64_t ldy, const float* x, int64_t ldx, const float* xsum, int64_t ldxs, const uint8_t* q,
             int64_t ldq, const float* scale, const float* min, int64_t lds, int64_t M, int64_t N, int64_t kLen,
             int64_t G, bool acc) {
-  int64_t ng = (kLen + G - 1) / G, chunks = kLen / 32, cpg = G / 32;
-  float xg[kQuantMaxGroupSums];
-  for (int64_t m = 0; m < M;) {
-    int64_t mb = std::min<int64_t>(V::kMB, M - m);
-    for (int64_t i = 0; i < mb; ++i)
-      for (int64_t g = 0; g < ng; ++g) {
-        float s = 0.0f;
-        for (int64_t c = g * cpg; c < std::min(chunks, (g + 1) * cpg); ++c) s += xsum[(m + i) * ldxs + c];
-        xg[i * ng + g] = s;
-      }
-    float* ym = y + m * ldy;
-    const float* xm = x + m * ldx;
-    switch (mb) {
-      case 1: GemvW4Rows<V, 1>(ym, ldy, xm, ldx, xg, ng, q, ldq, scale, min, lds, N, kLen, G, acc); break;
-      case 2: GemvW4Rows<V, 2>(ym, ldy, xm, ldx, xg, ng, q, ldq, scale, min, lds, N, kLen, G, acc); break;
-      case 3: GemvW4Rows<V, V::kMB >= 3 ? 3 : 1>(ym, ldy, xm, ldx, xg, ng, q, ldq, scale, min, lds, N, kLen, G, acc); break;
-      default: GemvW4Rows<V, V::kMB >= 4 ? 4 : 1>(ym, ldy, xm, ldx, xg, ng, q, ldq, scale, min, lds, N, kLen, G, acc); break;
-    }
-    m += mb;
-  }
+  GemvBlocks<V::kMB, float, RowsOf<V, 4>::template Rows>(y, ldy, x, ldx, xsum, ldxs, q, ldq, scale, min, lds, M, N,
+                                                         kLen, G, acc);
 }
 
 template <class V>
 void GemvW8(float* y, int64_t ldy, const float* x, int64_t ldx, const int8_t* q, int64_t ldq, const float* scale,
             int64_t lds, int64_t M, int64_t N, int64_t kLen, int64_t G, bool acc) {
-  for (int64_t m = 0; m < M;) {
-    int64_t mb = std::min<int64_t>(V::kMB, M - m);
-    float* ym = y + m * ldy;
-    const float* xm = x + m * ldx;
-    switch (mb) {
-      case 1: GemvW8Rows<V, 1>(ym, ldy, xm, ldx, q, ldq, scale, lds, N, kLen, G, acc); break;
-      case 2: GemvW8Rows<V, 2>(ym, ldy, xm, ldx, q, ldq, scale, lds, N, kLen, G, acc); break;
-      case 3: GemvW8Rows<V, V::kMB >= 3 ? 3 : 1>(ym, ldy, xm, ldx, q, ldq, scale, lds, N, kLen, G, acc); break;
-      default: GemvW8Rows<V, V::kMB >= 4 ? 4 : 1>(ym, ldy, xm, ldx, q, ldq, scale, lds, N, kLen, G, acc); break;
-    }
-    m += mb;
-  }
+  GemvBlocks<V::kMB, float, RowsOf<V, 8>::template Rows>(y, ldy, x, ldx, nullptr, 0,
+                                                         reinterpret_cast<const uint8_t*>(q), ldq, scale, nullptr, lds,
+                                                         M, N, kLen, G, acc);
 }
 
 template <class V>
@@ -208,5 +169,5 @@ void DequantW8(float* dst, const int8_t* q, const float* scale, int64_t kLen, in
 
 template <class V>
 QuantSimdOps MakeQuantOps(const char* isa) {
-  return QuantSimdOps{isa, GemvW4<V>, GemvW8<V>, DequantW4<V>, DequantW8<V>};
+  return QuantSimdOps{isa, GemvW4<V>, GemvW8<V>, nullptr, DequantW4<V>, DequantW8<V>};
 }
