@@ -50,6 +50,19 @@ def test_round_trip(fmt, group, n, k, scale_dtype, isa):
         assert torch.equal(q.dequantize(dt), ref.float().to(dt))
 
 
+@pytest.mark.parametrize("fmt,group", [f for f in FORMATS if f[1]])
+def test_round_trip_tiny_groups_fp16_scales(fmt, group):
+    # Groups from 1e-7 to 1: fp16 scales of the small ones are subnormal. A scale rounded down pushed the
+    # extreme codes past the grid's end (clamped: error above half a step); it is rounded up instead.
+    w = torch.randn(64, 577) * torch.logspace(-7, 0, 64)[:, None]
+    q = quantize_weight(w, fmt, group)
+    assert q.scale.dtype == torch.float16
+    ref = quant_dequant_ref(q)
+    step = q.scale.double()[:, torch.arange(577) // group]
+    eps, quantum = torch.finfo(torch.float16).eps, 2.0**-24  # the min is fp16 too: subnormal below 6e-5
+    assert ((ref - w.double()).abs() <= step * (0.5 + 4 * eps) + w.abs().double() * 4 * eps + quantum).all()
+
+
 def test_quantize_tail_group_uses_real_values_only():
     # K = 576 with G = 128: the 5th group holds 64 real values; padding must not widen its range.
     w = torch.randn(4, 576)

@@ -159,6 +159,16 @@ def unpack_int4(data: torch.Tensor) -> torch.Tensor:
     return torch.cat((c & 0xF, c >> 4), dim=2).reshape(n, half * 2)
 
 
+def _round_toward(x: torch.Tensor, dtype: torch.dtype, direction: float) -> torch.Tensor:
+    """``x`` in ``dtype``, rounded to nearest unless that lands on the wrong side of ``x``; then one step
+    toward ``direction``. A scale rounded down would push the group's extreme codes past the grid's last
+    point, where the clamp costs more than half a step; fp16 scales of tiny groups (subnormal) lose most of
+    their bits that way. Exactly representable scales (SmolLM2's own Q4_1 grid) stay exact."""
+    r = x.to(dtype)
+    wrong = r.float() < x if direction > 0 else r.float() > x
+    return torch.where(wrong, torch.nextafter(r, torch.full_like(r, direction)), r)
+
+
 def quantize_weight(w: torch.Tensor, fmt: str = "w8a16", group_size: int | None = None,
                     scale_dtype: torch.dtype | None = None) -> QuantizedWeight:
     """Quantizes a float ``[N, K]`` weight.
@@ -201,13 +211,13 @@ def quantize_weight(w: torch.Tensor, fmt: str = "w8a16", group_size: int | None 
     hi = torch.where(vg, wg, torch.tensor(-torch.inf)).amax(-1)
     lo = torch.where(vg, wg, torch.tensor(torch.inf)).amin(-1)
     if bits == 8:
-        scale = (torch.maximum(hi.abs(), lo.abs()) / 127).to(scale_dtype)
+        scale = _round_toward((torch.maximum(hi.abs(), lo.abs()) / 127), scale_dtype, torch.inf)
         s = scale.float()
         q = torch.round(wg / torch.where(s > 0, s, 1.0)[..., None]).clamp(-127, 127)
         q = torch.where(vg, q, 0.0).reshape(n, -1)[:, :kp].to(torch.int8).contiguous()
         return QuantizedWeight(q, scale.contiguous(), None, (n, k), 8, group, source="quantize")
-    scale = ((hi - lo) / 15).to(scale_dtype)
-    mn = lo.to(scale_dtype)
+    scale = _round_toward((hi - lo) / 15, scale_dtype, torch.inf)
+    mn = lo.to(scale_dtype)  # rounded either way, the min moves the codes by at most its own rounding
     s, m = scale.float(), mn.float()
     q = torch.round((wg - m[..., None]) / torch.where(s > 0, s, 1.0)[..., None]).clamp(0, 15)
     q = torch.where(vg, q, 0.0).reshape(n, -1)[:, :kp].to(torch.uint8)
