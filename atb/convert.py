@@ -19,10 +19,11 @@ Memory stays near one chunk of one tensor, never a shard or the model:
   pages touched through a map stay resident (and count in RSS) until unmapped, so each
   chunk's pages are released with ``madvise(MADV_DONTNEED)`` once used (the map is private
   and never written, so the kernel re-reads them from the file if touched again).
-* ``quantize=`` (``--quantize``): each projection, the embedding and the LM head is read
-  whole (the largest tensor is the bound), quantized by :func:`atb.quant.quantize_weight`,
-  or taken as the GGUF file's own Q8_0/Q4_0/Q4_1 blocks, and stored as its parts (README
-  "atb convert": the on-disk format).
+* ``quantize=`` (``--quantize``): each projection, the embedding and the LM head is
+  quantized by :func:`atb.quant.quantize_weight` in blocks of rows (its quantized parts,
+  a quarter to an eighth of the float tensor, are the bound), or taken as the GGUF file's
+  own Q8_0/Q4_0/Q4_1 blocks, and stored as its parts (README "Converting checkpoints": the
+  on-disk format).
 * GGUF tensors are dequantized whole, one at a time, with the ``gguf`` package and
   transformers' own GGUF name mapping and per-architecture tensor processing (the code
   ``from_pretrained(gguf_file=...)`` runs), so the result is what transformers would load.
@@ -604,23 +605,42 @@ def write_shards(directory: str, shards: list[list[SourceTensor]], dtype: torch.
 
 
 def _quantized(t: SourceTensor, q: QuantTarget, threads: int):
-    """Source tensor ``t`` as a QuantizedWeight: its own GGUF blocks, or ``quantize_weight`` of the whole tensor."""
-    from atb.quant.formats import quantize_weight
+    """Source tensor ``t`` as a QuantizedWeight: its own GGUF blocks, or ``quantize_weight`` of its rows.
+
+    Quantization is row by row (each row's groups are its own), so it runs on blocks of rows of about
+    ``CHUNK_BYTES`` of source, filling the whole tensor's outputs: the same codes as one call on the whole
+    tensor, with the float temporaries of one block rather than several copies of the tensor."""
+    from atb.quant.formats import QuantizedWeight, quantize_weight
 
     if q.keep_blocks:
         return t.blocks()
-    if t.load is not None:
-        w = t.load()
-    else:
-        w = t.read(0, t.numel, None if t.mapped else torch.empty(t.nbytes, dtype=torch.uint8))
+    n, k = t.shape
+    whole = t.load() if t.load is not None else None
+    rows = max(1, CHUNK_BYTES // (k * t.dtype.itemsize))
+    data = scale = mins = None
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return quantize_weight(w.view(t.shape), q.format, q.group_size, q.scale_dtype)
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            if whole is not None:
+                w = whole[r0:r1]
+            else:
+                w = t.read(r0 * k, r1 * k, None if t.mapped else torch.empty((r1 - r0) * k * t.dtype.itemsize,
+                                                                             dtype=torch.uint8)).view(r1 - r0, k)
+            part = quantize_weight(w, q.format, q.group_size, q.scale_dtype)
+            if data is None:
+                data = torch.empty((n,) + tuple(part.data.shape[1:]), dtype=part.data.dtype)
+                scale = torch.empty((n,) + tuple(part.scale.shape[1:]), dtype=part.scale.dtype)
+                mins = None if part.min is None else torch.empty_like(scale)
+            data[r0:r1], scale[r0:r1] = part.data, part.scale
+            if mins is not None:
+                mins[r0:r1] = part.min
+            if t.mapped and whole is None:
+                _release_pages(w)
     finally:
         torch.set_num_threads(previous)
-        if t.mapped:
-            _release_pages(w)
+    return QuantizedWeight(data, scale, mins, (n, k), q.bits, q.group_size, source="quantize")
 
 
 class _NoBar:
