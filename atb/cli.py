@@ -205,6 +205,13 @@ def _engine(args):
     dtype = _torch_dtype(args.dtype)
     _check_soc_dtype(args.soc_type, dtype)
     config = _preflight(args)
+    if args.quantize and args.model and os.path.isdir(args.model):
+        from atb.checkpoints import atb_quantization
+
+        qc = atb_quantization(args.model)
+        if qc is not None and args.quantize != "native":
+            raise UserError(f"--quantize {args.quantize}: {args.model} is already quantized by atb convert "
+                            f"({qc.get('format')}) and runs as stored; leave --quantize out")
     max_seq_len = _max_seq_len(args, config)
     if args.max_new_tokens >= max_seq_len:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in "
@@ -377,6 +384,12 @@ def cmd_bench(args) -> int:
         except ImportError:
             raise UserError('--plot needs matplotlib: pip install -e ".[plot]"') from None
     _preflight(args)
+    if args.model and os.path.isdir(args.model):
+        from atb.checkpoints import atb_quantization
+
+        if atb_quantization(args.model) is not None:
+            raise UserError(f"bench: {args.model} is an atb-quantized checkpoint, which the stock HF rows of the "
+                            f"bench cannot run (no float weights); bench its float source, or use generate")
     if args.threads:
         atb.set_num_threads(args.threads)
         torch.set_num_threads(args.threads)

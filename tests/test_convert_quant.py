@@ -151,7 +151,7 @@ def test_smollm2_w8a16_and_w4a16_match_in_memory_quantize(tmp_path):
     answers the capital-of-France prompt with the same greedy tokens."""
     src = smollm2_float_dir()
     model, tok = checkpoints.load_model(src, progress=False)
-    ids = tok.apply_chat_template(PROMPT, add_generation_prompt=True)
+    ids = cli._token_ids(tok.apply_chat_template(PROMPT, add_generation_prompt=True))
     for fmt in ("w8a16", "w4a16"):
         dst = tmp_path / fmt
         convert.convert(src, str(dst), "float32", quantize=fmt, progress=False)
@@ -181,7 +181,7 @@ def test_gguf_source_keeps_q4_1_and_q8_0_blocks(tmp_path):
     native = load_native(model, gguf_path)
     assert_same_weights(loaded.atb_quantized, native)
     assert loaded.atb_quantized.layers[0].q.source.endswith("gguf:Q4_1")
-    ids = tok.apply_chat_template(PROMPT, add_generation_prompt=True)
+    ids = cli._token_ids(tok.apply_chat_template(PROMPT, add_generation_prompt=True))
     got = greedy(loaded, ids, n=16)
     assert got == greedy(model, ids, "native", n=16) and "Paris" in tok.decode(got)
 
@@ -249,3 +249,9 @@ def test_cli_errors(tiny, tmp_path, capsys):
     # A quantized checkpoint is not a float source.
     assert "already quantized" in one_error(capsys, ["convert", str(dst), str(tmp_path / "again"), "--dtype",
                                                      "float32"])
+    # generate / chat run it as stored; re-quantizing it, or benching it against stock HF, is refused up front.
+    capsys.readouterr()
+    assert cli.main(["generate", "Hello", "--model", str(dst), "--max-new-tokens", "4", "--quiet", "--raw"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert "already quantized" in one_error(capsys, ["generate", "Hello", "--model", str(dst), "--quantize", "w4a16"])
+    assert "atb-quantized checkpoint" in one_error(capsys, ["bench", "--model", str(dst), "--quiet"])
