@@ -747,7 +747,7 @@ class Summary:
     def line(self) -> str:
         return (f"{self.tensors} tensors in {self.shards} shard(s): {self.bytes_in / 1e6:.1f} MB in, "
                 f"{self.bytes_out / 1e6:.1f} MB out, peak RSS {self.peak_rss / 1e6:.0f} MB, "
-                f"{self.seconds:.1f} s ({self.bytes_in / 1e6 / max(self.seconds, 1e-9):.0f} MB/s read)")
+                f"{self.seconds:.2f} s ({self.bytes_in / 1e6 / max(self.seconds, 1e-9):.0f} MB/s read)")
 
 
 def _clean_stale(dst: str) -> None:
