@@ -122,7 +122,8 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, *, c
     time: the same tensors ``from_pretrained(gguf_file=...)`` builds). With ``cache`` (default: on
     for the embedded model only) it is converted once, in float32, into :func:`cache_dir` and
     loaded from there from then on; otherwise it is converted to ``dtype`` in a temporary
-    directory for this load. ``progress=False`` hides every progress bar.
+    directory for this load. ``progress=False`` hides every progress bar. A directory written by
+    ``atb convert --quantize`` loads through :func:`load_quantized` (its weights as stored).
     """
     if cache is None:
         cache = path is None
