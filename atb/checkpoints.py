@@ -122,7 +122,8 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, *, c
     time: the same tensors ``from_pretrained(gguf_file=...)`` builds). With ``cache`` (default: on
     for the embedded model only) it is converted once, in float32, into :func:`cache_dir` and
     loaded from there from then on; otherwise it is converted to ``dtype`` in a temporary
-    directory for this load. ``progress=False`` hides every progress bar.
+    directory for this load. ``progress=False`` hides every progress bar. A directory written by
+    ``atb convert --quantize`` loads through :func:`load_quantized` (its weights as stored).
     """
     if cache is None:
         cache = path is None
@@ -131,6 +132,8 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, *, c
     if gguf_file and importlib.util.find_spec("gguf") is None:
         raise ModelLoadError("loading a GGUF file needs the gguf package: pip install gguf accelerate")
     if not gguf_file:
+        if atb_quantization(directory) is not None:
+            return load_quantized(directory, dtype, progress=progress)
         return _from_pretrained(directory, path, dtype, progress)
     from atb.convert import ConvertError, convert
 
@@ -170,6 +173,171 @@ def _from_pretrained(directory: str, label: str, dtype: torch.dtype, progress: b
     # Where the weights came from, so quantize="native" can read a GGUF file's blocks as shipped.
     model.atb_source_path = os.path.abspath(label)
     return model, tokenizer
+
+
+def atb_quantization(directory: str) -> dict | None:
+    """The ``quantization_config`` of a directory written by ``atb convert --quantize``, else None."""
+    import json
+
+    try:
+        with open(os.path.join(directory, "config.json")) as f:
+            qc = json.load(f).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return qc if isinstance(qc, dict) and qc.get("quant_method") == "atb" else None
+
+
+class _StoredQuantized:
+    """Forward pre-hook of a module whose weight is only stored quantized (its float parameter is a
+    placeholder): the stock forward must not run; atb's executors (``TransformerInfer``, ``patch_hf_model``,
+    which rebinds the module's forward) read the quantized weight instead."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, module, args):
+        if "forward" not in module.__dict__:  # not rebound by patch_hf_model
+            raise RuntimeError(f"{self.name}: this weight is stored atb-quantized and has no float copy; run the "
+                               f"model through atb.TransformerInfer(model) or atb.patch_hf_model(model)")
+
+
+def load_quantized(directory: str, dtype: torch.dtype = torch.float32, *, progress: bool = True):
+    """``(model, tokenizer)`` of a directory written by ``atb convert --quantize``.
+
+    The HF model is built on the meta device and only its float tensors (norms, biases, rotary tables) are
+    materialized, in ``dtype``; every quantized weight is read from the files as stored (codes, scales, mins:
+    no float copy, no re-quantization) into ``model.atb_quantized``, a
+    :class:`atb.quant.api.QuantizedModelWeights` that ``TransformerInfer(model)`` and
+    ``patch_hf_model(model)`` run on. The quantized modules' float parameters are zero-stride placeholders
+    (no memory); calling such a module's stock forward raises, naming the way to run it.
+    """
+    import dataclasses
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from atb.convert import QUANT_INDEX
+    from atb.quant.api import PROJECTIONS, QuantizedModelWeights
+    from atb.quant.formats import QuantizedWeight
+    from atb.registry import get_adapter
+
+    index_path = os.path.join(directory, QUANT_INDEX)
+    try:
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"cannot load quantized model from {directory}: {index_path}: {e}") from None
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        config = AutoConfig.from_pretrained(directory)
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load model from {directory}: {str(e).splitlines()[0]}") from e
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    qc = config.quantization_config
+    del config.quantization_config  # the model class is the plain float one; atb holds the quantized weights
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+    floats, parts, described = {}, {}, {}
+    for shard in sorted(set(weight_map.values())):
+        path = os.path.join(directory, shard)
+        try:
+            with safe_open(path, "pt") as f:
+                described.update(json.loads((f.metadata() or {}).get("atb_quant", "{}")))
+                for key in f.keys():
+                    prefix, _, part = key.rpartition(".")
+                    t = f.get_tensor(key)
+                    if part in ("qweight", "scales", "mins"):
+                        parts.setdefault(prefix, {})[part] = t
+                    else:
+                        floats[key] = t.to(dtype) if t.is_floating_point() else t
+        except (OSError, ValueError, RuntimeError) as e:  # safetensors raises these for missing / damaged files
+            raise ModelLoadError(f"cannot load quantized model from {directory}: {path}: "
+                                 f"{str(e).splitlines()[0]}") from None
+    quantized = {}
+    for prefix, p in parts.items():
+        d = described.get(prefix)
+        if d is None or "qweight" not in p or "scales" not in p:
+            raise ModelLoadError(f"cannot load quantized model from {directory}: '{prefix}' is incomplete "
+                                 f"(parts {sorted(p)}, described: {d is not None})")
+        try:
+            quantized[prefix] = QuantizedWeight(p["qweight"], p["scales"], p.get("mins"), d["shape"],
+                                                8 if d["format"] == "w8a16" else 4, d["group_size"],
+                                                source=f"{os.path.basename(os.path.normpath(directory))}:"
+                                                       f"{d.get('source', 'quantize')}")
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelLoadError(f"cannot load quantized model from {directory}: '{prefix}': {e}") from None
+
+    adapter = get_adapter(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    unknown = set(quantized) - set(names.values())
+    if unknown:
+        raise ModelLoadError(f"cannot load quantized model from {directory}: quantized weights "
+                             f"{sorted(unknown)[:3]} match no module of {type(model).__name__}")
+    missing = [n for n, _ in model.named_parameters() if quant_prefix_of(n) not in quantized and n not in floats]
+    tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+    if tied:
+        missing = [n for n in missing if n != "lm_head.weight"]
+    if missing:
+        raise ModelLoadError(f"cannot load quantized model from {directory}: tensors missing: {missing[:3]}")
+    model.load_state_dict(floats, strict=False, assign=True)
+    # A quantized module's float parameter becomes a zero-stride view of one zero: the right shape, dtype
+    # and device (HF reads model.device / dtype from the parameters) at no memory. Its stock forward never
+    # computes with it: the pre-hook below refuses, and atb's executors read the stored codes.
+    for prefix in quantized:
+        module = model.get_submodule(prefix)
+        module.weight = torch.nn.Parameter(torch.zeros((), dtype=dtype).expand(module.weight.shape),
+                                           requires_grad=False)
+    if tied and model.get_output_embeddings() is not None:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    # Buffers computed at construction (the rotary inv_freq) were made on the meta device: rebuild the
+    # rotary module on the CPU from the config, as HF's constructor does.
+    decoder = adapter.decoder(model)
+    decoder.rotary_emb = type(decoder.rotary_emb)(config=decoder.rotary_emb.config)
+    still_meta = [n for n, b in model.named_buffers() if b.is_meta]
+    if still_meta:
+        raise ModelLoadError(f"cannot load quantized model from {directory}: buffers {still_meta[:3]} have no "
+                             f"values (not a family atb loads quantized)")
+    model.requires_grad_(False)
+    model.eval()
+
+    def q(module) -> object:
+        return quantized.get(names[id(module)], module.weight)
+
+    report = {}
+    layers = []
+    for i, layer in enumerate(adapter.layers(model)):
+        lw = adapter.layer_weights_of(layer)
+        modules = {"q": layer.self_attn.q_proj, "k": layer.self_attn.k_proj, "v": layer.self_attn.v_proj,
+                   "o": layer.self_attn.o_proj, "gate": layer.mlp.gate_proj, "up": layer.mlp.up_proj,
+                   "down": layer.mlp.down_proj}
+        lw = dataclasses.replace(lw, **{f: q(modules[f]) for f in PROJECTIONS})
+        for f in PROJECTIONS:
+            report[f"layers.{i}.{f}"] = repr(getattr(lw, f))
+        layers.append(lw)
+    embed = q(model.get_input_embeddings())
+    head = embed if tied else q(model.get_output_embeddings())
+    report["embed"] = repr(embed) if isinstance(embed, QuantizedWeight) else f"float {embed.dtype}"
+    report["lm_head"] = "tied to embed" if tied else (repr(head) if isinstance(head, QuantizedWeight)
+                                                        else f"float {head.dtype}")
+    hooked = list(quantized)
+    if tied and isinstance(embed, QuantizedWeight) and model.get_output_embeddings() is not None:
+        hooked.append(names[id(model.get_output_embeddings())])
+    for prefix in hooked:
+        model.get_submodule(prefix).register_forward_pre_hook(_StoredQuantized(prefix))
+    model.atb_quantized = QuantizedModelWeights(layers, embed, head, adapter.final_norm(model), tied, report)
+    model.atb_quantization_config = qc
+    model.atb_source_path = os.path.abspath(directory)
+    return model, tokenizer
+
+
+def quant_prefix_of(param_name: str) -> str:
+    return param_name[:-len(".weight")] if param_name.endswith(".weight") else param_name
 
 
 def random_model(preset: str | dict, dtype: torch.dtype = torch.float32, model_type: str = "llama", seed: int = 0):

@@ -205,6 +205,13 @@ def _engine(args):
     dtype = _torch_dtype(args.dtype)
     _check_soc_dtype(args.soc_type, dtype)
     config = _preflight(args)
+    if args.quantize and args.model and os.path.isdir(args.model):
+        from atb.checkpoints import atb_quantization
+
+        qc = atb_quantization(args.model)
+        if qc is not None and args.quantize != "native":
+            raise UserError(f"--quantize {args.quantize}: {args.model} is already quantized by atb convert "
+                            f"({qc.get('format')}) and runs as stored; leave --quantize out")
     max_seq_len = _max_seq_len(args, config)
     if args.max_new_tokens >= max_seq_len:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in "
@@ -324,10 +331,15 @@ def cmd_convert(args) -> int:
         raise KeyboardInterrupt
 
     # A polite kill (SIGTERM) unwinds like Ctrl-C, so the partial output is removed.
+    if args.dtype is None and args.quantize is None:
+        raise UserError("convert: --dtype is required (float16, bfloat16 or float32) unless --quantize is given")
+    if args.quantize is None and (args.group_size is not None or args.embed_format != "w8a16"):
+        raise UserError("convert: --group-size and --embed-format need --quantize")
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
-        summary = convert.convert(args.src, args.dst, args.dtype, max_shard_size=args.max_shard_size,
-                                  force=args.force, progress=not args.quiet)
+        summary = convert.convert(args.src, args.dst, args.dtype or "float32", max_shard_size=args.max_shard_size,
+                                  force=args.force, progress=not args.quiet, quantize=args.quantize,
+                                  group_size=args.group_size, embed_format=args.embed_format)
     except convert.ConvertError as e:
         raise UserError(str(e)) from None
     finally:
@@ -374,6 +386,12 @@ def cmd_bench(args) -> int:
         except ImportError:
             raise UserError('--plot needs matplotlib: pip install -e ".[plot]"') from None
     _preflight(args)
+    if args.model and os.path.isdir(args.model):
+        from atb.checkpoints import atb_quantization
+
+        if atb_quantization(args.model) is not None:
+            raise UserError(f"bench: {args.model} is an atb-quantized checkpoint, which the stock HF rows of the "
+                            f"bench cannot run (no float weights); bench its float source, or use generate")
     if args.threads:
         atb.set_num_threads(args.threads)
         torch.set_num_threads(args.threads)
@@ -542,7 +560,17 @@ def _add_convert(sub):
                                    "a .gguf file into sharded safetensors that stock transformers loads.")
     v.add_argument("src", help="HF model directory or .gguf file")
     v.add_argument("dst", help="output directory (must not exist unless --force)")
-    v.add_argument("--dtype", required=True, choices=("float16", "bfloat16", "float32"))
+    v.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
+                   help="dtype of the float tensors (required; with --quantize, of the norms and biases, "
+                        "default float32)")
+    v.add_argument("--quantize", choices=("w8a16", "w4a16"),
+                   help="store every projection in atb's W8A16 / W4A16 format (loads in atb only)")
+    v.add_argument("--group-size", type=int, choices=(0, 32, 64, 128),
+                   help="with --quantize: values per scale along K (w8a16: 0 = per channel, the default; "
+                        "w4a16: 32, the default, 64 or 128)")
+    v.add_argument("--embed-format", choices=("w8a16", "w4a16", "float"), default="w8a16",
+                   help="with --quantize: the embedding / LM head's format (default w8a16: at 4 bits SmolLM2's "
+                        "tied table loses the capital-of-France answer)")
     v.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD, help=f"e.g. 500MB, 2GB (default {DEFAULT_MAX_SHARD})")
     v.add_argument("--force", action="store_true", help="replace an existing DST")
     v.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -1,4 +1,5 @@
-"""``atb convert``: rewrite a checkpoint as sharded safetensors of one float dtype, in bounded memory.
+"""``atb convert``: rewrite a checkpoint as sharded safetensors of one float dtype (or atb's W8A16 /
+W4A16 formats), in bounded memory.
 
 Sources: an HF model directory (``*.safetensors`` or ``pytorch_model*.bin`` shards, with
 or without an index JSON) or a ``.gguf`` file. The output is a directory that stock
@@ -12,12 +13,17 @@ Memory stays near one chunk of one tensor, never a shard or the model:
   table), so the output shards are planned up front and each shard's header is written
   first; tensor data then goes straight from the source to its place in the output file.
 * A tensor is converted in chunks of ``CHUNK_BYTES`` source bytes (elementwise casts do
-  not care about shape). safetensors data is read with ``readinto`` rather than through
-  ``safe_open``'s memory map, because file pages touched through a map stay resident
-  (and count in RSS) until the map is closed, i.e. up to a whole input shard. For the
-  ``.bin`` zip, which ``torch.load`` can only map, each chunk's pages are released with
-  ``madvise(MADV_DONTNEED)`` once converted (the map is private and never written, so the
-  kernel re-reads them from the file if touched again).
+  not care about shape), cast from a private memory map of the source file (the
+  safetensors file, or the ``.bin`` zip that ``torch.load(mmap=True)`` maps) straight into
+  a reused output buffer, which a writer thread writes while the next chunk is cast. File
+  pages touched through a map stay resident (and count in RSS) until unmapped, so each
+  chunk's pages are released with ``madvise(MADV_DONTNEED)`` once used (the map is private
+  and never written, so the kernel re-reads them from the file if touched again).
+* ``quantize=`` (``--quantize``): each projection, the embedding and the LM head is
+  quantized by :func:`atb.quant.quantize_weight` in blocks of rows (its quantized parts,
+  a quarter to an eighth of the float tensor, are the bound), or taken as the GGUF file's
+  own Q8_0/Q4_0/Q4_1 blocks, and stored as its parts (README "Converting checkpoints": the
+  on-disk format).
 * GGUF tensors are dequantized whole, one at a time, with the ``gguf`` package and
   transformers' own GGUF name mapping and per-architecture tensor processing (the code
   ``from_pretrained(gguf_file=...)`` runs), so the result is what transformers would load.
@@ -103,10 +109,16 @@ class SourceTensor:
     shape: tuple[int, ...]
     nbytes: int  # bytes read from the source for it (quantized GGUF: the packed blocks)
     # read(start, stop, scratch) -> 1-D tensor of elements [start, stop) in ``dtype``, valid until the next call;
-    # it may be a view of ``scratch`` (a uint8 buffer of at least that many bytes). None for whole-tensor sources.
+    # it may be a view of ``scratch`` (a uint8 buffer of at least that many bytes) or, with ``mapped``, of the
+    # memory-mapped source file (then released with _release_pages once used). None for whole-tensor sources.
     read: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None
+    mapped: bool = False
     # load() -> the whole tensor in its final layout (GGUF: dequantized and processed).
     load: Callable[[], torch.Tensor] | None = None
+    # GGUF Q8_0 / Q4_0 / Q4_1: the block type, and blocks() -> the tensor as a QuantizedWeight read from the
+    # file's blocks as they are (rows in HF order), for --quantize to keep instead of re-quantizing floats.
+    native: str | None = None
+    blocks: Callable[[], object] | None = None
 
     @property
     def numel(self) -> int:
@@ -120,6 +132,19 @@ class Source:
     tensors: list[SourceTensor]
     copy_files: list[str] = field(default_factory=list)  # directory sources: config/tokenizer files
     write_extras: Callable[[str, torch.dtype], None] | None = None  # GGUF: writes config/tokenizer into DST
+    config: object = None  # GGUF: the HF config parsed from the file (directories: read when needed)
+
+    def tied(self) -> bool:
+        """The model ties its LM head to the embedding (what HF does with a checkpoint's lm_head.weight)."""
+        config = self.config
+        if config is None:
+            from transformers import AutoConfig
+
+            try:
+                config = AutoConfig.from_pretrained(self.path)
+            except (OSError, ValueError, KeyError) as e:
+                raise ConvertError(f"{self.path}: cannot read config.json ({str(e).splitlines()[0]})") from None
+        return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
 
 
 def _check_dtype(dtype, path: str, name: str) -> None:
@@ -168,17 +193,28 @@ class _SafetensorsFile:
             if end > data_size:
                 raise ConvertError(f"{path}: truncated: tensor '{name}' ends at byte {self.base + end}, "
                                    f"the file has {size}")
-            self.tensors.append(SourceTensor(name, path, dtype, shape, need, read=self._reader(begin, dtype)))
+            self.tensors.append(SourceTensor(name, path, dtype, shape, need, read=self._reader(begin, dtype),
+                                             mapped=True))
+
+    _map: torch.Tensor | None = None
+
+    def _mapped(self) -> torch.Tensor:
+        """The whole file as a uint8 tensor over a private read-only-in-practice map (never written, so no page
+        is ever copied; private so that its pages can be dropped with MADV_DONTNEED after use)."""
+        if self._map is None:
+            with open(self.path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            if len(mm) != os.path.getsize(self.path):
+                raise ConvertError(f"{self.path}: file changed size while reading")
+            self._map = torch.frombuffer(mm, dtype=torch.uint8)
+        return self._map
 
     def _reader(self, begin: int, dtype: torch.dtype):
-        def read(start: int, stop: int, scratch: torch.Tensor) -> torch.Tensor:
-            buf = scratch[:(stop - start) * dtype.itemsize]
-            with open(self.path, "rb", buffering=0) as f:
-                f.seek(self.base + begin + start * dtype.itemsize)
-                got = f.readinto(memoryview(buf.numpy()))
-            if got != buf.numel():
-                raise ConvertError(f"{self.path}: file shrank while reading")
-            return buf.view(dtype)
+        # Chunks are views of the mapped file: the cast reads the page cache directly, with no copy into a read
+        # buffer first (readinto cost a third of the conversion time); each chunk's pages are released once used.
+        def read(start: int, stop: int, scratch: torch.Tensor | None = None) -> torch.Tensor:
+            first = self.base + begin + start * dtype.itemsize
+            return self._mapped()[first:first + (stop - start) * dtype.itemsize].view(dtype)
         return read
 
 
@@ -212,12 +248,9 @@ def _bin_file(path: str) -> list[SourceTensor]:
         _check_dtype(t.dtype, path, name)
         entry = SourceTensor(name, path, t.dtype, tuple(t.shape), t.numel() * t.element_size())
         if t.is_contiguous():
-            def read(start: int, stop: int, scratch: torch.Tensor, flat=t.reshape(-1)) -> torch.Tensor:
-                chunk = scratch[:(stop - start) * flat.element_size()].view(flat.dtype)
-                chunk.copy_(flat[start:stop])
-                _release_pages(flat[start:stop])
-                return chunk
-            entry.read = read
+            def read(start: int, stop: int, scratch: torch.Tensor | None = None, flat=t.reshape(-1)) -> torch.Tensor:
+                return flat[start:stop]
+            entry.read, entry.mapped = read, True
         else:  # a strided view was saved: read it whole (rare; costs one tensor)
             entry.load = lambda t=t: t.contiguous()
         out.append(entry)
@@ -252,6 +285,14 @@ def _dir_shards(src: str) -> tuple[str, list[str], dict[str, str] | None]:
 def _open_dir(src: str) -> Source:
     if not os.path.isfile(os.path.join(src, "config.json")):
         raise ConvertError(f"{src}: config.json is missing (not an HF model directory)")
+    try:
+        with open(os.path.join(src, "config.json")) as f:
+            quantized = (json.load(f) or {}).get("quantization_config")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConvertError(f"{os.path.join(src, 'config.json')}: unreadable ({e})") from None
+    if quantized:
+        method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
+        raise ConvertError(f"{src}: already quantized (quant_method '{method}'); convert reads float checkpoints")
     kind, files, weight_map = _dir_shards(src)
     tensors: list[SourceTensor] = []
     for path in files:
@@ -285,6 +326,8 @@ def _open_gguf(path: str) -> Source:
     from transformers.integrations.gguf.utils import is_gguf_arch_supported
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
                                                           get_gguf_hf_weights_map, load_gguf_checkpoint, read_field)
+
+    from atb.quant.gguf import NATIVE_TYPES, permute_rows, tensor_to_quantized
 
     # The tensor data comes through gguf's reader; the config through transformers' own GGUF parse, turned into
     # a config object as AutoConfig.from_pretrained(gguf_file=...) does (without parsing the file a third time).
@@ -324,7 +367,16 @@ def _open_gguf(path: str) -> Source:
                 raise ConvertError(f"{path}: tensor '{t.name}': the '{arch}' GGUF layout is not supported by convert")
             return torch.from_numpy(np.copy(res.weights))
         dtype = torch.float16 if t.tensor_type == gguf.GGMLQuantizationType.F16 else torch.float32
-        tensors.append(SourceTensor(names[t.name], path, dtype, shape, int(t.n_bytes), load=load))
+        entry = SourceTensor(names[t.name], path, dtype, shape, int(t.n_bytes), load=load)
+        heads = _permuted_heads(processor, parsed["config"], t.name)
+        if t.tensor_type.name in NATIVE_TYPES and len(shape) == 2 and heads is not False:
+            entry.native = t.tensor_type.name
+
+            def blocks(t=t, heads=heads):
+                qw = tensor_to_quantized(t, t.name)
+                return qw if heads is None else permute_rows(qw, heads)
+            entry.blocks = blocks
+        tensors.append(entry)
 
     def write_extras(dst: str, dtype: torch.dtype) -> None:
         config.dtype = dtype
@@ -332,7 +384,24 @@ def _open_gguf(path: str) -> Source:
         GenerationConfig.from_model_config(config).save_pretrained(dst)
         AutoTokenizer.from_pretrained(directory, gguf_file=name).save_pretrained(dst)
 
-    return Source("gguf", path, tensors, write_extras=write_extras)
+    return Source("gguf", path, tensors, write_extras=write_extras, config=config)
+
+
+def _permuted_heads(processor, config: dict, name: str):
+    """How transformers' GGUF processing reorders a tensor's rows, for keeping its blocks as they are:
+    None (rows unchanged), the head count whose rope permutation it undoes (llama's attn_q / attn_k; the
+    same row permutation as HF's, done on whole quantized rows), or False (some other processing: the
+    blocks cannot be kept, the tensor is quantized from transformers' floats)."""
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, TensorProcessor
+
+    if type(processor) is TensorProcessor:
+        return None
+    if type(processor) is not LlamaTensorProcessor:
+        return False
+    heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if ".attn_q." not in name and ".attn_k." not in name or None in (heads, kv_heads):
+        return None
+    return heads if ".attn_q." in name else kv_heads
 
 
 def open_source(src: str) -> Source:
@@ -346,18 +415,125 @@ def open_source(src: str) -> Source:
     raise ConvertError(f"{src}: not found")
 
 
+# ---------------------------------------------------------------------------------------------- quantization
+# Which tensors --quantize turns into atb's formats: every decoder layer's seven projections, the embedding
+# table and the LM head (as atb.quantize does in memory); everything else (norms, biases) stays float.
+_PROJECTION = re.compile(r"(?:.*\.)?layers\.\d+\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.weight")
+_EMBED = re.compile(r"(?:.*\.)?embed_tokens\.weight")
+_LM_HEAD = "lm_head.weight"
+QUANT_FORMATS = ("w8a16", "w4a16")
+EMBED_FORMATS = ("w8a16", "w4a16", "float")
+# Stored parts of a quantized weight ``<module>.weight``: ``<module>.qweight`` (codes), ``<module>.scales``,
+# ``<module>.mins`` (4-bit only); the per-tensor description is the shard's ``atb_quant`` metadata entry.
+QUANT_PARTS = ("qweight", "scales", "mins")
+# A quantized DST's weight files: not the names stock transformers looks for, so it cannot silently load
+# the model with random projections (it ignores an unknown quantization_config with a warning and would).
+QUANT_INDEX = "atb-model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class QuantTarget:
+    """What one tensor becomes: ``bits`` (8 or 4), ``group_size`` (0 = per channel), the scale dtype, and
+    whether the source's own GGUF blocks are kept (no float round trip)."""
+
+    bits: int
+    group_size: int
+    scale_dtype: torch.dtype
+    keep_blocks: bool = False
+
+    @property
+    def format(self) -> str:
+        return "w8a16" if self.bits == 8 else "w4a16"
+
+
+def quant_prefix(name: str) -> str:
+    return name[:-len(".weight")] if name.endswith(".weight") else name
+
+
+def plan_quantization(tensors: list[SourceTensor], fmt: str, group_size: int | None, embed_format: str,
+                      tied: bool) -> tuple[dict[str, QuantTarget], list[str]]:
+    """(tensor name -> target, names of tensors dropped): the rules of ``atb.quantize(model, fmt, group_size,
+    embed_format=...)``, with the same defaults (w8a16 per channel, w4a16 group 32, fp32 per-channel scales,
+    fp16 group scales), so a converted checkpoint holds exactly the codes ``atb.quantize`` computes in memory.
+
+    A GGUF Q8_0 / Q4_0 / Q4_1 tensor whose bit width is the target's is kept as its blocks (group 32, fp16
+    scales: the file's own values) unless an explicit ``group_size`` other than 32 was asked for. A tied
+    model's ``lm_head.weight``, if the checkpoint has one, is dropped: the embedding is the LM head.
+    """
+    from atb.quant.formats import quantize_weight
+
+    if fmt not in QUANT_FORMATS:
+        raise ConvertError(f"--quantize: expected one of {', '.join(QUANT_FORMATS)}, got '{fmt}'")
+    if embed_format not in EMBED_FORMATS:
+        raise ConvertError(f"--embed-format: expected one of {', '.join(EMBED_FORMATS)}, got '{embed_format}'")
+    plan, dropped = {}, []
+    for t in tensors:
+        table = _EMBED.fullmatch(t.name) or t.name == _LM_HEAD
+        if tied and t.name == _LM_HEAD and any(_EMBED.fullmatch(o.name) for o in tensors):
+            dropped.append(t.name)
+            continue
+        if not (table or _PROJECTION.fullmatch(t.name)) or t.dtype not in FLOAT_DTYPES or len(t.shape) != 2:
+            continue
+        if table and embed_format == "float":
+            continue
+        f = embed_format if table else fmt
+        # atb.quantize gives the tables the layers' group size only when they share the layers' format.
+        g = group_size if (not table or f == fmt) else None
+        bits = 8 if f == "w8a16" else 4
+        if t.native is not None and (8 if t.native == "Q8_0" else 4) == bits and g in (None, 32):
+            plan[t.name] = QuantTarget(bits, 32, _gguf_scale_dtype(t), keep_blocks=True)
+            continue
+        try:  # validates the group size for the format, and gives the default scale dtype, on a 1x1 weight
+            probe = quantize_weight(torch.zeros(1, 1), f, g)
+        except ValueError as e:
+            raise ConvertError(f"--group-size: {str(e).split(': ', 1)[-1]}") from None
+        plan[t.name] = QuantTarget(bits, probe.group_size, probe.scale.dtype)
+    return plan, dropped
+
+
+def _gguf_scale_dtype(t: SourceTensor) -> torch.dtype:
+    """fp16, as the blocks store it; Q4_0's min = -8 d is kept in fp32 (with d) where it overflows fp16, as
+    atb.quant.gguf does, so a Q4_0 tensor's blocks are read once here to know (Q4_0 files are rare)."""
+    return torch.float16 if t.native != "Q4_0" else t.blocks().scale.dtype
+
+
+def _parts(t: SourceTensor, q: QuantTarget) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    from atb.quant.formats import k_pad_of
+
+    n, k = t.shape
+    kp = k_pad_of(k)
+    groups = 1 if q.group_size == 0 else -(-kp // q.group_size)
+    prefix = quant_prefix(t.name)
+    out = [(f"{prefix}.qweight", torch.int8 if q.bits == 8 else torch.uint8, (n, kp if q.bits == 8 else kp // 2)),
+           (f"{prefix}.scales", q.scale_dtype, (n, groups))]
+    if q.bits == 4:
+        out.append((f"{prefix}.mins", q.scale_dtype, (n, groups)))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- output
 def _out_dtype(t: SourceTensor, dtype: torch.dtype) -> torch.dtype:
     return dtype if t.dtype in FLOAT_DTYPES else t.dtype
 
 
-def plan_shards(tensors: list[SourceTensor], dtype: torch.dtype, max_shard: int) -> list[list[SourceTensor]]:
+def outputs(t: SourceTensor, dtype: torch.dtype, quant: dict | None = None) -> list[tuple[str, torch.dtype, tuple]]:
+    """(name, dtype, shape) of what source tensor ``t`` is stored as: itself in ``dtype``, or its quantized parts."""
+    q = (quant or {}).get(t.name)
+    return [(t.name, _out_dtype(t, dtype), t.shape)] if q is None else _parts(t, q)
+
+
+def _nbytes(parts) -> int:
+    return sum(math.prod(shape) * d.itemsize for _, d, shape in parts)
+
+
+def plan_shards(tensors: list[SourceTensor], dtype: torch.dtype, max_shard: int,
+                quant: dict | None = None) -> list[list[SourceTensor]]:
     """Tensors in source order, greedily packed into shards of at most ``max_shard`` output bytes
     (a larger tensor gets a shard of its own)."""
     shards: list[list[SourceTensor]] = [[]]
     size = 0
     for t in tensors:
-        n = t.numel * _out_dtype(t, dtype).itemsize
+        n = _nbytes(outputs(t, dtype, quant))
         if shards[-1] and size + n > max_shard:
             shards.append([])
             size = 0
@@ -366,23 +542,33 @@ def plan_shards(tensors: list[SourceTensor], dtype: torch.dtype, max_shard: int)
     return shards
 
 
-def _header(shard: list[SourceTensor], dtype: torch.dtype, metadata: dict) -> bytes:
+def _header(shard: list[SourceTensor], dtype: torch.dtype, metadata: dict, quant: dict | None = None) -> bytes:
+    described = {}
+    for t in shard:
+        q = (quant or {}).get(t.name)
+        if q is not None:
+            described[quant_prefix(t.name)] = {"format": q.format, "group_size": q.group_size,
+                                               "shape": list(t.shape),
+                                               "source": f"gguf:{t.native}" if q.keep_blocks else "quantize"}
+    if described:
+        metadata = {**metadata, "atb_quant": json.dumps(described, separators=(",", ":"))}
     entries: dict = {"__metadata__": metadata}
     offset = 0
     for t in shard:
-        od = _out_dtype(t, dtype)
-        n = t.numel * od.itemsize
-        entries[t.name] = {"dtype": ST_CODES[od], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
+        for name, od, shape in outputs(t, dtype, quant):
+            n = math.prod(shape) * od.itemsize
+            entries[name] = {"dtype": ST_CODES[od], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
     blob = json.dumps(entries, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned, as safetensors writes it
     return struct.pack("<Q", len(blob)) + blob
 
 
-def _chunks(shard: list[SourceTensor]):
-    """(tensor, start, stop) element ranges in file order; (tensor, None, None) for a whole-tensor source."""
+def _chunks(shard: list[SourceTensor], quant: dict | None = None):
+    """(tensor, start, stop) element ranges in file order; (tensor, None, None) for a tensor handled whole
+    (a whole-tensor source, or one to quantize)."""
     for t in shard:
-        if t.load is not None:
+        if t.load is not None or t.name in (quant or {}):
             yield t, None, None
             continue
         step = CHUNK_BYTES // t.dtype.itemsize
@@ -391,76 +577,161 @@ def _chunks(shard: list[SourceTensor]):
 
 
 def write_shards(directory: str, shards: list[list[SourceTensor]], dtype: torch.dtype, metadata: dict,
-                 progress: bool = True) -> tuple[dict[str, str], int]:
-    """Writes planned shards as ``model-0000i-of-0000n.safetensors`` into ``directory``, tensor by tensor,
-    chunk by chunk; returns (tensor name -> file name, bytes written)."""
+                 progress: bool = True, quant: dict | None = None,
+                 prefix: str = "model") -> tuple[dict[str, str], int]:
+    """Writes planned shards as ``<prefix>-0000i-of-0000n.safetensors`` into ``directory``, tensor by tensor,
+    chunk by chunk; returns (stored tensor name -> file name, bytes written)."""
     n = len(shards)
     weight_map: dict[str, str] = {}
     bytes_out = 0
-    # Buffers reused for every chunk (fresh ones would page-fault on every chunk): two for reading (the next
-    # chunk is read while this one is cast and written), one for the cast, at up to twice the source width
-    # (float16 -> float32).
+    # Buffers reused for every chunk (fresh ones would page-fault on every chunk): two for sources that are not
+    # mapped, two for casts (at up to twice the source width: float16 -> float32). Two of each, because the
+    # writer thread writes chunk k while chunk k + 1 is read and cast.
     scratch_in = (torch.empty(CHUNK_BYTES, dtype=torch.uint8), torch.empty(CHUNK_BYTES, dtype=torch.uint8))
-    scratch_out = torch.empty(2 * CHUNK_BYTES, dtype=torch.uint8)
+    scratch_out = (torch.empty(2 * CHUNK_BYTES, dtype=torch.uint8), torch.empty(2 * CHUNK_BYTES, dtype=torch.uint8))
     # One thread: a cast is memory-bound, one thread runs it at several GB/s, and a second one only adds
-    # OpenMP hand-offs (measured 4 vs 0.7 GB/s for fp32 -> bf16 on a shared 2-core machine).
+    # OpenMP hand-offs (measured 4 vs 0.7 GB/s for fp32 -> bf16 on a shared 2-core machine). Quantizing (a
+    # reduction per group, then rounding) is compute-bound and gets the caller's threads back.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for i, shard in enumerate(shards):
-            bytes_out += _write_shard(directory, i, n, shard, dtype, metadata, progress, weight_map,
-                                      scratch_in, scratch_out)
+            fname = f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors"
+            bytes_out += _write_shard(os.path.join(directory, fname), f"shard {i + 1}/{n}", shard, dtype, metadata,
+                                      progress, weight_map, scratch_in, scratch_out, quant or {}, threads)
     finally:
         torch.set_num_threads(threads)
     return weight_map, bytes_out
 
 
-def _write_shard(directory: str, i: int, n: int, shard: list[SourceTensor], dtype: torch.dtype, metadata: dict,
+def _quantized(t: SourceTensor, q: QuantTarget, threads: int):
+    """Source tensor ``t`` as a QuantizedWeight: its own GGUF blocks, or ``quantize_weight`` of its rows.
+
+    Quantization is row by row (each row's groups are its own), so it runs on blocks of rows of about
+    ``CHUNK_BYTES`` of source, filling the whole tensor's outputs: the same codes as one call on the whole
+    tensor, with the float temporaries of one block rather than several copies of the tensor."""
+    from atb.quant.formats import QuantizedWeight, quantize_weight
+
+    if q.keep_blocks:
+        return t.blocks()
+    n, k = t.shape
+    whole = t.load() if t.load is not None else None
+    rows = max(1, CHUNK_BYTES // (k * t.dtype.itemsize))
+    data = scale = mins = None
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            if whole is not None:
+                w = whole[r0:r1]
+            else:
+                w = t.read(r0 * k, r1 * k, None if t.mapped else torch.empty((r1 - r0) * k * t.dtype.itemsize,
+                                                                             dtype=torch.uint8)).view(r1 - r0, k)
+            part = quantize_weight(w, q.format, q.group_size, q.scale_dtype)
+            if data is None:
+                data = torch.empty((n,) + tuple(part.data.shape[1:]), dtype=part.data.dtype)
+                scale = torch.empty((n,) + tuple(part.scale.shape[1:]), dtype=part.scale.dtype)
+                mins = None if part.min is None else torch.empty_like(scale)
+            data[r0:r1], scale[r0:r1] = part.data, part.scale
+            if mins is not None:
+                mins[r0:r1] = part.min
+            if t.mapped and whole is None:
+                _release_pages(w)
+    finally:
+        torch.set_num_threads(previous)
+    return QuantizedWeight(data, scale, mins, (n, k), q.bits, q.group_size, source="quantize")
+
+
+class _NoBar:
+    """The progress bar's interface, doing nothing (no tqdm import or lock when progress is off)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def set_postfix_str(self, *args, **kwargs):
+        pass
+
+    def update(self, n):
+        pass
+
+
+def _write_shard(path: str, label: str, shard: list[SourceTensor], dtype: torch.dtype, metadata: dict,
                  progress: bool, weight_map: dict[str, str], scratch_in: tuple[torch.Tensor, torch.Tensor],
-                 scratch_out: torch.Tensor) -> int:
+                 scratch_out: tuple[torch.Tensor, torch.Tensor], quant: dict, threads: int) -> int:
+    from collections import deque
     from concurrent.futures import ThreadPoolExecutor
 
-    from tqdm.auto import tqdm
+    if progress:
+        from tqdm.auto import tqdm
 
-    fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-    items = list(_chunks(shard))
+        bar = tqdm(total=sum(t.nbytes for t in shard), unit="B", unit_scale=True, desc=label, leave=False,
+                   file=sys.stderr)
+    else:
+        bar = _NoBar()
+    fname = os.path.basename(path)
+    pending: deque = deque()
 
-    def fetch(k: int):
-        t, start, stop = items[k]
-        return None if start is None else t.read(start, stop, scratch_in[k % 2])
+    # Casts and file writes both release the GIL: one writer thread writes chunk k while the main thread casts
+    # chunk k + 1 (into the other buffer), so reading the source, converting and writing overlap.
+    with open(path, "wb", buffering=0) as f, ThreadPoolExecutor(1) as writer, bar:
+        def write_all(buf: torch.Tensor, after) -> None:
+            view = memoryview(buf.view(torch.uint8).reshape(-1).numpy())
+            done = 0
+            while done < len(view):  # an unbuffered write may be partial
+                done += f.write(view[done:])
+            if after is not None:
+                after()
 
-    # File reads, casts and writes all release the GIL: one reader thread overlaps the next chunk's read with
-    # this chunk's cast and write. Chunk k's buffer is only reused for chunk k + 2, submitted after k is written.
-    with open(os.path.join(directory, fname), "wb") as f, ThreadPoolExecutor(1) as reader, \
-            tqdm(total=sum(t.nbytes for t in shard), unit="B", unit_scale=True, desc=f"shard {i + 1}/{n}",
-                 disable=not progress, leave=False, file=sys.stderr) as bar:
-        f.write(_header(shard, dtype, metadata))
-        pending = reader.submit(fetch, 0)
-        for k, (t, start, stop) in enumerate(items):
-            chunk = pending.result()
-            if k + 1 < len(items):
-                pending = reader.submit(fetch, k + 1)
+        def put(buf: torch.Tensor, after=None) -> None:
+            pending.append(writer.submit(write_all, buf, after))
+            while len(pending) > 1:  # the buffer the next chunk is cast into was used by the write before this one
+                pending.popleft().result()
+
+        f.write(_header(shard, dtype, metadata, quant))
+        for k, (t, start, stop) in enumerate(_chunks(shard, quant)):
             od = _out_dtype(t, dtype)
-            if chunk is None:
-                chunk = t.load().to(od).contiguous().reshape(-1)
-            elif od != t.dtype:
-                out = scratch_out[:(stop - start) * od.itemsize].view(od)
-                out.copy_(chunk)
-                chunk = out
-            f.write(memoryview(chunk.view(torch.uint8).numpy()))
+            if t.name in quant:
+                qw = _quantized(t, quant[t.name], threads)
+                stored = [p for p in (qw.data, qw.scale, qw.min) if p is not None]
+                for (name, want_dtype, want_shape), part in zip(outputs(t, dtype, quant), stored):
+                    if part.dtype != want_dtype or tuple(part.shape) != tuple(want_shape):
+                        raise ConvertError(f"{t.file}: tensor '{t.name}': quantized {name} is {part.dtype} "
+                                           f"{list(part.shape)}, planned {want_dtype} {list(want_shape)}")
+                    put(part.contiguous())
+                    weight_map[name] = fname
+            elif start is None:
+                put(t.load().to(od).contiguous().reshape(-1))
+            else:
+                chunk = t.read(start, stop, scratch_in[k % 2])
+                release = (lambda c=chunk: _release_pages(c)) if t.mapped else None
+                if od == t.dtype:
+                    put(chunk, release)  # written straight from the source (the map, or the read buffer)
+                else:
+                    out = scratch_out[k % 2][:(stop - start) * od.itemsize].view(od)
+                    out.copy_(chunk)
+                    if release is not None:
+                        release()
+                    put(out)
             if start is None or stop == t.numel:
                 bar.set_postfix_str(t.name, refresh=False)
                 bar.update(t.nbytes)
-                weight_map[t.name] = fname
+                if t.name not in quant:
+                    weight_map[t.name] = fname
+        while pending:
+            pending.popleft().result()
         return f.tell()
 
 
 def write_index(directory: str, tensors: list[SourceTensor], dtype: torch.dtype, weight_map: dict[str, str],
-                metadata: dict) -> None:
-    total = sum(t.numel * _out_dtype(t, dtype).itemsize for t in tensors)
+                metadata: dict, quant: dict | None = None, name: str = "model.safetensors.index.json") -> None:
+    total = sum(_nbytes(outputs(t, dtype, quant)) for t in tensors)
     index = {"metadata": {"total_size": total, **{k: v for k, v in metadata.items() if k != "format"}},
              "weight_map": weight_map}
-    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+    with open(os.path.join(directory, name), "w") as f:
         json.dump(index, f, indent=2)
 
 
@@ -476,7 +747,7 @@ class Summary:
     def line(self) -> str:
         return (f"{self.tensors} tensors in {self.shards} shard(s): {self.bytes_in / 1e6:.1f} MB in, "
                 f"{self.bytes_out / 1e6:.1f} MB out, peak RSS {self.peak_rss / 1e6:.0f} MB, "
-                f"{self.seconds:.1f} s ({self.bytes_in / 1e6 / max(self.seconds, 1e-9):.0f} MB/s read)")
+                f"{self.seconds:.2f} s ({self.bytes_in / 1e6 / max(self.seconds, 1e-9):.0f} MB/s read)")
 
 
 def _clean_stale(dst: str) -> None:
@@ -507,8 +778,14 @@ def check_destination(dst: str, force: bool) -> None:
 
 
 def convert(src: str, dst: str, dtype: str | torch.dtype = "bfloat16", *, max_shard_size: int | str = DEFAULT_MAX_SHARD,
-            force: bool = False, progress: bool = True) -> Summary:
-    """Converts SRC (HF directory or .gguf) into DST (sharded safetensors of ``dtype``); see the module doc."""
+            force: bool = False, progress: bool = True, quantize: str | None = None, group_size: int | None = None,
+            embed_format: str = "w8a16") -> Summary:
+    """Converts SRC (HF directory or .gguf) into DST (sharded safetensors of ``dtype``); see the module doc.
+
+    ``quantize`` ("w8a16" / "w4a16", ``group_size`` as for :func:`atb.quantize`) stores every projection in
+    that atb format and the embedding / LM head in ``embed_format`` ("w8a16" by default, "w4a16", or
+    "float"); the other tensors (norms, biases) are stored in ``dtype``. See the README's "atb convert".
+    """
     import atb
 
     t0 = time.perf_counter()
@@ -518,6 +795,10 @@ def convert(src: str, dst: str, dtype: str | torch.dtype = "bfloat16", *, max_sh
         dtype = DTYPES[dtype]
     if dtype not in DTYPES.values():
         raise ConvertError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype}")
+    if quantize is None and group_size is not None:
+        raise ConvertError("--group-size needs --quantize")
+    if quantize is not None and quantize not in QUANT_FORMATS:
+        raise ConvertError(f"--quantize: expected one of {', '.join(QUANT_FORMATS)}, got '{quantize}'")
     max_shard = parse_size(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
     if max_shard < 1:
         raise ConvertError(f"max_shard_size must be positive, got {max_shard_size}")
@@ -526,36 +807,53 @@ def convert(src: str, dst: str, dtype: str | torch.dtype = "bfloat16", *, max_sh
         raise ConvertError(f"{dst}: the destination is the source")
     check_destination(dst, force)
     source = open_source(src)
-    if not source.tensors:
+    tensors = source.tensors
+    if not tensors:
         raise ConvertError(f"{src}: no tensors to convert")
-    shards = plan_shards(source.tensors, dtype, max_shard)
     metadata = {"format": "pt", "source": os.path.abspath(src), "source_format": source.kind, "dtype": dtype_name,
                 "atb_version": atb.__version__}
+    quant, quant_config = None, None
+    if quantize is not None:
+        quant, dropped = plan_quantization(tensors, quantize, group_size, embed_format, source.tied())
+        tensors = [t for t in tensors if t.name not in dropped]
+        layer_groups = {q.group_size for name, q in quant.items() if _PROJECTION.fullmatch(name)}
+        quant_config = {"quant_method": "atb", "format": quantize,
+                        "group_size": layer_groups.pop() if len(layer_groups) == 1 else group_size,
+                        "embed_format": embed_format, "weights_index": QUANT_INDEX,
+                        "kept_gguf_blocks": sorted({t.native for t in tensors if t.name in quant
+                                                    and quant[t.name].keep_blocks}),
+                        "atb_version": atb.__version__}
+        metadata["quantization"] = quantize
+    shards = plan_shards(tensors, dtype, max_shard, quant)
 
     _clean_stale(dst)
     parent, base = os.path.split(os.path.abspath(dst))
     tmp = os.path.join(parent, f".{base}{_PARTIAL}{os.getpid()}-{os.urandom(3).hex()}")
     os.mkdir(tmp)
     try:
-        weight_map, bytes_out = write_shards(tmp, shards, dtype, metadata, progress)
-        write_index(tmp, source.tensors, dtype, weight_map, metadata)
+        weight_map, bytes_out = write_shards(tmp, shards, dtype, metadata, progress, quant,
+                                             prefix="atb-model" if quant else "model")
+        write_index(tmp, tensors, dtype, weight_map, metadata, quant,
+                    name=QUANT_INDEX if quant else "model.safetensors.index.json")
         for path in source.copy_files:
             shutil.copy2(path, tmp)
+        if source.write_extras is not None:
+            source.write_extras(tmp, dtype)
         config_path = os.path.join(tmp, "config.json")
         if os.path.isfile(config_path):
             with open(config_path) as f:
                 config = json.load(f)
             config["dtype"] = dtype_name  # what from_pretrained(dtype="auto") picks
             config.pop("torch_dtype", None)
+            if quant_config is not None:
+                config["quantization_config"] = quant_config
             with open(config_path, "w") as f:
                 json.dump(config, f, indent=2)
-        if source.write_extras is not None:
-            source.write_extras(tmp, dtype)
         _publish(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return Summary(len(source.tensors), len(shards), sum(t.nbytes for t in source.tensors), bytes_out, peak_rss_bytes(),
+    return Summary(len(tensors), len(shards), sum(t.nbytes for t in tensors), bytes_out, peak_rss_bytes(),
                    time.perf_counter() - t0)
 
 

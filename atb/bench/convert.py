@@ -5,7 +5,8 @@ is generated tensor by tensor into a scratch directory (never held in memory), t
 the same run, (1) its shard files are copied with ``shutil.copyfile`` and (2) it is
 converted to bf16 by ``python -m atb convert`` in a child process (peak RSS from
 ``getrusage(RUSAGE_CHILDREN)`` in a small launcher; time from the conversion's summary,
-which leaves out interpreter start-up, shown separately as wall time). Throughput is
+which leaves out interpreter start-up, shown separately as wall time), alternating
+``--repeat`` times; times are medians, peak RSS the largest. Throughput is
 source bytes per second; the copy reads the same bytes and writes twice as many as the
 bf16 conversion. Both read from the page cache (the checkpoint
 was just written), so this compares CPU work, not disk. The interpreter baseline is the
@@ -107,24 +108,39 @@ def copy_seconds(src: str, dst: str) -> float:
     return time.perf_counter() - t0
 
 
-def bench_case(case: str, fmt: str, work: str) -> dict:
+def bench_case(case: str, fmt: str, work: str, repeat: int = 3) -> dict:
+    """Copy and conversion alternate ``repeat`` times on the same checkpoint (the machine may be shared: medians
+    of interleaved runs, not one of each)."""
+    import statistics
+
     src, dst, cp = (os.path.join(work, f"{case}-{fmt}-{x}") for x in ("fp32", "bf16", "copy"))
     for d in (src, dst, cp):
         shutil.rmtree(d, ignore_errors=True)
     nbytes = make_checkpoint(case, src, fmt)
     src_bytes = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src))
-    t_copy = copy_seconds(src, cp)
-    shutil.rmtree(cp)
-    wall, rss, code, out, err = run_child([sys.executable, "-m", "atb", "convert", src, dst, "--dtype", "bfloat16",
-                                           "--quiet"])
-    if code != 0:
-        raise RuntimeError(f"convert failed ({code}): {err.strip()}")
-    # The conversion's own time, from its summary line; the wall time adds interpreter start-up and imports.
-    t_conv = float(re.search(r"([\d.]+) s \(", out).group(1))
+    copies, convs, walls, rsss = [], [], [], []
+    for _ in range(repeat):
+        # Each timed run starts with no dirty pages: otherwise it pays for writing back the previous run's output
+        # (or the freshly generated checkpoint), which belongs to neither.
+        os.sync()
+        copies.append(copy_seconds(src, cp))
+        shutil.rmtree(cp)
+        shutil.rmtree(dst, ignore_errors=True)
+        os.sync()
+        wall, rss, code, out, err = run_child([sys.executable, "-m", "atb", "convert", src, dst, "--dtype",
+                                               "bfloat16", "--quiet"])
+        if code != 0:
+            raise RuntimeError(f"convert failed ({code}): {err.strip()}")
+        # The conversion's own time, from its summary line; the wall time adds interpreter start-up and imports.
+        convs.append(float(re.search(r"([\d.]+) s \(", out).group(1)))
+        walls.append(wall)
+        rsss.append(rss)
     largest = max(os.path.getsize(os.path.join(dst, f)) for f in os.listdir(dst))
     shutil.rmtree(dst)
     shutil.rmtree(src)
-    return {"case": case, "format": fmt, "model_bytes": nbytes, "convert_s": t_conv, "wall_s": wall, "copy_s": t_copy,
+    t_copy, t_conv, rss = statistics.median(copies), statistics.median(convs), max(rsss)
+    return {"case": case, "format": fmt, "model_bytes": nbytes, "repeat": repeat, "convert_s": t_conv,
+            "wall_s": statistics.median(walls), "copy_s": t_copy, "convert_s_all": convs, "copy_s_all": copies,
             "convert_mb_s": src_bytes / t_conv / 1e6, "copy_mb_s": src_bytes / t_copy / 1e6,
             "vs_copy": t_copy / t_conv, "peak_rss": rss, "rss_fraction": rss / nbytes,
             "largest_output_file": largest}
@@ -135,6 +151,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--cases", default="300mb,tinyllama", help=f"comma-separated: {', '.join(CASES)}")
     p.add_argument("--workdir", default=None, help="scratch directory for the generated checkpoints "
                                                    "(default: a new one under the system temp dir)")
+    p.add_argument("--repeat", type=int, default=3, help="interleaved copy/convert runs per case (medians; "
+                                                           "default 3)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = p.parse_args(argv)
     cases = [c for c in args.cases.split(",") if c]
@@ -143,6 +161,8 @@ def main(argv=None) -> list[dict]:
             p.error(f"unknown case '{c}'; known: {', '.join(CASES)}")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         p.error(f"--json {args.json}: directory does not exist")
+    if args.repeat < 1:
+        p.error(f"--repeat must be >= 1, got {args.repeat}")
     if args.workdir and not os.path.isdir(args.workdir):
         p.error(f"--workdir {args.workdir}: not a directory")
 
@@ -156,7 +176,7 @@ def main(argv=None) -> list[dict]:
         rows = []
         for case in cases:
             for fmt in (("safetensors", "bin") if case == "300mb" else ("safetensors",)):
-                r = bench_case(case, fmt, work)
+                r = bench_case(case, fmt, work, args.repeat)
                 r["baseline_rss"] = base
                 rows.append(r)
                 print(f"{case:<10}{fmt:<13}{r['model_bytes'] / 1e6:>9.0f}{r['convert_s']:>10.2f}"

@@ -33,6 +33,15 @@ def gguf_path_of(model) -> str | None:
 
 
 def resolve(model, quantize) -> QuantizedModelWeights | None:
+    # A model loaded from an `atb convert --quantize` directory carries its stored quantized weights (its
+    # projections have no float copy): they are what it runs on, and re-quantizing them is not possible.
+    stored = getattr(model, "atb_quantized", None)
+    if stored is not None and quantize in (None, "native"):
+        return stored
+    if stored is not None and not isinstance(quantize, QuantizedModelWeights):
+        raise ValueError(f"quantize={quantize!r}: this model's weights are stored quantized by atb convert "
+                         f"({getattr(model, 'atb_quantization_config', {}).get('format', '?')}) and run as stored; "
+                         f"leave quantize unset")
     if quantize is None:
         return None
     if isinstance(quantize, QuantizedModelWeights):
