@@ -146,7 +146,9 @@ def test_long_k_is_chunked(m, isa):
     k, n = 70001, 9
     x = torch.randn(m, k)
     q = _qw(n, k, "w4a16", 128)
-    assert_close(K.linear(x, q), linear_ref(x, quant_dequant_ref(q)), scale=_scale(k))
+    # fp32 sums of 70001 terms of size ~1 drift like a random walk of |partial sum| * eps steps: ~1e-3 here,
+    # past _scale(k)'s bound about once in 25 runs. 8x that bound still fails a dropped or doubled chunk (~1).
+    assert_close(K.linear(x, q), linear_ref(x, quant_dequant_ref(q)), scale=8 * _scale(k))
 
 
 def test_linear_auto_routes_quantized_to_native():
