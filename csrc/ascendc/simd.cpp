@@ -82,12 +82,13 @@ const SimdOps* Lookup(const std::string& isa) {
   return nullptr;
 }
 
-// "auto" stays on AVX2 where it exists: on SmolLM2 bf16 the AVX-512 table's 16-lane reductions moved a
-// patched model's greedy token away from stock's by 2.5 logits (the patch test's near-tie bar fails), and its
-// measured gains were within noise. The AVX-512 table is opt-in (ATB_ISA=avx512 / set_isa) and every kernel
-// test runs on it, until that divergence is understood.
+// "auto" takes the widest table the CPU and OS run. The AVX-512 and AVX2 tables differ only in how the sums
+// simd.h leaves free associate (16-lane reductions: rms_norm's sum of squares, decode attention's scores;
+// ~1e-7 relative in fp32, after rounding to bf16 almost always the same bits). Such a difference can flip an
+// exact logit tie, never more: a SmolLM2 bf16 greedy split blamed on this table was a tie between two
+// tokens below a masked EOS.
 const SimdOps* Fastest() {
-  for (const char* isa : {"avx2", "avx512"})
+  for (const char* isa : {"avx512", "avx2"})
     if (const SimdOps* t = Lookup(isa)) return t;
   return PortableSimdOps();
 }
@@ -128,7 +129,7 @@ void SelectSimd(const char* isa) {
 const char* AvailableIsas() {
   static const std::string names = [] {
     std::string s;
-    for (const char* isa : {"avx2", "avx512", "portable", "avx512-simde"})  // "auto"'s pick first
+    for (const char* isa : {"avx512", "avx2", "portable", "avx512-simde"})  // "auto"'s pick first
       if (Lookup(isa)) s += (s.empty() ? "" : " ") + std::string(isa);
     return s;
   }();
