@@ -744,8 +744,17 @@ void BlockDpBf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const ui
       for (int c = 0; c < CN; ++c) s[r * CN + c] = _mm512_dpbf16_ps(s[r * CN + c], a, b[c]);
     }
   };
+  // Batch decode streams the weights (B) from DRAM in rows too short for the
+  // hardware prefetcher to ramp up: fetch the rows two panels ahead, one cache
+  // line (32 k) per row per step. Past the tile's last row they are the next
+  // tile's rows; a prefetch never faults.
+  const char* ahead = reinterpret_cast<const char*>(B + 2 * kDpCols * ldb);
   int64_t k = 0;
-  for (; k + 32 <= K; k += 32) step(k, [](const uint16_t* p) { return LoadBh(p); });
+  for (; k + 32 <= K; k += 32) {
+#pragma GCC unroll 4
+    for (int c = 0; c < kDpCols; ++c) _mm_prefetch(ahead + (c * ldb + k) * 2, _MM_HINT_T0);
+    step(k, [](const uint16_t* p) { return LoadBh(p); });
+  }
   if (k < K) {
     int64_t n = K - k;
     step(k, [n](const uint16_t* p) { return LoadBhTail(p, n); });
@@ -760,20 +769,21 @@ void BlockDpBf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const ui
     }
 }
 
-// Panels of kDpCols B rows (kept in L1 while every block of 8 A rows passes
-// over them), then the last one or two rows.
+// Per block of 8 A rows (kept in L1), every panel of kDpCols B rows, then the
+// last one or two: 8 of the 11 loads per step hit L1, the B panel's 3 come from
+// L2 (the caller's B tile, e.g. 48 weight rows, stays there across the blocks).
 void MmadNTDpBf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, int64_t M,
                   int64_t N, int64_t K, bool acc) {
-  auto panel = [&](auto cols, int64_t n) {
-    constexpr int CN = decltype(cols)::value;
-    ForRowBlocks(M, [&](auto rows, int64_t m) {
-      BlockDpBf16<decltype(rows)::value, CN>(C + m * ldc + n, ldc, A + m * lda, lda, B + n * ldb, ldb, K, acc);
-    });
-  };
-  int64_t n = 0;
-  for (; n + kDpCols <= N; n += kDpCols) panel(std::integral_constant<int, kDpCols>{}, n);
-  if (N - n == 2) panel(std::integral_constant<int, 2>{}, n);
-  if (N - n == 1) panel(std::integral_constant<int, 1>{}, n);
+  ForRowBlocks(M, [&](auto rows, int64_t m) {
+    constexpr int R = decltype(rows)::value;
+    auto panel = [&](auto cols, int64_t n) {
+      BlockDpBf16<R, decltype(cols)::value>(C + m * ldc + n, ldc, A + m * lda, lda, B + n * ldb, ldb, K, acc);
+    };
+    int64_t n = 0;
+    for (; n + kDpCols <= N; n += kDpCols) panel(std::integral_constant<int, kDpCols>{}, n);
+    if (N - n == 2) panel(std::integral_constant<int, 2>{}, n);
+    if (N - n == 1) panel(std::integral_constant<int, 1>{}, n);
+  });
 }
 #if defined(ATB_AVX512_NATIVE)
 #pragma GCC pop_options
