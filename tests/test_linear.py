@@ -160,6 +160,28 @@ def test_gemm_rows_do_not_depend_on_m():
         assert torch.equal(atb.kernels.linear(x[lo:hi], w), full[lo:hi])
 
 
+@pytest.mark.parametrize("m,k,n", [(16, 577, 49), (17, 31, 2), (31, 33, 1), (33, 1, 50), (100, 1030, 97),
+                                   (16, 64, 3)])
+def test_gemm_bf16_every_isa(isa, m, k, n):
+    # bf16 from 16 rows on: the vdpbf16ps micro-kernel where the table has it (AVX512-BF16, and the SIMDe
+    # table), odd M, N and K (tails of the 8-row, 3-column and 32-deep blocks), every fused epilogue.
+    dp = (isa == "avx512" and "avx512bf16" in _C.cpu_features()) or isa == "avx512-simde"
+    x = torch.randn(m, k).bfloat16()
+    ws = [torch.randn(n, k).bfloat16() for _ in range(3)]
+    b = torch.randn(n).bfloat16()
+    y = atb.kernels.linear(x, ws[0], b)
+    assert_close(y, linear_ref(x, ws[0], b), scale=_scale(k))
+    if dp:  # from 16 rows on one micro-kernel: the same sums whatever the rows around them
+        assert _C.linear_tiling(m, k, [n], 0, DTYPE_CODES[torch.bfloat16], atb.get_soc("host"))["tiling_key"] // 100 == 1
+        for lo, hi in [(0, 16), (m - 16, m)]:
+            assert torch.equal(atb.kernels.linear(x[lo:hi], ws[0], b), y[lo:hi])
+    for out, w in zip(atb.kernels.linear_multi(x, ws, [b, None, b]), ws):
+        assert torch.equal(out, atb.kernels.linear(x, w, b if w is not ws[1] else None))
+    r = torch.randn(m, n).bfloat16()
+    assert_close(atb.kernels.linear_residual(x, ws[1], r, b), linear_residual_ref(x, ws[1], r, b), scale=_scale(k))
+    assert_close(atb.kernels.linear_swiglu(x, ws[1], ws[2]), linear_swiglu_ref(x, ws[1], ws[2]), scale=_scale(k))
+
+
 @pytest.mark.parametrize("soc", ALL_SOCS)
 def test_gemm_every_soc_gives_the_same_bits_and_fits_ub(soc):
     dtype = torch.bfloat16 if soc in BF16_SOCS else torch.float16

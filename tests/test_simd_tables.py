@@ -112,8 +112,14 @@ def test_avx512_and_avx2_tables_give_the_same_bits(dtype):
         got = run()
     finally:
         atb.set_isa("auto")
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
+    # bf16 on AVX512-BF16: from 16 rows on the linears and flash attention's scores run vdpbf16ps
+    # (mmad_nt_dp_bf16, its own pairwise-sum contract), so only the M = 1 lanes linear keeps AVX2's bits.
+    dp = dtype == torch.bfloat16 and "avx512bf16" in atb.build_info()["cpu_features"].split()
+    for i, (a, b) in enumerate(zip(got, want)):
+        if dp and i > 0:
+            assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+        else:
+            assert torch.equal(a, b)
 
 
 def test_isa_selection_and_errors():

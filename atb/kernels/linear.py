@@ -36,6 +36,8 @@ _ROW_BUCKETS = (("1", 1, 1), ("2-7", 7, 4), ("8-31", 31, 16), ("32-127", 127, 64
 # The measured shape: a hidden-size-like K and N (4 MiB of fp32 weight), big
 # enough that launch overheads do not decide, small enough for a few ms per run.
 _MEASURE_K = _MEASURE_N = 1024
+# r2: bf16 GEMM on AVX512-BF16 runs vdpbf16ps (from 16 rows on).
+_KERNELS_REVISION = 2
 _routing_mode: str | None = None
 _decisions: dict = {}   # (machine key, bucket, dtype name) -> measurement dict
 _memo: dict = {}        # (isa, threads, rows, dtype) -> bool, the hot path
@@ -70,9 +72,11 @@ def routing_cache_path() -> str:
 
 
 def _machine_key() -> str:
-    # The decision depends on the CPU, the native ISA in use and how many threads both sides get.
+    # The decision depends on the CPU, the native ISA in use, how many threads both sides get and the kernels
+    # themselves (the revision: bumped when a native GEMM changes, so older measurements are not reused).
     from atb.runtime import _cpu_model
-    return f"{_cpu_model()} | {_C.isa()} | {_C.get_num_threads()} threads | torch {torch.__version__}"
+    return (f"{_cpu_model()} | {_C.isa()} | {_C.get_num_threads()} threads | torch {torch.__version__}"
+            f" | kernels r{_KERNELS_REVISION}")
 
 
 def _bucket(rows: int) -> int:

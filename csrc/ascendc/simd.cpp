@@ -47,6 +47,14 @@ bool CpuHasAvx512() {
 #endif
 }
 
+bool CpuHasAvx512Bf16() {
+#if defined(__x86_64__) || defined(_M_X64)
+  return CpuHasAvx512() && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
 std::string DetectFeatures() {
   std::string s;
 #if defined(__x86_64__) || defined(_M_X64)
@@ -77,7 +85,7 @@ std::string DetectFeatures() {
 const SimdOps* Lookup(const std::string& isa) {
   if (isa == "portable") return PortableSimdOps();
   if (isa == "avx2") return CpuHasAvx2Fma() ? Avx2SimdOps() : nullptr;
-  if (isa == "avx512") return CpuHasAvx512() ? Avx512SimdOps() : nullptr;
+  if (isa == "avx512") return !CpuHasAvx512() ? nullptr : CpuHasAvx512Bf16() ? Avx512Bf16SimdOps() : Avx512SimdOps();
   if (isa == "avx512-simde") return Avx512SimdeSimdOps();
   return nullptr;
 }

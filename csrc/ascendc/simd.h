@@ -109,6 +109,15 @@ struct SimdOps {
   // Reduces n groups of 8 lanes (mmad_nt_lanes' output): dst[i] = ((l0 + l4) + (l2 + l6)) + ((l1 + l5) +
   // (l3 + l7)) of lanes[8i ..], the same tree on every table.
   void (*sum_lanes8)(float* dst, const float* lanes, int64_t n);
+  // bf16 x bf16 NT Mmad on AVX512-BF16's vdpbf16ps; null on tables (and CPUs) without it:
+  //   C[m][n] (+)= sum_k A[m][k] * B[n][k], A and B bf16 rows, K-contiguous (x and the weights as they lie).
+  // Each element: 16 fp32 lanes, lane j adding the exact products of k = 32i + 2j + 1, then 32i + 2j, for
+  // i = 0, 1, ... (vdpbf16ps: bf16 denormal inputs and fp32 denormal sums flush to zero), the k tail
+  // zero-padded, then a fixed reduction tree; independent of M, N and blocking, so a caller gets the same
+  // bits however it tiles M and N (it must pass all of K). The GEMM micro-kernel for bf16 prefill and batch
+  // decode: twice the multiply-adds per instruction of fp32 FMA, no widening and no packing.
+  void (*mmad_nt_dp_bf16)(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                          int64_t M, int64_t N, int64_t K, bool accumulate);
 };
 
 // The active table (selected on first use; never null).
@@ -117,6 +126,9 @@ const SimdOps& Simd();
 const SimdOps* PortableSimdOps();
 const SimdOps* Avx2SimdOps();
 const SimdOps* Avx512SimdOps();
+// The AVX-512 table plus the AVX512-BF16 entries (mmad_nt_dp_bf16): what "avx512" runs where CPUID reports
+// avx512bf16.
+const SimdOps* Avx512Bf16SimdOps();
 const SimdOps* Avx512SimdeSimdOps();
 // Forces a table by name ("auto", "avx512", "avx2", "portable", "avx512-simde");
 // throws if this CPU (or build) cannot run it.

@@ -14,11 +14,14 @@
 //   elements are one fma chain over k (nn, tn, nn_rows);
 // * same contract, other association: reductions and the nt / nt_rows Mmads
 //   sum 16 lanes, then a fixed tree.
-// The AVX512-BF16 instructions are not used: vcvtneps2bf16 flushes denormal
-// inputs to zero (torch rounds them), and vdpbf16ps sums k in pairs with
-// denormals flushed, which would break the lanes contract that makes a
-// linear's result independent of its K tiling and equal across tables. Decode
-// GEMVs are bound by memory, where widening bf16 with a shift costs nothing.
+// The AVX512-BF16 instructions stay out of the table's existing entries:
+// vcvtneps2bf16 flushes denormal inputs to zero (torch rounds them), and
+// vdpbf16ps sums k in pairs with denormals flushed, which would break the lanes
+// contract that makes a linear's result independent of its K tiling and equal
+// across tables. Decode GEMVs are bound by memory, where widening bf16 with a
+// shift costs nothing. vdpbf16ps runs only in its own entry, mmad_nt_dp_bf16
+// (compute-bound bf16 GEMMs, whole K per call), present in the table "avx512"
+// picks where CPUID reports avx512bf16 (and in the SIMDe table).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -38,7 +41,6 @@
 #endif
 #define ATB_AVX512_TABLE kAvx512Simde
 #define ATB_AVX512_NAME "avx512-simde"
-#define ATB_AVX512_GETTER Avx512SimdeSimdOps
 #define ATB_AVX512_BUILT 1
 #elif defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -51,7 +53,6 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #define ATB_AVX512_TABLE kAvx512
 #define ATB_AVX512_NAME "avx512"
-#define ATB_AVX512_GETTER Avx512SimdOps
 #define ATB_AVX512_BUILT 1
 #define ATB_AVX512_NATIVE 1
 #endif
@@ -702,6 +703,92 @@ void SumLanes8(float* d, const float* l, int64_t n) {
   if (i < n) d[i] = HSum8(_mm256_loadu_ps(l + 8 * i));
 }
 
+// ---- bf16 dot-product NT Mmad (AVX512-BF16: prefill GEMM, batch decode) -------
+// R (<= 8) rows of A against CN (<= 3) rows of B per block: R*CN accumulators,
+// R + CN loads per R*CN vdpbf16ps (32 multiply-adds each), x and the weights
+// read where they lie in their storage type. Each element: 16 lanes over k in
+// steps of 32, the tail zero-padded, then HSum4's fixed tree.
+#if defined(ATB_AVX512_NATIVE)
+#pragma GCC push_options
+#pragma GCC target("avx512bf16")
+#endif
+inline __m512bh LoadBh(const uint16_t* p) {
+  __m512bh v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+// The last n (< 32) values of a row, zero-padded; never reads past them.
+inline __m512bh LoadBhTail(const uint16_t* p, int64_t n) {
+  alignas(64) uint16_t buf[32] = {0};
+  std::memcpy(buf, p, n * sizeof(uint16_t));
+  return LoadBh(buf);
+}
+
+constexpr int kDpCols = 3;
+
+template <int R, int CN>
+void BlockDpBf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, int64_t K,
+                 bool acc) {
+  constexpr int kOut = R * CN, kPad = (kOut + 3) / 4 * 4;
+  V s[kPad];
+#pragma GCC unroll 32
+  for (int i = 0; i < kPad; ++i) s[i] = _mm512_setzero_ps();
+  auto step = [&](int64_t k, auto load) {
+    __m512bh b[CN];
+#pragma GCC unroll 4
+    for (int c = 0; c < CN; ++c) b[c] = load(B + c * ldb + k);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      __m512bh a = load(A + r * lda + k);
+#pragma GCC unroll 4
+      for (int c = 0; c < CN; ++c) s[r * CN + c] = _mm512_dpbf16_ps(s[r * CN + c], a, b[c]);
+    }
+  };
+  // Batch decode streams the weights (B) from DRAM in rows too short for the
+  // hardware prefetcher to ramp up: fetch the rows two panels ahead, one cache
+  // line (32 k) per row per step. Past the tile's last row they are the next
+  // tile's rows; a prefetch never faults.
+  const char* ahead = reinterpret_cast<const char*>(B + 2 * kDpCols * ldb);
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+#pragma GCC unroll 4
+    for (int c = 0; c < kDpCols; ++c) _mm_prefetch(ahead + (c * ldb + k) * 2, _MM_HINT_T0);
+    step(k, [](const uint16_t* p) { return LoadBh(p); });
+  }
+  if (k < K) {
+    int64_t n = K - k;
+    step(k, [n](const uint16_t* p) { return LoadBhTail(p, n); });
+  }
+  alignas(16) float sums[kPad];
+#pragma GCC unroll 8
+  for (int i = 0; i < kPad; i += 4) _mm_store_ps(sums + i, HSum4(s[i], s[i + 1], s[i + 2], s[i + 3]));
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CN; ++c) {
+      float* out = C + r * ldc + c;
+      *out = acc ? *out + sums[r * CN + c] : sums[r * CN + c];
+    }
+}
+
+// Per block of 8 A rows (kept in L1), every panel of kDpCols B rows, then the
+// last one or two: 8 of the 11 loads per step hit L1, the B panel's 3 come from
+// L2 (the caller's B tile, e.g. 48 weight rows, stays there across the blocks).
+void MmadNTDpBf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, int64_t M,
+                  int64_t N, int64_t K, bool acc) {
+  ForRowBlocks(M, [&](auto rows, int64_t m) {
+    constexpr int R = decltype(rows)::value;
+    auto panel = [&](auto cols, int64_t n) {
+      BlockDpBf16<R, decltype(cols)::value>(C + m * ldc + n, ldc, A + m * lda, lda, B + n * ldb, ldb, K, acc);
+    };
+    int64_t n = 0;
+    for (; n + kDpCols <= N; n += kDpCols) panel(std::integral_constant<int, kDpCols>{}, n);
+    if (N - n == 2) panel(std::integral_constant<int, 2>{}, n);
+    if (N - n == 1) panel(std::integral_constant<int, 1>{}, n);
+  });
+}
+#if defined(ATB_AVX512_NATIVE)
+#pragma GCC pop_options
+#endif
+
 const SimdOps ATB_AVX512_TABLE = {
     ATB_AVX512_NAME, Add, Sub, Mul, Max, Muls, Adds, Axpy, Exp, Silu, SiluMul, Duplicate,
     ReduceSum, ReduceMax, SumSquares, Dot, F16ToF32, Bf16ToF32, F32ToF16, F32ToBf16,
@@ -714,9 +801,24 @@ const SimdOps ATB_AVX512_TABLE = {
     MmadTN, ExpSubAcc, SumLanes8,
 };
 
+// The table with the AVX512-BF16 entries (SIMDe implements them on any CPU).
+const SimdOps* WithBf16() {
+  static const SimdOps table = [] {
+    SimdOps t = ATB_AVX512_TABLE;
+    t.mmad_nt_dp_bf16 = MmadNTDpBf16;
+    return t;
+  }();
+  return &table;
+}
+
 }  // namespace
 
-const SimdOps* ATB_AVX512_GETTER() { return &ATB_AVX512_TABLE; }
+#if defined(ATB_AVX512_NATIVE)
+const SimdOps* Avx512SimdOps() { return &ATB_AVX512_TABLE; }
+const SimdOps* Avx512Bf16SimdOps() { return WithBf16(); }
+#else
+const SimdOps* Avx512SimdeSimdOps() { return WithBf16(); }
+#endif
 
 }  // namespace AscendC
 #pragma GCC diagnostic pop
@@ -729,5 +831,6 @@ const SimdOps* ATB_AVX512_GETTER() { return &ATB_AVX512_TABLE; }
 #else  // not x86-64: no native AVX-512 table
 namespace AscendC {
 const SimdOps* Avx512SimdOps() { return nullptr; }
+const SimdOps* Avx512Bf16SimdOps() { return nullptr; }
 }  // namespace AscendC
 #endif

@@ -15,6 +15,12 @@
 //     PV         acc = acc e^(m-m') + P . V           (Mmad TN: P^T as stored)
 //   CopyOut    out = acc / l, cast to T.
 // Only the tiles are ever in memory: UB use is O(rows x (D + blockKv)).
+//
+// bf16 where the SIMD table has the vdpbf16ps micro-kernel (mmad_nt_dp_bf16,
+// AVX512-BF16): Scores reads the K tile and the Q rows as copied in, bf16, sums
+// in fp32 and scales the sums (as SDPA does: bf16 GEMM, then x scale in fp32);
+// qT and the widened K tile are then unused. Half the multiply-adds at twice
+// the rate.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -43,6 +49,7 @@ class KernelFlashAttention {
     kGm_.SetGlobalBuffer(reinterpret_cast<T*>(k));
     vGm_.SetGlobalBuffer(reinterpret_cast<T*>(v));
     int64_t rows = t.maxRows, d = t.headDim, ld = t.ubRowElems, bk = t.blockKv;
+    if constexpr (std::is_same<T, bfloat16_t>::value) dp_ = Simd().mmad_nt_dp_bf16;
     // One slot per K/V queue: on the CPU the copy engine is this same thread,
     // so a ping-pong slot would overlap nothing; its UB goes to taller units.
     pipe_.InitBuffer(qT_, rows * d * sizeof(float));
@@ -69,7 +76,7 @@ class KernelFlashAttention {
     rows_ = u.qLen * t_->groupSplit;
     firstHead_ = u.kvHead * t_->groupSize + u.headOffset;
     CopyInQ(seqStart + u.qStart);
-    ComputeQ();
+    if (!dp_) ComputeQ();
     Duplicate(stats_.Get<float>(), kNegInf, rows_);              // m
     Duplicate(stats_.Get<float>()[4 * rows_], 0.0f, rows_);      // l
     Duplicate(acc_.Get<float>(), 0.0f, rows_ * t_->headDim);
@@ -144,7 +151,7 @@ class KernelFlashAttention {
       int64_t ld = t_->ubRowElems, d = t_->headDim;
       LocalTensor<float> k32 = kF_.Get<float>(), v32 = vF_.Get<float>();
       for (int64_t n = 0; n < nk; ++n) {
-        Cast(k32[n * ld], kIn_[n * ld], RoundMode::CAST_NONE, d);
+        if (!dp_) Cast(k32[n * ld], kIn_[n * ld], RoundMode::CAST_NONE, d);
         Cast(v32[n * ld], vIn_[n * ld], RoundMode::CAST_NONE, d);
       }
       *kf = k32.GetPhyAddr();
@@ -152,10 +159,20 @@ class KernelFlashAttention {
     }
   }
 
-  // S^T[n][m] = sum_d K[n][d] * qT[d][m].
+  // S^T[n][m] = sum_d K[n][d] * qT[d][m] (dp: scale * sum_d K[n][d] * Q[m][d]).
   void Scores(const float* kf, int64_t nk) {
+    float* st = s_.Get<float>().GetPhyAddr();
+    if constexpr (std::is_same<T, bfloat16_t>::value) {
+      if (dp_) {
+        int64_t ld = t_->ubRowElems;
+        dp_(st, rows_, StorageBits(kIn_.GetPhyAddr()), ld, StorageBits(io_.Get<T>().GetPhyAddr()), ld, nk, rows_,
+            t_->headDim, false);
+        Simd().muls(st, st, t_->scale, nk * rows_);
+        return;
+      }
+    }
     MmadParams p{nk, rows_, t_->headDim, t_->ubRowElems, rows_, rows_, false};
-    MmadNN<float>(s_.Get<float>().GetPhyAddr(), kf, qT_.Get<float>().GetPhyAddr(), p);
+    MmadNN<float>(st, kf, qT_.Get<float>().GetPhyAddr(), p);
   }
 
   // Key n (position kvStart + n) is visible to rows [lo, hi): causal hides it
@@ -256,6 +273,7 @@ class KernelFlashAttention {
   FlashAttentionStrides st_{};
   const int32_t* cu_ = nullptr;
   int64_t rows_ = 0, firstHead_ = 0;
+  decltype(SimdOps::mmad_nt_dp_bf16) dp_ = nullptr;  // bf16 Scores on vdpbf16ps (null: fp32 Mmad)
   TPipe pipe_;
   TQue<QuePosition::VECIN, 1> inK_, inV_;
   LocalTensor<T> kIn_, vIn_;

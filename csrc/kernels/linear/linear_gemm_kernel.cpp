@@ -9,6 +9,12 @@
 // and used by up to mPass rows, which is what makes bf16/fp16 weights as fast as fp32.
 // Every output element is one fma chain over k in order, so the result does not
 // depend on the tiling: every SoC gives the same bits.
+//
+// bf16 with the dot-product micro-kernel (tiling dpBf16, AVX512-BF16): nothing is
+// packed; each mTile rows of x and the unit's weight rows go to mmad_nt_dp_bf16
+// where they lie, all of K in one call (its per-element contract then makes the
+// result independent of the tiling as well). That call, a [rows, weight rows]
+// tile of bf16 x . W^T into fp32, is the micro-kernel's entry for other GEMMs.
 #include <algorithm>
 #include <type_traits>
 
@@ -30,11 +36,12 @@ class KernelLinearGemm : LinearIo<T> {
  public:
   void Init(GM_ADDR x, const LinearSegment* segs, GM_ADDR residual, const LinearTilingData& t) {
     Io::InitIo(x, segs, residual, t);
+    dp_ = t.dpBf16 != 0;
     for (int st = 0; st < streams_; ++st) {
-      pipe_.InitBuffer(bBuf_[st], t.kTile * t.nTile * sizeof(float));
+      if (!dp_) pipe_.InitBuffer(bBuf_[st], t.kTile * t.nTile * sizeof(float));
       pipe_.InitBuffer(cBuf_[st], t.mPass * t.nTile * sizeof(float));
     }
-    if (!kFloat) pipe_.InitBuffer(aBuf_, t.mTile * t.kTile * sizeof(float));
+    if (!kFloat && !dp_) pipe_.InitBuffer(aBuf_, t.mTile * t.kTile * sizeof(float));
   }
 
   void Process() {
@@ -57,6 +64,7 @@ class KernelLinearGemm : LinearIo<T> {
     }
     int64_t nt = std::min(t_.nTile, t_.segRows[s] - row);
     int64_t m0 = pass * t_.mPass, mp = std::min(t_.mPass, t_.m - m0);
+    if (dp_) return ProcessUnitDp(s, row, nt, m0, mp);
     for (int64_t k0 = 0; k0 < t_.k; k0 += t_.kTile) {
       int64_t kl = std::min(t_.kTile, t_.k - k0);
       for (int st = 0; st < streams_; ++st) PackWeight(st, st == 1 ? 1 : s, row, nt, k0, kl);
@@ -72,6 +80,27 @@ class KernelLinearGemm : LinearIo<T> {
       float* up = streams_ == 2 ? cBuf_[1].Get<float>().GetPhyAddr(mt0 * t_.nTile) : nullptr;
       Io::Epilogue(s, row, gate, up, t_.nTile, mt, nt);
       Io::CopyOut(s, row, m0 + mt0, mt, nt);
+    }
+  }
+
+  // dp: per mTile rows, every stream's [mt, nt] sums in one call each (the weight tile, nt x K, stays in
+  // L2 across the pass's row tiles), then the epilogue.
+  void ProcessUnitDp(int s, int64_t row, int64_t nt, int64_t m0, int64_t mp) {
+    if constexpr (std::is_same<T, bfloat16_t>::value) {
+      const auto dp = Simd().mmad_nt_dp_bf16;
+      for (int64_t mt0 = 0; mt0 < mp; mt0 += t_.mTile) {
+        int64_t mt = std::min(t_.mTile, mp - mt0);
+        const uint16_t* a = StorageBits(xGm_.GetPhyAddr((m0 + mt0) * t_.k));
+        for (int st = 0; st < streams_; ++st) {
+          const uint16_t* w = StorageBits(wGm_[st == 1 ? 1 : s].GetPhyAddr(row * t_.k));
+          dp(cBuf_[st].Get<float>().GetPhyAddr(mt0 * t_.nTile), t_.nTile, a, t_.k, w, t_.k, mt, nt, t_.k, false);
+        }
+        if (ep_ == LINEAR_RESIDUAL) Io::CopyInResidual(row, m0 + mt0, mt, nt);
+        float* gate = cBuf_[0].Get<float>().GetPhyAddr(mt0 * t_.nTile);
+        float* up = streams_ == 2 ? cBuf_[1].Get<float>().GetPhyAddr(mt0 * t_.nTile) : nullptr;
+        Io::Epilogue(s, row, gate, up, t_.nTile, mt, nt);
+        Io::CopyOut(s, row, m0 + mt0, mt, nt);
+      }
     }
   }
 
@@ -104,6 +133,7 @@ class KernelLinearGemm : LinearIo<T> {
   }
 
   TBuf<TPosition::VECCALC> aBuf_, bBuf_[2], cBuf_[2];
+  bool dp_ = false;
 };
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "ascendc/error.h"
+#include "ascendc/simd.h"
 #include "kernels/common/tiling_utils.h"
 
 namespace atb {
@@ -35,10 +36,12 @@ constexpr int64_t kHostMinBytesPerCore = 256 * 1024;
 //   C          fp32 [mPass, nTile]  per stream        (the accumulator, kept across K chunks)
 //   x          fp32 [mTile, kTile]  (fp16/bf16 only: fp32 x is read in place)
 //   out queue  BUFFER_NUM x T [mTile, nTile]; residual queue the same (RESIDUAL)
-int64_t GemmUb(int64_t mPass, int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep) {
+// With the dot-product micro-kernel (dp) there is neither packed W nor widened x.
+int64_t GemmUb(int64_t mPass, int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep, bool dp) {
   int64_t streams = ep == LINEAR_SWIGLU ? 2 : 1;
-  int64_t ub = streams * (UbSlot(kt * nt * 4) + UbSlot(mPass * nt * 4)) + AscendC::BUFFER_NUM * UbSlot(mt * nt * elt);
-  if (elt != 4) ub += UbSlot(mt * kt * 4);
+  int64_t ub = streams * ((dp ? 0 : UbSlot(kt * nt * 4)) + UbSlot(mPass * nt * 4)) +
+               AscendC::BUFFER_NUM * UbSlot(mt * nt * elt);
+  if (elt != 4 && !dp) ub += UbSlot(mt * kt * 4);
   if (ep == LINEAR_RESIDUAL) ub += AscendC::BUFFER_NUM * UbSlot(mt * nt * elt);
   return ub;
 }
@@ -46,18 +49,28 @@ int64_t GemmUb(int64_t mPass, int64_t mt, int64_t nt, int64_t kt, int64_t elt, L
 // Rows of x per cube tile pass: a multiple of the micro-kernel's 6 rows.
 constexpr int64_t kGemmMTile = 48;
 
-void GemmTiling(LinearTilingData& t, int64_t elt, LinearEpilogue ep, const AscendC::SocInfo& soc) {
+// dp: weight rows per tile, a multiple of the micro-kernel's 3-row panel (its 16-row blocks of 48 keep the
+// tile's weights, 48 x K, in L2 while x's rows pass over them).
+constexpr int64_t kGemmDpNTile = 48;
+
+void GemmTiling(LinearTilingData& t, int64_t elt, LinearEpilogue ep, const AscendC::SocInfo& soc, bool dp) {
   int64_t minRows = t.segRows[0];
   for (int64_t s = 1; s < t.numSegments; ++s) minRows = std::min(minRows, t.segRows[s]);
-  t.nTile = minRows >= 32 ? 32 : AlignUp(minRows, 8);
-  t.kTile = std::min<int64_t>(t.k, 256);
+  t.dpBf16 = dp;
+  if (dp) {
+    t.nTile = std::min(kGemmDpNTile, minRows);
+    t.kTile = t.k;
+  } else {
+    t.nTile = minRows >= 32 ? 32 : AlignUp(minRows, 8);
+    t.kTile = std::min<int64_t>(t.k, 256);
+  }
   t.mTile = std::min(t.m, kGemmMTile);
   // A packed weight tile is reused by mPass rows: the more, the cheaper its packing.
   t.mPass = std::min<int64_t>(AlignUp(t.m, t.mTile), 8 * kGemmMTile);
-  while (GemmUb(t.mPass, t.mTile, t.nTile, t.kTile, elt, ep) > soc.ub_size) {
+  while (GemmUb(t.mPass, t.mTile, t.nTile, t.kTile, elt, ep, dp) > soc.ub_size) {
     if (t.mPass > 2 * t.mTile) {
       t.mPass = AlignUp(t.mPass / 2, t.mTile);
-    } else if (t.kTile > 64) {
+    } else if (t.kTile > 64 && !dp) {
       t.kTile = AlignUp(CeilDiv(t.kTile, 2), 8);
     } else if (t.nTile > 8) {
       t.nTile /= 2;
@@ -76,7 +89,7 @@ void GemmTiling(LinearTilingData& t, int64_t elt, LinearEpilogue ep, const Ascen
   int64_t cores = std::max<int64_t>(1, std::min(soc.cube_core_num, units));
   t.blockFactor = CeilDiv(units, cores);
   t.blockDim = CeilDiv(units, t.blockFactor);
-  t.ubBytes = GemmUb(t.mPass, t.mTile, t.nTile, t.kTile, elt, ep);
+  t.ubBytes = GemmUb(t.mPass, t.mTile, t.nTile, t.kTile, elt, ep, dp);
 }
 
 }  // namespace
@@ -102,8 +115,10 @@ LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int6
   }
   if (ep == LINEAR_SWIGLU) t.rows = segRows[0];
   int64_t elt = AscendC::DataTypeSize(dtype);
-  if (m >= kLinearGemmMinRows) {
-    GemmTiling(t, elt, ep, soc);
+  // The dot-product micro-kernel is the running CPU's (the SIMD table in use), whatever SoC is modelled.
+  bool dp = dtype == AscendC::DataType::BFLOAT16 && AscendC::Simd().mmad_nt_dp_bf16 != nullptr;
+  if (m >= kLinearGemmMinRows || (dp && m >= kLinearDpMinRows)) {
+    GemmTiling(t, elt, ep, soc, dp);
     t.tilingKey = LINEAR_GEMM * 100 + int64_t(dtype) * 10 + ep;
     return t;
   }

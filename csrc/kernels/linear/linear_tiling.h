@@ -14,6 +14,8 @@ namespace atb {
 //     tiles are packed to fp32 in UB once per M pass and reused by every row of
 //     it through the 6x16 register-blocked cube tile. fp16/bf16 weights are
 //     widened while packing, so half-precision prefill runs at fp32 FMA speed.
+//     bf16 on AVX512-BF16 instead runs vdpbf16ps on x and W where they lie
+//     (mmad_nt_dp_bf16, twice fp32 FMA's rate), from kLinearDpMinRows rows on.
 //
 // Epilogues (tilingKey = dtype * 10 + epilogue), fused so the output is
 // written once:
@@ -31,6 +33,10 @@ constexpr int kLinearMaxSegments = 3;
 // From this many rows of x on, the GEMM kernel runs (the stream kernel keeps at
 // most 32 rows in UB per weight pass).
 constexpr int64_t kLinearGemmMinRows = 32;
+// bf16 where the SIMD table has the dot-product micro-kernel (mmad_nt_dp_bf16, AVX512-BF16): the GEMM
+// kernel runs from this many rows on (batch decode), since at 2 bytes of weight per 16+ multiply-adds
+// fp32 FMA, not memory, bounds the stream kernel there.
+constexpr int64_t kLinearDpMinRows = 16;
 enum LinearMode : int64_t { LINEAR_STREAM = 0, LINEAR_GEMM = 1 };
 
 struct LinearSegment {
@@ -55,6 +61,8 @@ struct LinearTilingData {
   int64_t mPass = 0;        // x rows whose fp32 accumulators stay in UB while one weight tile is packed
   int64_t nTiles = 0;       // row tiles over all segments (each inside one segment)
   int64_t mPasses = 0;
+  int64_t dpBf16 = 0;       // 1: bf16 x and W feed mmad_nt_dp_bf16 as they lie, all of K per call (no packed
+                            // weight tile, kTile = K); 0: weight tiles packed to fp32 for MmadNN
   int64_t ubBytes = 0;
   int64_t tilingKey = 0;     // mode * 100 + dtype * 10 + epilogue
 };
