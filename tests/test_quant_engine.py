@@ -43,8 +43,13 @@ def test_w8a16_greedy_matches_bf16(smollm2_quantized):
 
 
 @pytest.mark.parametrize("fmt", ["w4a16", "native"])
-def test_capital_of_france(smollm2_quantized, fmt):
+def test_capital_of_france(smollm2_quantized, smollm2_fp32, fmt):
     model, tok, q = smollm2_quantized
+    if fmt == "native":
+        # The GGUF's own Q4_1 weights with fp32 activations: with bf16 activations the first token is a
+        # one-ulp tie between "The" and "L" (25.625 vs 25.5) that flips with the summation order (the bf16
+        # float model itself says "L'Étoile" on one SIMD table and "Paris" on the other).
+        model = smollm2_fp32[0]
     infer = atb.TransformerInfer(model, max_seq_len=128, max_batch_size=1, quantize=q.get(fmt, fmt))
     out = infer.generate([chat_ids(tok, CHATS[0])], max_new_tokens=10)
     assert "Paris" in tok.decode(out[0]), tok.decode(out[0])
