@@ -13,7 +13,7 @@ random-weight model of TinyLlama-1.1B's shape. Decode is reported as a fraction
 of the weight-streaming roofline (weight bytes per step / streaming-read
 bandwidth measured in this run), prefill as a fraction of the GEMM peak
 (torch.matmul on 1024^3 in this dtype, measured in this run; prefill FLOPs
-counted as 2 x linear-layer parameters x tokens). Medians over ``--repeats``.
+counted as 2 x the layers' linear parameters x tokens). Medians over ``--repeats``.
 """
 from __future__ import annotations
 
@@ -130,7 +130,10 @@ def main(argv=None) -> list[dict]:
             dtype = _DTYPES[dname]
             model = _load(mname, dtype)
             weights = sum(p.numel() * p.element_size() for p in model.parameters())
-            linear_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+            # Prefill runs every layer's linears on every token, the LM head only on the last one.
+            head = model.get_output_embeddings()
+            linear_params = sum(m.weight.numel() for m in model.modules()
+                                if isinstance(m, torch.nn.Linear) and m is not head)
             bw = stream_read_gbps(weights) * 1e9
             peak = gemm_gflops(dtype) * 1e9
             per_batch = {}
