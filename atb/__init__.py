@@ -15,6 +15,13 @@ from atb.infer import TransformerInfer
 from atb.engine import RequestOutput, SamplingParams
 from atb.quant import dequantize, quantize
 
+if torch.distributed.is_available() and not torch.distributed.is_initialized():
+    # A user script that imports atb and then joins a process group gets the same protection as
+    # atb's own init_process_group (see atb.distributed._import_world_capturing_modules).
+    from atb.distributed import _import_world_capturing_modules
+
+    _import_world_capturing_modules()
+
 __version__ = "0.1.0"
 
 __all__ = [

@@ -63,12 +63,25 @@ def init_process_group(backend: str | None = None, timeout: float = DEFAULT_TIME
 
     if dist.is_initialized():
         return
+    _import_world_capturing_modules()
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise ValueError(f"tensor parallel: no process group is initialized and {', '.join(missing)} "
                          f"{'is' if len(missing) == 1 else 'are'} not set; launch with torchrun or call "
                          f"torch.distributed.init_process_group first")
     dist.init_process_group(backend or "gloo", timeout=timedelta(seconds=timeout))
+
+
+def _import_world_capturing_modules() -> None:
+    """Imports, before any process group exists, the torch modules that capture the default group at import.
+
+    ``torch.distributed.nn.functional`` evaluates ``group=group.WORLD`` as a default argument when it is
+    first imported (transformers imports it while reading a config). Imported after
+    ``init_process_group``, that default is the live gloo group, held forever: ``destroy_process_group``
+    then cannot join gloo's threads, and at interpreter exit a late collective's cleanup on one of them
+    takes the GIL during finalization and aborts the process ("terminate called without an active
+    exception"). Imported first, the default is a placeholder and nothing holds the group."""
+    import torch.distributed.nn.functional  # noqa: F401
 
 
 def _split(n: int, world: int, rank: int) -> tuple[int, int]:

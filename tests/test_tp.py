@@ -258,3 +258,30 @@ def test_smollm2_tp3_matches_tp1(tmp_path, smollm2_fp32):
 
 if __name__ == "__main__":
     _rank_main(json.loads(sys.argv[1]))
+
+
+_JOINS_GLOO_THREADS = r"""
+import json, os, socket, sys
+import atb                                   # before the group: atb pre-imports what captures it
+import torch.distributed as dist
+
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+json.dump({"model_type": "llama", "num_hidden_layers": 1}, open(os.path.join(sys.argv[1], "config.json"), "w"))
+from transformers import AutoConfig
+AutoConfig.from_pretrained(sys.argv[1])      # imports torch.distributed.nn.functional on the way
+dist.destroy_process_group()
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(sorted(n for n in names if "gloo" in n))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from /proc")
+def test_destroy_process_group_joins_gloo_threads_after_a_config_load(tmp_path):
+    # torch.distributed.nn.functional binds the live default group as a default argument when first
+    # imported after init_process_group; the group then outlives destroy_process_group and a gloo
+    # thread can abort the interpreter at exit. `import atb` imports it first.
+    r = subprocess.run([sys.executable, "-c", _JOINS_GLOO_THREADS, str(tmp_path)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
