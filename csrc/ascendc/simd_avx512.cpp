@@ -441,14 +441,17 @@ __attribute__((noinline)) void LanesBlock(float* lanes, int64_t N, const float* 
                                                     : _mm512_loadu_ps(l);
     }
   // Short weight rows end before the hardware prefetcher ramps up: fetch the
-  // rows two blocks ahead while these are used (as the AVX2 table does).
+  // rows two blocks ahead while these are used (as the AVX2 table does), into
+  // L2, not L1: a T0 prefetch holds one of L1's few miss buffers until DRAM
+  // answers, which capped one Zen 4 core's bf16 K=576 GEMV at ~6 GB/s; into L2
+  // it streams at the plain read's rate (~12-17 GB/s on the same cold rows).
   constexpr int64_t kLine = 64 / int64_t(sizeof(TB));
   const bool prefetch = P > 0 && ldb * int64_t(sizeof(TB)) <= 4096;
   const char* next = reinterpret_cast<const char*>(B + 4 * kP * ldb);
   for (int64_t k = 0; k < K; k += 8) {
     if (prefetch && k % kLine == 0)
 #pragma GCC unroll 16
-      for (int c = 0; c < 2 * kP; ++c) _mm_prefetch(next + (c * ldb + k) * int64_t(sizeof(TB)), _MM_HINT_T0);
+      for (int c = 0; c < 2 * kP; ++c) _mm_prefetch(next + (c * ldb + k) * int64_t(sizeof(TB)), _MM_HINT_T1);
     V b[kP];
 #pragma GCC unroll 8
     for (int c = 0; c < kP; ++c) b[c] = P == 0 ? L::Single(B + k) : L::Pair(B + 2 * c * ldb + k, ldb);
