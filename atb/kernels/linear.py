@@ -200,7 +200,8 @@ class _FloatWeights:
         float_code(op, name, w)
         same_dtype(op, name, w, "x", x)
         if w.dim() != 2 or w.shape[1] != x.shape[1]:
-            raise ValueError(f"{op}: {name} has shape {tuple(w.shape)}, expected [N, {x.shape[1]}] (HF layout [out, in])")
+            raise ValueError(f"{op}: {name} has shape {tuple(w.shape)}, expected [N, {x.shape[1]}] "
+                             "(HF layout [out, in])")
         if w.shape[0] == 0:
             raise ValueError(f"{op}: {name} has N = 0 rows")
 
@@ -219,8 +220,9 @@ def _weights_kind(*weights):
 
 def _launch(kind, op: str, x: torch.Tensor, code: int, segs: list, residual, epilogue: int, soc_type) -> None:
     if x.shape[0]:
-        kind.launch(x.data_ptr(), x.shape[0], x.shape[1], segs, 0 if residual is None else residual.data_ptr(), epilogue,
-                    code, resolve_soc(soc_type, op, code))
+        residual_ptr = 0 if residual is None else residual.data_ptr()
+        kind.launch(x.data_ptr(), x.shape[0], x.shape[1], segs, residual_ptr, epilogue, code,
+                    resolve_soc(soc_type, op, code))
 
 
 def _one_weight(op: str, x, weight, bias, soc_type, residual=None, epilogue: int = EPILOGUE_PLAIN) -> torch.Tensor:

@@ -115,7 +115,8 @@ class LinearStreamIo : protected LinearIo<T> {
       int64_t base = 0;
       for (int64_t s = 0; s < (this->ep_ == LINEAR_SWIGLU ? 1 : t.numSegments); ++s) {
         int64_t lo = std::max(first_, base), hi = std::min(last_, base + t.segRows[s]);
-        for (int64_t g = lo; g < hi; g += t.nTile) self().ProcessTile(int(s), g - base, m0, mt, std::min(t.nTile, hi - g), xResident);
+        for (int64_t g = lo; g < hi; g += t.nTile)
+          self().ProcessTile(int(s), g - base, m0, mt, std::min(t.nTile, hi - g), xResident);
         base += t.segRows[s];
       }
     }
@@ -194,7 +195,8 @@ class LinearGemmIo : protected LinearIo<T> {
       int64_t kl = std::min(t.kTile, kCols_ - k0);
       int64_t kv = std::min(kl, t.k - k0);  // columns that exist in x (the rest is padding)
       for (int st = 0; st < this->streams_; ++st) self().PackWeight(st, st == 1 ? 1 : u.s, u.row, u.nt, k0, kl, kv);
-      for (int64_t mt0 = 0; mt0 < u.mp; mt0 += t.mTile) Compute(u.m0 + mt0, mt0, std::min(t.mTile, u.mp - mt0), u.nt, k0, kv);
+      for (int64_t mt0 = 0; mt0 < u.mp; mt0 += t.mTile)
+        Compute(u.m0 + mt0, mt0, std::min(t.mTile, u.mp - mt0), u.nt, k0, kv);
     }
     for (int64_t mt0 = 0; mt0 < u.mp; mt0 += t.mTile) OutputRows(u, mt0, std::min(t.mTile, u.mp - mt0));
   }

@@ -58,7 +58,8 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
   t = LinearShapeTiling("quant_linear", m, k, rows, numSegments, ep, dtype, soc);
   for (int64_t s = 0; s < numSegments; ++s) {
     const QuantSegment& g = segs[s];
-    ATB_CHECK(g.bits == 4 || g.bits == 8, "quant_linear tiling: segment ", s, " has ", g.bits, " bits, expected 4 or 8");
+    ATB_CHECK(g.bits == 4 || g.bits == 8, "quant_linear tiling: segment ", s, " has ", g.bits,
+              " bits, expected 4 or 8");
     ATB_CHECK(g.group == 0 || g.group == 32 || g.group == 64 || g.group == 128, "quant_linear tiling: segment ", s,
               " has group ", g.group, ", expected 0 (per channel), 32, 64 or 128");
     ATB_CHECK(g.bits == 8 || g.group != 0, "quant_linear tiling: 4-bit segment ", s, " needs a group size");
