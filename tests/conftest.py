@@ -1,4 +1,5 @@
 import os
+import time
 
 import pytest
 import torch
@@ -103,3 +104,21 @@ def smollm2_fp32():
 @pytest.fixture(scope="session")
 def smollm2_bf16():
     return load_smollm2(torch.bfloat16)
+
+
+def wait_health(url: str, procs, timeout: float = 180.0) -> None:
+    """Waits for the server at ``url`` to answer ``/health``; fails with a process's stderr tail if one of
+    ``procs`` (the server's processes) exits first."""
+    import httpx
+
+    deadline = time.time() + timeout
+    while True:
+        for p in procs:
+            assert p.poll() is None, p.communicate()[1][-3000:]
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline, "server did not come up"
+        time.sleep(0.2)

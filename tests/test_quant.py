@@ -76,6 +76,7 @@ def test_storage_layout_and_bytes():
     q = quantize_weight(w, "w4a16", 32)
     assert q.data.dtype == torch.uint8 and q.data.shape == (3, 32) and q.scale.shape == (3, 2)
     assert q.nbytes == 3 * 32 + 2 * 3 * 2 * 2  # 4 bits per value + fp16 scale and min per 32
+    assert q.contiguous() is q and q.dim() == 2  # tensor-like where the linear entries treat weights alike
     lo, hi = q.data[:, :16] & 15, q.data[:, :16] >> 4  # chunk 0: values 0..15 low nibbles, 16..31 high
     qq = atb.quant.unpack_int4(q.data)
     assert torch.equal(qq[:, :16], lo) and torch.equal(qq[:, 16:32], hi)
@@ -246,8 +247,15 @@ def test_bad_input_errors():
         QuantizedWeight(q.data[:, :-1].contiguous(), q.scale, q.min, (8, 64), 4, 32)
     with pytest.raises(ValueError, match="need min"):
         QuantizedWeight(q.data, q.scale, None, (8, 64), 4, 32)
-    with pytest.raises(ValueError, match="bfloat16 is not supported on Ascend310P3"):
+    with pytest.raises(ValueError, match="^linear: bfloat16 is not supported on Ascend310P3"):
         K.linear(torch.randn(1, 64).bfloat16(), q, soc_type="Ascend310P3")
+    # The SoC is resolved as for float weights: errors name the entry.
+    with pytest.raises(ValueError, match="^linear_swiglu: soc_type: unknown SoC 'nope'"):
+        K.linear_swiglu(torch.randn(1, 64), q, q, soc_type="nope")
+    with pytest.raises(TypeError, match=r"linear_swiglu: up_weight must be a QuantizedWeight"):
+        K.linear_swiglu(torch.randn(1, 64), q, torch.randn(8, 64))
+    with pytest.raises(TypeError, match="linear_residual: residual must be"):
+        K.linear_residual(torch.randn(2, 64), q, None)
     with pytest.raises(ValueError, match="quant.set_isa"):
         atb.quant.set_isa("sse9")
 

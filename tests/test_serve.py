@@ -23,6 +23,7 @@ httpx = pytest.importorskip("httpx")
 import atb  # noqa: E402
 from atb.serve.app import create_app, make_server  # noqa: E402
 from atb.serve.metrics import parse as parse_metrics  # noqa: E402
+from conftest import wait_health  # noqa: E402
 
 MODEL = "smollm2-test"
 MAX_SEQ_LEN = 256
@@ -412,16 +413,7 @@ def test_cli_serves_and_shuts_down_gracefully(tiny_checkpoint, sig):
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_health(url, [proc], timeout=120)
         body = {"prompt": "hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
         lines = []
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:

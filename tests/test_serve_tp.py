@@ -20,6 +20,7 @@ httpx = pytest.importorskip("httpx")
 
 import atb  # noqa: E402
 from atb.serve.metrics import parse as parse_metrics  # noqa: E402
+from conftest import wait_health  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_SEQ_LEN = 256
@@ -59,20 +60,6 @@ def _serve_args(path, port: int) -> list[str]:
 
 def _env() -> dict:
     return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-
-
-def _wait_health(url: str, procs, timeout: float = 180.0) -> None:
-    deadline = time.time() + timeout
-    while True:
-        for p in procs:
-            assert p.poll() is None, p.communicate()[1][-3000:]
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.time() < deadline, "server did not come up"
-        time.sleep(0.2)
 
 
 def _rank_pids(parent: int) -> dict[int, int]:
@@ -127,7 +114,7 @@ def test_tp2_server_matches_tp1_aborts_a_stream_and_stops_on_sigterm(checkpoint)
         # The tp=1 reference, while the ranks load.
         ref = atb.TransformerInfer(str(path), max_seq_len=MAX_SEQ_LEN, max_batch_size=1)
         want = [_text(tok, ref.generate([p], max_new_tokens=NEW_TOKENS, eos_token_id=[])[0]) for p in PROMPTS]
-        _wait_health(url, [run])
+        wait_health(url, [run])
         ranks = _rank_pids(run.pid)
         assert sorted(ranks) == [0, 1]
 
@@ -218,7 +205,7 @@ def test_a_dead_rank_stops_the_others_with_an_error(checkpoint, victim):
                                       start_new_session=True))
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_health(url, procs)
+        wait_health(url, procs)
         survivor = procs[1 - victim]
         lines = []
         body = {"prompt": [7] * 20, "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}

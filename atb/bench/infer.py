@@ -18,11 +18,11 @@ counted as 2 x the layers' linear parameters x tokens). Medians over ``--repeats
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
-from atb.bench.roofline import median_seconds, stream_read_gbps
+from atb.bench.roofline import (add_table_or_json_args, apply_threads, json_results, median_seconds,
+                                print_table_head, stream_read_gbps)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -105,24 +105,17 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None, help="torch and atb thread count (default: as set)")
-    ap.add_argument("--json", action="store_true")
+    add_table_or_json_args(ap)
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
-    if args.threads:
-        import atb
-
-        torch.set_num_threads(args.threads)
-        atb.set_num_threads(args.threads)
+    apply_threads(args.threads)
 
     results = []
     hdr = (f"{'model':9} {'dtype':9} {'batch':>5} {'path':>7} | {'prefill tok/s':>13} {'x HF':>5} {'%peak':>5} | "
            f"{'decode tok/s':>12} {'x HF':>5} {'x b1':>5} | {'step ms':>7} {'roofline':>8}")
     if not args.json:
-        print(f"{args.prompt}-token prompts, {args.new} new tokens, median of {args.repeats}, "
-              f"threads={torch.get_num_threads()}")
-        print(hdr)
-        print("-" * len(hdr), flush=True)
+        print_table_head(f"{args.prompt}-token prompts, {args.new} new tokens, median of {args.repeats}, "
+                         f"threads={torch.get_num_threads()}", hdr)
     for mname in args.models.split(","):
         if mname not in _MODELS:
             raise SystemExit(f"atb.bench.infer: error: unknown model '{mname}'; known: {', '.join(_MODELS)}")
@@ -165,9 +158,7 @@ def main(argv=None) -> list[dict]:
                 print(f"{mname} {dname}: streaming read {bw / 1e9:.1f} GB/s, GEMM peak {peak / 1e9:.0f} GFLOP/s "
                       f"(torch.matmul 1024^3), weights {weights / 1e6:.0f} MB", flush=True)
             del model
-    if args.json:
-        print(json.dumps(results, indent=1))
-    return results
+    return json_results(results, args.json)
 
 
 if __name__ == "__main__":

@@ -24,11 +24,11 @@ read the ratios.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 
+from atb.bench.roofline import add_table_or_json_args, apply_threads, json_results, print_table_head
 from atb.engine import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -88,12 +88,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--user", type=int, default=32, help="per-request prompt tokens after the shared ones")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--patterns", default="sequential,burst", help="comma-separated: sequential, burst, conversation")
-    ap.add_argument("--threads", type=int, default=None, help="torch and atb thread count (default: as set)")
-    ap.add_argument("--json", action="store_true")
+    add_table_or_json_args(ap)
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-        atb.set_num_threads(args.threads)
+    apply_threads(args.threads)
 
     model, _ = load_model(dtype=_DTYPES[args.dtype])
     prompts = _prompts(args.requests, args.system, args.user, model.config.vocab_size)
@@ -108,12 +105,10 @@ def main(argv=None) -> list[dict]:
 
     results = []
     if not args.json:
-        print(f"SmolLM2-135M {args.dtype}, {args.requests} requests: {args.system}-token shared prompt + "
-              f"{args.user}-token user turns, {args.new} new tokens, threads={torch.get_num_threads()}")
-        hdr = (f"{'pattern':10} {'caching':>7} | {'TTFT #1 ms':>10} {'others mean':>11} {'max':>8} {'ratio':>6} | "
-               f"{'total s':>7} | tokens")
-        print(hdr)
-        print("-" * len(hdr), flush=True)
+        print_table_head(f"SmolLM2-135M {args.dtype}, {args.requests} requests: {args.system}-token shared prompt + "
+                         f"{args.user}-token user turns, {args.new} new tokens, threads={torch.get_num_threads()}",
+                         f"{'pattern':10} {'caching':>7} | {'TTFT #1 ms':>10} {'others mean':>11} {'max':>8} "
+                         f"{'ratio':>6} | {'total s':>7} | tokens")
     for pattern in patterns:
         ref = None
         for caching in (False, True):
@@ -134,9 +129,7 @@ def main(argv=None) -> list[dict]:
                       f"{row['ttft_others_mean_ms']:11.0f} {row['ttft_others_max_ms']:8.0f} {row['ttft_ratio']:6.1%} | "
                       f"{row['total_s']:7.2f} | {'same' if same else 'DIFFERENT'}", flush=True)
             del infer
-    if args.json:
-        print(json.dumps(results, indent=1))
-    return results
+    return json_results(results, args.json)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ The API (reuse it; keep benchmarks comparable):
   blocks back to the OS, so a fresh output tensor does not page-fault on every call.
 * :func:`kernel_bench_parser` / :func:`apply_threads` / :func:`bench_clock` -- the command line
   (``--repeat --quick --threads --cpu-time``) and clock every kernel benchmark shares.
+* :func:`add_table_or_json_args` / :func:`print_table_head` / :func:`json_results` -- the
+  ``--threads`` / ``--json`` options and output of the end-to-end benchmarks that print a table
+  row by row or, with ``--json``, their results at the end.
 
 The machine is shared and noisy: compare ratios measured in one run, never absolute numbers
 across runs.
@@ -21,6 +24,7 @@ across runs.
 from __future__ import annotations
 
 import argparse
+import json
 import ctypes
 import ctypes.util
 import statistics
@@ -160,6 +164,26 @@ def apply_threads(threads: int | None) -> None:
     if threads is not None:
         torch.set_num_threads(threads)
         atb.set_num_threads(threads)
+
+
+def add_table_or_json_args(p: argparse.ArgumentParser) -> None:
+    """``--threads`` (see :func:`apply_threads`) and ``--json`` (the results as JSON instead of the table)."""
+    p.add_argument("--threads", type=int, default=None, help="torch and atb thread count (default: as set)")
+    p.add_argument("--json", action="store_true")
+
+
+def print_table_head(title: str, head: str) -> None:
+    """A table's title line, column heads and rule (flushed: the rows follow as they are measured)."""
+    print(title)
+    print(head)
+    print("-" * len(head), flush=True)
+
+
+def json_results(results: list[dict], as_json: bool) -> list[dict]:
+    """``results``, printed as JSON first under ``--json``."""
+    if as_json:
+        print(json.dumps(results, indent=1))
+    return results
 
 
 def bench_clock(cpu_time: bool):

@@ -22,6 +22,7 @@ from atb.kernels import quant_linear as _q
 from atb.kernels._common import (EPILOGUE_PLAIN, EPILOGUE_RESIDUAL, EPILOGUE_SWIGLU, float_code, linear_bias,
                                  linear_lists, linear_residual_arg, linear_x, resolve_soc,
                                  same_dtype, same_shape)
+from atb.quant.formats import QuantizedWeight
 
 # The policy the AVX2 host measured (native below 32 rows, the STREAM kernel's
 # single weight pass, and at every size in fp16/bf16, where torch had no fast
@@ -188,17 +189,56 @@ def routing_table(dtypes=(torch.float32, torch.bfloat16)) -> dict:
     return table
 
 
-def _check_weight(op: str, name: str, w, x) -> None:
-    float_code(op, name, w)
-    same_dtype(op, name, w, "x", x)
-    if w.dim() != 2 or w.shape[1] != x.shape[1]:
-        raise ValueError(f"{op}: {name} has shape {tuple(w.shape)}, expected [N, {x.shape[1]}] (HF layout [out, in])")
-    if w.shape[0] == 0:
-        raise ValueError(f"{op}: {name} has N = 0 rows")
+class _FloatWeights:
+    """The float weights' side of the linear entries (``quant_linear`` is the quantized weights'): how a
+    weight is checked and described as one of the native entry's segments, and that entry."""
+
+    launch = _C.linear
+
+    @staticmethod
+    def check_weight(op: str, name: str, w, x) -> None:
+        float_code(op, name, w)
+        same_dtype(op, name, w, "x", x)
+        if w.dim() != 2 or w.shape[1] != x.shape[1]:
+            raise ValueError(f"{op}: {name} has shape {tuple(w.shape)}, expected [N, {x.shape[1]}] "
+                             "(HF layout [out, in])")
+        if w.shape[0] == 0:
+            raise ValueError(f"{op}: {name} has N = 0 rows")
+
+    @staticmethod
+    def segment(w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> tuple:
+        return (w.data_ptr(), 0 if bias is None else bias.data_ptr(), 0 if out is None else out.data_ptr(), w.shape[0])
 
 
-def _ptr(t) -> int:
-    return 0 if t is None else t.data_ptr()
+def _weights_kind(*weights):
+    """Quantized weights go to ``quant_linear``, which insists that every weight of the call is one."""
+    for w in weights:
+        if isinstance(w, QuantizedWeight):
+            return _q
+    return _FloatWeights
+
+
+def _launch(kind, op: str, x: torch.Tensor, code: int, segs: list, residual, epilogue: int, soc_type) -> None:
+    if x.shape[0]:
+        residual_ptr = 0 if residual is None else residual.data_ptr()
+        kind.launch(x.data_ptr(), x.shape[0], x.shape[1], segs, residual_ptr, epilogue, code,
+                    resolve_soc(soc_type, op, code))
+
+
+def _one_weight(op: str, x, weight, bias, soc_type, residual=None, epilogue: int = EPILOGUE_PLAIN) -> torch.Tensor:
+    """``linear`` and ``linear_residual``: one weight, its bias, and (RESIDUAL) the residual."""
+    kind = _weights_kind(weight)
+    code = linear_x(op, x)
+    kind.check_weight(op, "weight", weight, x)
+    linear_bias(op, "bias", bias, weight, x)
+    if epilogue == EPILOGUE_RESIDUAL:
+        linear_residual_arg(op, residual, x, weight)
+        residual = residual.contiguous()
+    x, weight = x.contiguous(), weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    _launch(kind, op, x, code, [kind.segment(weight, bias, out)], residual, epilogue, soc_type)
+    return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -207,18 +247,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     ``weight`` may be an ``atb.quant.QuantizedWeight`` (W8A16 / W4A16); so may every weight of the entries below.
     """
-    if _q.is_quantized(weight):
-        return _q.linear(x, weight, bias, soc_type=soc_type)
-    code = linear_x("linear", x)
-    _check_weight("linear", "weight", weight, x)
-    linear_bias("linear", "bias", bias, weight, x)
-    x, weight = x.contiguous(), weight.contiguous()
-    bias = None if bias is None else bias.contiguous()
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
-    if x.shape[0]:
-        _C.linear(x.data_ptr(), x.shape[0], x.shape[1], [(weight.data_ptr(), _ptr(bias), out.data_ptr(), weight.shape[0])],
-                  0, EPILOGUE_PLAIN, code, resolve_soc(soc_type, "linear", code))
-    return out
+    return _one_weight("linear", x, weight, bias, soc_type)
 
 
 def linear_multi(x: torch.Tensor, weights, biases=None, *, soc_type: str | None = None) -> tuple[torch.Tensor, ...]:
@@ -228,54 +257,35 @@ def linear_multi(x: torch.Tensor, weights, biases=None, *, soc_type: str | None 
     cores split the concatenated rows, so small k/v projections do not each pay a launch.
     """
     weights = list(weights)
-    if any(_q.is_quantized(w) for w in weights):
-        return _q.linear_multi(x, weights, biases, soc_type=soc_type)
+    kind = _weights_kind(*weights)
     code = linear_x("linear_multi", x)
-    weights, biases = linear_lists("linear_multi", weights, biases, x, _check_weight)
+    weights, biases = linear_lists("linear_multi", weights, biases, x, kind.check_weight)
     x = x.contiguous()
     weights = [w.contiguous() for w in weights]  # the lists keep every pointer below alive through the launch
     outs = tuple(torch.empty(x.shape[0], w.shape[0], dtype=x.dtype) for w in weights)
-    segs = [(w.data_ptr(), _ptr(b), out.data_ptr(), w.shape[0]) for w, b, out in zip(weights, biases, outs)]
-    if x.shape[0]:
-        _C.linear(x.data_ptr(), x.shape[0], x.shape[1], segs, 0, EPILOGUE_PLAIN, code,
-                  resolve_soc(soc_type, "linear_multi", code))
+    segs = [kind.segment(w, b, out) for w, b, out in zip(weights, biases, outs)]
+    _launch(kind, "linear_multi", x, code, segs, None, EPILOGUE_PLAIN, soc_type)
     return outs
 
 
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, bias: torch.Tensor | None = None, *,
                     soc_type: str | None = None) -> torch.Tensor:
     """``residual + linear(x, weight, bias)`` (o_proj / down_proj), each rounded to x's dtype as HF does."""
-    if _q.is_quantized(weight):
-        return _q.linear_residual(x, weight, residual, bias, soc_type=soc_type)
-    code = linear_x("linear_residual", x)
-    _check_weight("linear_residual", "weight", weight, x)
-    linear_bias("linear_residual", "bias", bias, weight, x)
-    linear_residual_arg("linear_residual", residual, x, weight)
-    x, weight, residual = x.contiguous(), weight.contiguous(), residual.contiguous()
-    bias = None if bias is None else bias.contiguous()
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
-    if x.shape[0]:
-        _C.linear(x.data_ptr(), x.shape[0], x.shape[1], [(weight.data_ptr(), _ptr(bias), out.data_ptr(), weight.shape[0])],
-                  residual.data_ptr(), EPILOGUE_RESIDUAL, code, resolve_soc(soc_type, "linear_residual", code))
-    return out
+    return _one_weight("linear_residual", x, weight, bias, soc_type, residual, EPILOGUE_RESIDUAL)
 
 
 def linear_swiglu(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, *,
                   soc_type: str | None = None) -> torch.Tensor:
     """``silu(x @ gate_weight.T) * (x @ up_weight.T)`` in one weight pass (LLaMA MLP's first half)."""
-    if _q.is_quantized(gate_weight) or _q.is_quantized(up_weight):
-        return _q.linear_swiglu(x, gate_weight, up_weight, soc_type=soc_type)
+    kind = _weights_kind(gate_weight, up_weight)
     code = linear_x("linear_swiglu", x)
-    _check_weight("linear_swiglu", "gate_weight", gate_weight, x)
-    _check_weight("linear_swiglu", "up_weight", up_weight, x)
+    kind.check_weight("linear_swiglu", "gate_weight", gate_weight, x)
+    kind.check_weight("linear_swiglu", "up_weight", up_weight, x)
     same_shape("linear_swiglu", "gate_weight", gate_weight, "up_weight", up_weight)
     x, gate_weight, up_weight = x.contiguous(), gate_weight.contiguous(), up_weight.contiguous()
-    n = gate_weight.shape[0]
-    out = torch.empty(x.shape[0], n, dtype=x.dtype)
-    if x.shape[0]:
-        _C.linear(x.data_ptr(), x.shape[0], x.shape[1],
-                  [(gate_weight.data_ptr(), 0, out.data_ptr(), n), (up_weight.data_ptr(), 0, 0, n)],
-                  0, EPILOGUE_SWIGLU, code, resolve_soc(soc_type, "linear_swiglu", code))
+    out = torch.empty(x.shape[0], gate_weight.shape[0], dtype=x.dtype)
+    segs = [kind.segment(gate_weight, None, out), kind.segment(up_weight, None, None)]
+    _launch(kind, "linear_swiglu", x, code, segs, None, EPILOGUE_SWIGLU, soc_type)
     return out
 
 

@@ -77,6 +77,10 @@ class QuantizedWeight:
     def dim(self) -> int:
         return 2
 
+    def contiguous(self) -> "QuantizedWeight":
+        """Itself: the packed storage is contiguous by construction (the linear entries call it on any weight)."""
+        return self
+
     def __repr__(self) -> str:
         g = "per-channel" if self.group_size == 0 else f"group {self.group_size}"
         src = f", from {self.source}" if self.source else ""

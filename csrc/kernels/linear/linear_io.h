@@ -1,8 +1,12 @@
-// What the two linear kernels (STREAM: linear_kernel.cpp, GEMM: linear_gemm_kernel.cpp)
-// share: the GM operands of a launch, the residual tile read, the fused epilogue on
-// the fp32 sums, the output write, and the launch itself.
+// What the linear kernels (STREAM: linear_kernel.cpp, GEMM: linear_gemm_kernel.cpp, and the
+// quantized ones in kernels/quant_linear/, which differ only in how they read weights) share:
+// the GM operands of a launch, the residual tile read, the fused epilogue on the fp32 sums,
+// the output write, each kernel kind's walk over its work (LinearStreamIo, LinearGemmIo),
+// and the launch itself.
 #pragma once
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "ascendc/kernel_operator.h"
 #include "linear_tiling.h"
@@ -75,6 +79,14 @@ class LinearIo {
     outQue_.FreeTensor(y);
   }
 
+  // The output tile of segment s, x rows [m, m + mt) by weight rows [row, row + nt), from its fp32 sums
+  // (leading dim ld; up: SWIGLU's second stream): the residual tile in, the epilogue, the write.
+  void OutputTile(int s, int64_t row, int64_t m, float* sums, float* up, int64_t ld, int64_t mt, int64_t nt) {
+    if (ep_ == LINEAR_RESIDUAL) CopyInResidual(row, m, mt, nt);
+    Epilogue(s, row, sums, up, ld, mt, nt);
+    CopyOut(s, row, m, mt, nt);
+  }
+
   LinearTilingData t_;
   LinearEpilogue ep_ = LINEAR_PLAIN;
   int streams_ = 1;
@@ -85,15 +97,170 @@ class LinearIo {
   const T* bias_[kLinearMaxSegments] = {nullptr, nullptr, nullptr};
 };
 
-// KernelLaunch of Kernel<T> (Init + Process) for the tiling's dtype.
-template <template <typename> class Kernel>
-void LaunchLinearKernel(const void* x, const LinearSegment* segs, const void* residual, const LinearTilingData& t,
-                        const AscendC::SocInfo& soc) {
+// STREAM kernels: each core owns weight rows [first_, last_) of the segments' concatenation (SWIGLU: of
+// the gate; the up rows go alongside) and walks them per M pass in [mTile, nTile] tiles, segment by
+// segment (PLAIN may span q, k and v). x stays in UB for the whole launch when one pass covers all of M
+// and the kCols columns of K. Kernel brings CopyInX(m0, mt, k0, kl) and ProcessTile(s, row, m0, mt, nt,
+// xResident), which accumulates the tile's sums into sums_ and ends with OutputSums.
+template <typename T, class Kernel>
+class LinearStreamIo : protected LinearIo<T> {
+ public:
+  void Process() {
+    if (first_ >= last_) return;
+    const LinearTilingData& t = this->t_;
+    bool xResident = t.mTile >= t.m && t.kTile >= kCols_;
+    if (xResident) self().CopyInX(0, t.m, 0, kCols_);
+    for (int64_t m0 = 0; m0 < t.m; m0 += t.mTile) {
+      int64_t mt = std::min(t.mTile, t.m - m0);
+      int64_t base = 0;
+      for (int64_t s = 0; s < (this->ep_ == LINEAR_SWIGLU ? 1 : t.numSegments); ++s) {
+        int64_t lo = std::max(first_, base), hi = std::min(last_, base + t.segRows[s]);
+        for (int64_t g = lo; g < hi; g += t.nTile)
+          self().ProcessTile(int(s), g - base, m0, mt, std::min(t.nTile, hi - g), xResident);
+        base += t.segRows[s];
+      }
+    }
+  }
+
+ protected:
+  // kCols: K as the kernel's x tiles count it (the quantized kernels pad K to whole chunks).
+  void InitStream(AscendC::GM_ADDR x, const LinearSegment* segs, AscendC::GM_ADDR residual, const LinearTilingData& t,
+                  int64_t kCols) {
+    this->InitIo(x, segs, residual, t);
+    kCols_ = kCols;
+    first_ = AscendC::GetBlockIdx() * t.blockFactor;
+    last_ = std::min(t.rows, first_ + t.blockFactor);
+  }
+
+  // Stream st's tile sums, [mt, nt].
+  float* Sums(int st) { return sums_[st].template Get<float>().GetPhyAddr(); }
+
+  // The epilogue and write of a tile whose sums are in sums_.
+  void OutputSums(int s, int64_t row, int64_t m0, int64_t mt, int64_t nt) {
+    this->OutputTile(s, row, m0, Sums(0), this->streams_ == 2 ? Sums(1) : nullptr, nt, mt, nt);
+  }
+
+  int64_t kCols_ = 0, first_ = 0, last_ = 0;
+  AscendC::TBuf<AscendC::TPosition::VECCALC> sums_[2];  // carved by the kernel, in its UB order
+
+ private:
+  Kernel& self() { return static_cast<Kernel&>(*this); }
+};
+
+// GEMM kernels: work units are (row tile of one segment, M pass), split over the cores. A unit either
+// packs, per K chunk of the kCols columns, its weight tile as the cube's fp32 B operand (Kernel's
+// PackWeight(st, seg, row, nt, k0, kl, kv): W[row + n][k0 + k] into bBuf_[st] at [k][n], n < nt, k < kv,
+// of a chunk of kl columns whose first kv exist in x) and runs every mTile rows of x of the pass through
+// the 6x16 cube tile (MmadNN) into the fp32 accumulators cBuf_ kept across K chunks (ProcessPackedUnit), or
+// computes its sums its own way; then the epilogue of every mTile rows (OutputRows). Kernel brings
+// ProcessUnit(unit).
+template <typename T, class Kernel>
+class LinearGemmIo : protected LinearIo<T> {
+  static constexpr bool kFloat = std::is_same<T, float>::value;
+
+ public:
+  void Process() {
+    const LinearTilingData& t = this->t_;
+    int64_t units = t.nTiles * t.mPasses;
+    int64_t first = AscendC::GetBlockIdx() * t.blockFactor;
+    int64_t last = std::min(units, first + t.blockFactor);
+    for (int64_t u = first; u < last; ++u) self().ProcessUnit(UnitAt(u / t.mPasses, u % t.mPasses));
+  }
+
+ protected:
+  // Weight rows [row, row + nt) of segment s by x rows [m0, m0 + mp).
+  struct GemmUnit {
+    int s;
+    int64_t row, nt, m0, mp;
+  };
+
+  // The accumulators and, when the unit packs its weights, the B operands: per stream.
+  void InitGemm(AscendC::GM_ADDR x, const LinearSegment* segs, AscendC::GM_ADDR residual, const LinearTilingData& t,
+                int64_t kCols, bool packed) {
+    this->InitIo(x, segs, residual, t);
+    kCols_ = kCols;
+    for (int st = 0; st < this->streams_; ++st) {
+      if (packed) this->pipe_.InitBuffer(bBuf_[st], t.kTile * t.nTile * sizeof(float));
+      this->pipe_.InitBuffer(cBuf_[st], t.mPass * t.nTile * sizeof(float));
+    }
+  }
+  // The A operand of a packed unit: fp16/bf16 x widened per K chunk (fp32 x is read where it lies).
+  void InitWidenedX(bool packed) {
+    if (!kFloat && packed) this->pipe_.InitBuffer(aBuf_, this->t_.mTile * this->t_.kTile * sizeof(float));
+  }
+
+  void ProcessPackedUnit(const GemmUnit& u) {
+    const LinearTilingData& t = this->t_;
+    for (int64_t k0 = 0; k0 < kCols_; k0 += t.kTile) {
+      int64_t kl = std::min(t.kTile, kCols_ - k0);
+      int64_t kv = std::min(kl, t.k - k0);  // columns that exist in x (the rest is padding)
+      for (int st = 0; st < this->streams_; ++st) self().PackWeight(st, st == 1 ? 1 : u.s, u.row, u.nt, k0, kl, kv);
+      for (int64_t mt0 = 0; mt0 < u.mp; mt0 += t.mTile)
+        Compute(u.m0 + mt0, mt0, std::min(t.mTile, u.mp - mt0), u.nt, k0, kv);
+    }
+    for (int64_t mt0 = 0; mt0 < u.mp; mt0 += t.mTile) OutputRows(u, mt0, std::min(t.mTile, u.mp - mt0));
+  }
+
+  // The epilogue and write of the unit's x rows [m0 + mt0, m0 + mt0 + mt) from the accumulators.
+  void OutputRows(const GemmUnit& u, int64_t mt0, int64_t mt) {
+    int64_t ld = this->t_.nTile;
+    float* gate = cBuf_[0].template Get<float>().GetPhyAddr(mt0 * ld);
+    float* up = this->streams_ == 2 ? cBuf_[1].template Get<float>().GetPhyAddr(mt0 * ld) : nullptr;
+    this->OutputTile(u.s, u.row, u.m0 + mt0, gate, up, ld, mt, u.nt);
+  }
+
+  int64_t kCols_ = 0;
+  AscendC::TBuf<AscendC::TPosition::VECCALC> aBuf_, bBuf_[2], cBuf_[2];
+
+ private:
+  Kernel& self() { return static_cast<Kernel&>(*this); }
+
+  // Row tile -> (segment, first row, rows): tiles never cross a segment boundary.
+  GemmUnit UnitAt(int64_t tile, int64_t pass) const {
+    const LinearTilingData& t = this->t_;
+    int s = 0;
+    int64_t row = tile * t.nTile;
+    if (this->ep_ != LINEAR_SWIGLU) {
+      while (row >= AscendC::AlignUp(t.segRows[s], t.nTile)) {
+        row -= AscendC::AlignUp(t.segRows[s], t.nTile);
+        ++s;
+      }
+    }
+    int64_t m0 = pass * t.mPass;
+    return {s, row, std::min(t.nTile, t.segRows[s] - row), m0, std::min(t.mPass, t.m - m0)};
+  }
+
+  // C[mt0 : mt0 + mt, :nt] (+)= x[m : m + mt, k0 : k0 + kv] . packed, per stream.
+  void Compute(int64_t m, int64_t mt0, int64_t mt, int64_t nt, int64_t k0, int64_t kv) {
+    const LinearTilingData& t = this->t_;
+    const float* a;
+    int64_t lda;
+    if constexpr (kFloat) {
+      a = this->xGm_.GetPhyAddr(m * t.k + k0);  // fp32 x is the A operand where it lies
+      lda = t.k;
+    } else {
+      float* ub = aBuf_.template Get<float>().GetPhyAddr();
+      for (int64_t r = 0; r < mt; ++r)
+        AscendC::CastRaw<float, T>(ub + r * t.kTile, this->xGm_.GetPhyAddr((m + r) * t.k + k0), kv);
+      a = ub;
+      lda = t.kTile;
+    }
+    AscendC::MmadParams p{mt, nt, kv, lda, t.nTile, t.nTile, k0 > 0};
+    for (int st = 0; st < this->streams_; ++st)
+      AscendC::MmadNN(cBuf_[st].template Get<float>().GetPhyAddr(mt0 * t.nTile), a,
+                      bBuf_[st].template Get<float>().GetPhyAddr(), p);
+  }
+};
+
+inline AscendC::GM_ADDR GmAddr(const void* p) { return reinterpret_cast<AscendC::GM_ADDR>(const_cast<void*>(p)); }
+
+// KernelLaunch of Kernel<T> (Init(init...) + Process) for the tiling's dtype.
+template <template <typename> class Kernel, class... InitArgs>
+void LaunchLinearKernel(const LinearTilingData& t, const AscendC::SocInfo& soc, const InitArgs&... init) {
   using AscendC::DataType;
-  auto gm = [](const void* p) { return reinterpret_cast<AscendC::GM_ADDR>(const_cast<void*>(p)); };
   auto run = [&](auto tag) {
     Kernel<decltype(tag)> op;
-    op.Init(gm(x), segs, gm(residual), t);
+    op.Init(init...);
     op.Process();
   };
   auto kernel = [&]() {

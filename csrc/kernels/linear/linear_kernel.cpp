@@ -18,40 +18,19 @@ namespace atb {
 namespace {
 
 template <typename T>
-class KernelLinear : LinearIo<T> {
-  using Io = LinearIo<T>;
-  using Io::t_, Io::ep_, Io::streams_, Io::pipe_, Io::xGm_, Io::wGm_;
+class KernelLinear : public LinearStreamIo<T, KernelLinear<T>> {
+  using Stream = LinearStreamIo<T, KernelLinear<T>>;
+  friend Stream;
+  using Stream::t_, Stream::streams_, Stream::pipe_, Stream::xGm_, Stream::wGm_, Stream::sums_;
 
  public:
   void Init(GM_ADDR x, const LinearSegment* segs, GM_ADDR residual, const LinearTilingData& t) {
-    Io::InitIo(x, segs, residual, t);
-    first_ = GetBlockIdx() * t.blockFactor;
-    last_ = std::min(t.rows, first_ + t.blockFactor);
+    Stream::InitStream(x, segs, residual, t, t.k);
     int64_t mt = t.mTile, nt = t.nTile;
     pipe_.InitBuffer(xBuf_, mt * t.kTile * sizeof(float));
     for (int s = 0; s < streams_; ++s) {
       pipe_.InitBuffer(lanes_[s], mt * nt * 8 * sizeof(float));
       pipe_.InitBuffer(sums_[s], mt * nt * sizeof(float));
-    }
-  }
-
-  void Process() {
-    if (first_ >= last_) return;
-    // x stays in UB for the whole launch when one pass covers all of M and K.
-    bool xResident = t_.mTile >= t_.m && t_.kTile >= t_.k;
-    if (xResident) CopyInX(0, t_.m, 0, t_.k);
-    for (int64_t m0 = 0; m0 < t_.m; m0 += t_.mTile) {
-      int64_t mt = std::min(t_.mTile, t_.m - m0);
-      // Walk this core's rows segment by segment (PLAIN may span q, k and v).
-      int64_t base = 0;
-      for (int64_t s = 0; s < (ep_ == LINEAR_SWIGLU ? 1 : t_.numSegments); ++s) {
-        int64_t lo = std::max(first_, base), hi = std::min(last_, base + t_.segRows[s]);
-        for (int64_t g = lo; g < hi; g += t_.nTile) {
-          int64_t nt = std::min(t_.nTile, hi - g);
-          ProcessTile(int(s), g - base, m0, mt, nt, xResident);
-        }
-        base += t_.segRows[s];
-      }
     }
   }
 
@@ -67,10 +46,7 @@ class KernelLinear : LinearIo<T> {
     // The last K chunk (k0 below) is still in UB: finish with the scalar tail.
     int64_t kLast = (t_.k - 1) / t_.kTile * t_.kTile;
     for (int st = 0; st < streams_; ++st) Finish(st, st == 1 ? 1 : s, row, mt, nt, kLast, k8);
-    if (ep_ == LINEAR_RESIDUAL) Io::CopyInResidual(row, m0, mt, nt);
-    Io::Epilogue(s, row, sums_[0].Get<float>().GetPhyAddr(),
-                 streams_ == 2 ? sums_[1].Get<float>().GetPhyAddr() : nullptr, nt, mt, nt);
-    Io::CopyOut(s, row, m0, mt, nt);
+    Stream::OutputSums(s, row, m0, mt, nt);
   }
 
   void CopyInX(int64_t m0, int64_t mt, int64_t k0, int64_t kl) {
@@ -101,7 +77,7 @@ class KernelLinear : LinearIo<T> {
   // sums[m][n] = lanes reduced + the K % 8 tail (from the last x chunk); the epilogue adds the bias.
   void Finish(int st, int seg, int64_t row, int64_t mt, int64_t nt, int64_t kLast, int64_t k8) {
     const float* l = lanes_[st].Get<float>().GetPhyAddr();
-    float* sums = sums_[st].Get<float>().GetPhyAddr();
+    float* sums = Stream::Sums(st);
     const float* x = xBuf_.Get<float>().GetPhyAddr();
     const T* w = wGm_[seg].GetPhyAddr(row * t_.k);
     // One vector pass over all mt x nt lane groups (a scalar 7-add tree per output was ~20% of a batch-16 decode GEMM).
@@ -115,8 +91,7 @@ class KernelLinear : LinearIo<T> {
         }
   }
 
-  int64_t first_ = 0, last_ = 0;
-  TBuf<TPosition::VECCALC> xBuf_, lanes_[2], sums_[2];
+  TBuf<TPosition::VECCALC> xBuf_, lanes_[2];
 };
 
 }  // namespace
@@ -127,7 +102,7 @@ void Linear(const void* x, int64_t m, int64_t k, const LinearSegment* segs, int6
   for (int64_t s = 0; s < numSegments && s < kLinearMaxSegments; ++s) rows[s] = segs[s].n;
   LinearTilingData t = LinearTiling(m, k, rows, numSegments, ep, dtype, soc);
   if (t.tilingKey / 100 == LINEAR_GEMM) return LinearGemm(x, segs, residual, t, soc);
-  LaunchLinearKernel<KernelLinear>(x, segs, residual, t, soc);
+  LaunchLinearKernel<KernelLinear>(t, soc, GmAddr(x), segs, GmAddr(residual), t);
 }
 
 }  // namespace atb

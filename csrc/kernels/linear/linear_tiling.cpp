@@ -5,6 +5,7 @@
 #include "ascendc/error.h"
 #include "ascendc/simd.h"
 #include "kernels/common/tiling_utils.h"
+#include "linear_tiling_steps.h"
 
 namespace atb {
 
@@ -17,14 +18,10 @@ namespace {
 //   x          fp32 [mTile, kTile]            (widened once per pass)
 //   lanes      fp32 [mTile, nTile, 8] per stream (SWIGLU: gate and up)
 //   sums       fp32 [mTile, nTile]    per stream
-//   out queue  BUFFER_NUM x T [mTile, nTile]
-//   residual   BUFFER_NUM x T [mTile, nTile]  (RESIDUAL)
+//   and LinearIo's out (and residual) queues
 int64_t TileUb(int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep) {
   int64_t streams = ep == LINEAR_SWIGLU ? 2 : 1;
-  int64_t ub = UbSlot(mt * kt * 4) + streams * (UbSlot(mt * nt * 32) + UbSlot(mt * nt * 4)) +
-               AscendC::BUFFER_NUM * UbSlot(mt * nt * elt);
-  if (ep == LINEAR_RESIDUAL) ub += AscendC::BUFFER_NUM * UbSlot(mt * nt * elt);
-  return ub;
+  return UbSlot(mt * kt * 4) + streams * (UbSlot(mt * nt * 32) + UbSlot(mt * nt * 4)) + LinearIoUb(mt, nt, elt, ep);
 }
 
 // A host core must stream at least this much weight to be worth waking: a
@@ -35,52 +32,82 @@ constexpr int64_t kHostMinBytesPerCore = 256 * 1024;
 //   packed W   fp32 [kTile, nTile]  per stream        (the cube's B operand)
 //   C          fp32 [mPass, nTile]  per stream        (the accumulator, kept across K chunks)
 //   x          fp32 [mTile, kTile]  (fp16/bf16 only: fp32 x is read in place)
-//   out queue  BUFFER_NUM x T [mTile, nTile]; residual queue the same (RESIDUAL)
+//   and LinearIo's out (and residual) queues
 // With the dot-product micro-kernel (dp) there is neither packed W nor widened x.
 int64_t GemmUb(int64_t mPass, int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep, bool dp) {
   int64_t streams = ep == LINEAR_SWIGLU ? 2 : 1;
-  int64_t ub = streams * ((dp ? 0 : UbSlot(kt * nt * 4)) + UbSlot(mPass * nt * 4)) +
-               AscendC::BUFFER_NUM * UbSlot(mt * nt * elt);
+  int64_t ub = streams * ((dp ? 0 : UbSlot(kt * nt * 4)) + UbSlot(mPass * nt * 4)) + LinearIoUb(mt, nt, elt, ep);
   if (elt != 4 && !dp) ub += UbSlot(mt * kt * 4);
-  if (ep == LINEAR_RESIDUAL) ub += AscendC::BUFFER_NUM * UbSlot(mt * nt * elt);
   return ub;
 }
-
-// Rows of x per cube tile pass: a multiple of the micro-kernel's 6 rows.
-constexpr int64_t kGemmMTile = 48;
 
 // dp: weight rows per tile, a multiple of the micro-kernel's 3-row panel (its 16-row blocks of 48 keep the
 // tile's weights, 48 x K, in L2 while x's rows pass over them).
 constexpr int64_t kGemmDpNTile = 48;
 
 void GemmTiling(LinearTilingData& t, int64_t elt, LinearEpilogue ep, const AscendC::SocInfo& soc, bool dp) {
-  int64_t minRows = t.segRows[0];
-  for (int64_t s = 1; s < t.numSegments; ++s) minRows = std::min(minRows, t.segRows[s]);
   t.dpBf16 = dp;
   if (dp) {
-    t.nTile = std::min(kGemmDpNTile, minRows);
+    t.nTile = std::min(kGemmDpNTile, MinSegmentRows(t));
     t.kTile = t.k;
   } else {
-    t.nTile = minRows >= 32 ? 32 : AlignUp(minRows, 8);
-    t.kTile = std::min<int64_t>(t.k, 256);
+    GemmPackedTile(t, t.k);
   }
-  t.mTile = std::min(t.m, kGemmMTile);
-  // A packed weight tile is reused by mPass rows: the more, the cheaper its packing.
-  t.mPass = std::min<int64_t>(AlignUp(t.m, t.mTile), 8 * kGemmMTile);
-  while (GemmUb(t.mPass, t.mTile, t.nTile, t.kTile, elt, ep, dp) > soc.ub_size) {
-    if (t.mPass > 2 * t.mTile) {
-      t.mPass = AlignUp(t.mPass / 2, t.mTile);
-    } else if (t.kTile > 64 && !dp) {
-      t.kTile = AlignUp(CeilDiv(t.kTile, 2), 8);
-    } else if (t.nTile > 8) {
-      t.nTile /= 2;
-    } else if (t.mTile > 6) {
-      t.mTile = AlignUp(t.mTile / 2, 6);
-      t.mPass = t.mTile;
-    } else {
-      AscendC::ThrowError("linear tiling: UB of ", soc.ub_size, " bytes is too small");
-    }
+  // Packed K chunks halve to multiples of 8; dp never splits K.
+  GemmShrinkAndSplit(t, dp ? kKeepKWhole : KHalving{64, 8}, ep, "linear", soc, [&](const LinearTilingData& c) {
+    return GemmUb(c.mPass, c.mTile, c.nTile, c.kTile, elt, ep, dp);
+  });
+}
+
+}  // namespace
+
+LinearTilingData LinearShapeTiling(const char* op, int64_t m, int64_t k, const int64_t* segRows, int64_t numSegments,
+                                   LinearEpilogue ep, AscendC::DataType dtype, const AscendC::SocInfo& soc) {
+  ATB_CHECK(m >= 1 && k >= 1, op, " tiling: M and K must be >= 1, got M=", m, " K=", k);
+  ATB_CHECK(numSegments >= 1 && numSegments <= kLinearMaxSegments, op, " tiling: 1..", kLinearMaxSegments,
+            " weight segments, got ", numSegments);
+  ATB_CHECK(ep != LINEAR_SWIGLU || (numSegments == 2 && segRows[0] == segRows[1]), op,
+            " tiling: swiglu needs two segments (gate, up) of equal N");
+  ATB_CHECK(ep != LINEAR_RESIDUAL || numSegments == 1, op, " tiling: the residual epilogue takes one segment");
+  CheckDtypeOnSoc(op, dtype, soc, "cube");
+  LinearTilingData t;
+  t.m = m;
+  t.k = k;
+  t.numSegments = numSegments;
+  for (int64_t s = 0; s < numSegments; ++s) {
+    ATB_CHECK(segRows[s] >= 1, op, " tiling: segment ", s, " has N=", segRows[s], ", must be >= 1");
+    t.segRows[s] = segRows[s];
+    t.rows += segRows[s];
   }
+  if (ep == LINEAR_SWIGLU) t.rows = segRows[0];
+  return t;
+}
+
+void StreamRowSplit(LinearTilingData& t, int64_t weightBytes, int64_t kCols, const AscendC::SocInfo& soc) {
+  // A matmul runs on the cube cores; the host uses as many threads as the weight bytes pay for.
+  int64_t cores = std::max<int64_t>(1, soc.cube_core_num);
+  if (soc.is_host) cores = std::min(cores, std::max<int64_t>(1, weightBytes / kHostMinBytesPerCore));
+  // Re-derive blockDim so every core gets rows.
+  t.blockFactor = AlignUp(CeilDiv(t.rows, std::min(cores, t.rows)), 4);
+  t.blockDim = CeilDiv(t.rows, t.blockFactor);
+  t.mTile = std::min<int64_t>(t.m, 32);
+  t.nTile = std::min<int64_t>(t.blockFactor, 64);
+  t.kTile = kCols;
+}
+
+int64_t MinSegmentRows(const LinearTilingData& t) {
+  int64_t minRows = t.segRows[0];
+  for (int64_t s = 1; s < t.numSegments; ++s) minRows = std::min(minRows, t.segRows[s]);
+  return minRows;
+}
+
+void GemmPackedTile(LinearTilingData& t, int64_t kCols) {
+  int64_t minRows = MinSegmentRows(t);
+  t.nTile = minRows >= 32 ? 32 : AlignUp(minRows, 8);
+  t.kTile = std::min<int64_t>(kCols, 256);
+}
+
+void GemmUnitSplit(LinearTilingData& t, LinearEpilogue ep, const AscendC::SocInfo& soc) {
   t.nTiles = 0;
   int64_t segs = ep == LINEAR_SWIGLU ? 1 : t.numSegments;
   for (int64_t s = 0; s < segs; ++s) t.nTiles += CeilDiv(t.segRows[s], t.nTile);
@@ -89,31 +116,11 @@ void GemmTiling(LinearTilingData& t, int64_t elt, LinearEpilogue ep, const Ascen
   int64_t cores = std::max<int64_t>(1, std::min(soc.cube_core_num, units));
   t.blockFactor = CeilDiv(units, cores);
   t.blockDim = CeilDiv(units, t.blockFactor);
-  t.ubBytes = GemmUb(t.mPass, t.mTile, t.nTile, t.kTile, elt, ep, dp);
 }
-
-}  // namespace
 
 LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int64_t numSegments, LinearEpilogue ep,
                               AscendC::DataType dtype, const AscendC::SocInfo& soc) {
-  ATB_CHECK(m >= 1 && k >= 1, "linear tiling: M and K must be >= 1, got M=", m, " K=", k);
-  ATB_CHECK(numSegments >= 1 && numSegments <= kLinearMaxSegments, "linear tiling: 1..", kLinearMaxSegments,
-            " weight segments, got ", numSegments);
-  ATB_CHECK(ep != LINEAR_SWIGLU || (numSegments == 2 && segRows[0] == segRows[1]),
-            "linear tiling: swiglu needs two segments (gate, up) of equal N");
-  ATB_CHECK(ep != LINEAR_RESIDUAL || numSegments == 1, "linear tiling: the residual epilogue takes one segment");
-  ATB_CHECK(dtype != AscendC::DataType::BFLOAT16 || soc.supports_bf16, "linear: bfloat16 is not supported on ",
-            soc.name, " (no bf16 cube unit); use float16 or float32");
-  LinearTilingData t;
-  t.m = m;
-  t.k = k;
-  t.numSegments = numSegments;
-  for (int64_t s = 0; s < numSegments; ++s) {
-    ATB_CHECK(segRows[s] >= 1, "linear tiling: segment ", s, " has N=", segRows[s], ", must be >= 1");
-    t.segRows[s] = segRows[s];
-    t.rows += segRows[s];
-  }
-  if (ep == LINEAR_SWIGLU) t.rows = segRows[0];
+  LinearTilingData t = LinearShapeTiling("linear", m, k, segRows, numSegments, ep, dtype, soc);
   int64_t elt = AscendC::DataTypeSize(dtype);
   // The dot-product micro-kernel is the running CPU's (the SIMD table in use), whatever SoC is modelled.
   bool dp = dtype == AscendC::DataType::BFLOAT16 && AscendC::Simd().mmad_nt_dp_bf16 != nullptr;
@@ -122,37 +129,10 @@ LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int6
     t.tilingKey = LINEAR_GEMM * 100 + int64_t(dtype) * 10 + ep;
     return t;
   }
-  int64_t bytesPerRow = k * elt * (ep == LINEAR_SWIGLU ? 2 : 1);
-
-  // A matmul runs on the cube cores; the host uses as many threads as the
-  // weight bytes pay for.
-  int64_t cores = std::max<int64_t>(1, soc.cube_core_num);
-  if (soc.is_host) cores = std::min(cores, std::max<int64_t>(1, t.rows * bytesPerRow / kHostMinBytesPerCore));
-  // Rows per core in whole blocks of 4 (the micro-kernel's weight-row block), then
-  // re-derive blockDim so every core gets rows.
-  t.blockFactor = AlignUp(CeilDiv(t.rows, std::min(cores, t.rows)), 4);
-  t.blockDim = CeilDiv(t.rows, t.blockFactor);
-
-  // Decode: all M rows in one pass, all of K in UB, 64 weight rows per tile.
-  // Shrink K first (x is re-widened per K chunk, cheap), then the row tile,
-  // then M (each extra M pass re-streams the weights: prefill shapes).
-  t.mTile = std::min<int64_t>(m, 32);
-  t.nTile = std::min<int64_t>(t.blockFactor, 64);
-  t.kTile = k;
-  while (TileUb(t.mTile, t.nTile, t.kTile, elt, ep) > soc.ub_size) {
-    if (t.kTile > 512) {
-      t.kTile = AlignUp(CeilDiv(t.kTile, 2), 64);
-    } else if (t.nTile > 8) {
-      t.nTile = AlignUp(t.nTile / 2, 4);
-    } else if (t.mTile > 1) {
-      t.mTile = CeilDiv(t.mTile, 2);
-    } else if (t.kTile > 64) {
-      t.kTile = AlignUp(CeilDiv(t.kTile, 2), 64);
-    } else {
-      AscendC::ThrowError("linear tiling: UB of ", soc.ub_size, " bytes is too small");
-    }
-  }
-  t.ubBytes = TileUb(t.mTile, t.nTile, t.kTile, elt, ep);
+  // Decode: all M rows in one pass, all of K in UB, 64 weight rows per tile; K chunks halve to multiples of 64.
+  StreamRowSplit(t, t.rows * k * elt * (ep == LINEAR_SWIGLU ? 2 : 1), k, soc);
+  StreamShrink(t, KHalving{64, 64}, "linear", soc,
+               [&](const LinearTilingData& c) { return TileUb(c.mTile, c.nTile, c.kTile, elt, ep); });
   t.tilingKey = LINEAR_STREAM * 100 + int64_t(dtype) * 10 + ep;
   return t;
 }

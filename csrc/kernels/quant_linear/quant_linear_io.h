@@ -83,28 +83,15 @@ inline void DequantRow(const QuantSegment& q, int64_t kPad, int64_t row, int64_t
     QuantSimd().dequant_w8(dst, static_cast<const int8_t*>(q.data) + row * kPad + k0, s.scale, kl, s.group);
 }
 
-// KernelLaunch of Kernel<T> (Init + Process) for the tiling's activation dtype.
+// LaunchLinearKernel of Kernel<T> with Init(x, segments as LinearSegments, segments, residual, t): the float
+// linear's epilogue, bias and output plumbing (LinearIo) sees the quantized segments as LinearSegments.
 template <template <typename> class Kernel>
 void LaunchQuantKernel(const void* x, const QuantSegment* segs, const void* residual, const QuantLinearTilingData& t,
                        const AscendC::SocInfo& soc) {
-  using AscendC::DataType;
-  // The float linear's epilogue, bias and output plumbing sees the segments as LinearSegments.
   LinearSegment ls[kLinearMaxSegments];
   for (int64_t s = 0; s < t.base.numSegments; ++s) ls[s] = {segs[s].data, segs[s].bias, segs[s].out, segs[s].n};
-  auto gm = [](const void* p) { return reinterpret_cast<AscendC::GM_ADDR>(const_cast<void*>(p)); };
-  auto run = [&](auto tag) {
-    Kernel<decltype(tag)> op;
-    op.Init(gm(x), ls, segs, gm(residual), t);
-    op.Process();
-  };
-  auto kernel = [&]() {
-    switch (DataType(t.base.tilingKey / 10 % 10)) {
-      case DataType::FLOAT32: return run(float{});
-      case DataType::FLOAT16: return run(AscendC::half{});
-      case DataType::BFLOAT16: return run(AscendC::bfloat16_t{});
-    }
-  };
-  AscendC::KernelLaunch(t.base.blockDim, soc.ub_size, kernel);
+  const LinearSegment* linearSegs = ls;
+  LaunchLinearKernel<Kernel>(t.base, soc, GmAddr(x), linearSegs, segs, GmAddr(residual), t);
 }
 
 }  // namespace atb

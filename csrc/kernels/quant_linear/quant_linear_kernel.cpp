@@ -20,20 +20,19 @@ namespace atb {
 namespace {
 
 template <typename T>
-class KernelQuantLinear : LinearIo<T> {
+class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
   static constexpr bool kBf16 = std::is_same<T, bfloat16_t>::value;
-  using Io = LinearIo<T>;
-  using Io::t_, Io::ep_, Io::streams_, Io::pipe_, Io::xGm_;
+  using Stream = LinearStreamIo<T, KernelQuantLinear<T>>;
+  friend Stream;
+  using Stream::t_, Stream::streams_, Stream::pipe_, Stream::xGm_, Stream::sums_;
 
  public:
   void Init(GM_ADDR x, const LinearSegment* ls, const QuantSegment* qs, GM_ADDR residual,
             const QuantLinearTilingData& t) {
-    Io::InitIo(x, ls, residual, t.base);
+    Stream::InitStream(x, ls, residual, t.base, t.kPad);
     q_ = qs;
     kPad_ = t.kPad;
     kChunks_ = t.kChunks;
-    first_ = GetBlockIdx() * t_.blockFactor;
-    last_ = std::min(t_.rows, first_ + t_.blockFactor);
     int64_t mt = t_.mTile, nt = t_.nTile;
     pipe_.InitBuffer(xBuf_, mt * t_.kTile * sizeof(float));
     pipe_.InitBuffer(xsumBuf_, mt * kChunks_ * sizeof(float));
@@ -45,22 +44,6 @@ class KernelQuantLinear : LinearIo<T> {
     }
   }
 
-  void Process() {
-    if (first_ >= last_) return;
-    // x stays in UB for the whole launch when one pass covers all of M and K.
-    bool xResident = t_.mTile >= t_.m && t_.kTile >= kPad_;
-    if (xResident) CopyInX(0, t_.m, 0, kPad_);
-    for (int64_t m0 = 0; m0 < t_.m; m0 += t_.mTile) {
-      int64_t mt = std::min(t_.mTile, t_.m - m0);
-      int64_t base = 0;
-      for (int64_t s = 0; s < (ep_ == LINEAR_SWIGLU ? 1 : t_.numSegments); ++s) {
-        int64_t lo = std::max(first_, base), hi = std::min(last_, base + t_.segRows[s]);
-        for (int64_t g = lo; g < hi; g += t_.nTile) ProcessTile(int(s), g - base, m0, mt, std::min(t_.nTile, hi - g), xResident);
-        base += t_.segRows[s];
-      }
-    }
-  }
-
  private:
   void ProcessTile(int s, int64_t row, int64_t m0, int64_t mt, int64_t nt, bool xResident) {
     for (int64_t k0 = 0; k0 < kPad_; k0 += t_.kTile) {
@@ -68,10 +51,7 @@ class KernelQuantLinear : LinearIo<T> {
       if (!xResident) CopyInX(m0, mt, k0, kl);
       for (int st = 0; st < streams_; ++st) Compute(st, st == 1 ? 1 : s, row, mt, nt, k0, kl);
     }
-    if (ep_ == LINEAR_RESIDUAL) Io::CopyInResidual(row, m0, mt, nt);
-    Io::Epilogue(s, row, sums_[0].Get<float>().GetPhyAddr(),
-                 streams_ == 2 ? sums_[1].Get<float>().GetPhyAddr() : nullptr, nt, mt, nt);
-    Io::CopyOut(s, row, m0, mt, nt);
+    Stream::OutputSums(s, row, m0, mt, nt);
   }
 
   // x[m0 : m0 + mt, k0 : k0 + kl] widened to fp32 (zeros past K) and its sums per 32 values.
@@ -97,7 +77,7 @@ class KernelQuantLinear : LinearIo<T> {
     const QuantSegment& q = q_[seg];
     TileScales sc = LoadScales(q, kPad_, row, nt, k0, kl, scaleBuf_[st].Get<float>().GetPhyAddr(),
                                minBuf_[st].Get<float>().GetPhyAddr(), kChunks_);
-    float* y = sums_[st].Get<float>().GetPhyAddr();
+    float* y = Stream::Sums(st);
     const float* x = xBuf_.Get<float>().GetPhyAddr();
     const float* xs = xsumBuf_.Get<float>().GetPhyAddr();
     if (q.bits == 4) {
@@ -114,8 +94,8 @@ class KernelQuantLinear : LinearIo<T> {
   }
 
   const QuantSegment* q_ = nullptr;
-  int64_t kPad_ = 0, kChunks_ = 0, first_ = 0, last_ = 0;
-  TBuf<TPosition::VECCALC> xBuf_, xsumBuf_, xbBuf_, scaleBuf_[2], minBuf_[2], sums_[2];
+  int64_t kPad_ = 0, kChunks_ = 0;
+  TBuf<TPosition::VECCALC> xBuf_, xsumBuf_, xbBuf_, scaleBuf_[2], minBuf_[2];
 };
 
 // Embedding rows: each core dequantizes its share of the requested rows, in K pieces that fit its UB.
