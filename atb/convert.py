@@ -429,6 +429,13 @@ QUANT_PARTS = ("qweight", "scales", "mins")
 # A quantized DST's weight files: not the names stock transformers looks for, so it cannot silently load
 # the model with random projections (it ignores an unknown quantization_config with a warning and would).
 QUANT_INDEX = "atb-model.safetensors.index.json"
+# config.json's ``transformers_weights`` of a quantized DST: the weights file stock ``from_pretrained`` is told
+# to load. transformers only warns about (and ignores) an unknown ``quant_method``; a ``transformers_weights``
+# that names no safetensors file is a ValueError that quotes it, so this text is the reason stock transformers
+# gives for refusing the directory.
+QUANT_REFUSAL = ("this directory is an atb quantized checkpoint (atb convert --quantize {format}), which stock "
+                 "transformers cannot load: load it with atb (atb.TransformerInfer(path), "
+                 "atb.checkpoints.load_model(path), python -m atb generate --model path)")
 
 
 @dataclass(frozen=True)
@@ -847,6 +854,7 @@ def convert(src: str, dst: str, dtype: str | torch.dtype = "bfloat16", *, max_sh
             config.pop("torch_dtype", None)
             if quant_config is not None:
                 config["quantization_config"] = quant_config
+                config["transformers_weights"] = QUANT_REFUSAL.format(format=quantize)
             with open(config_path, "w") as f:
                 json.dump(config, f, indent=2)
         _publish(tmp, dst)
