@@ -300,5 +300,6 @@ def test_cli_errors(tiny, tmp_path, capsys):
     assert "already quantized" in one_error(capsys, ["generate", "Hello", "--model", str(dst), "--quantize", "w4a16"])
     assert "atb-quantized checkpoint" in one_error(capsys, ["bench", "--model", str(dst), "--quiet"])
     # --tp slices float weights: refused before torchrun's process group is looked for.
-    assert "tensor parallelism slices float weights" in one_error(capsys, ["generate", "Hello", "--model", str(dst),
-                                                                           "--tp", "2"])
+    for command in (["generate", "Hello"], ["serve"]):
+        assert "tensor parallelism slices float weights" in one_error(capsys, command + ["--model", str(dst),
+                                                                                         "--tp", "2"])
