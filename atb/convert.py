@@ -16,9 +16,10 @@ Memory stays near one chunk of one tensor, never a shard or the model:
   not care about shape), cast from a private memory map of the source file (the
   safetensors file, or the ``.bin`` zip that ``torch.load(mmap=True)`` maps) straight into
   a reused output buffer, written out once it holds about a chunk (small tensors share a
-  write; see ``_ShardFile``). File pages touched through a map stay resident (and count in RSS) until unmapped, so each
-  chunk's pages are released with ``madvise(MADV_DONTNEED)`` once used (the map is private
-  and never written, so the kernel re-reads them from the file if touched again).
+  write; see ``_ShardFile`` and ``_Appender``). File pages touched through a map stay
+  resident (and count in RSS) until unmapped, so each chunk's pages are released with
+  ``madvise(MADV_DONTNEED)`` once used (the map is private and never written, so the
+  kernel re-reads them from the file if touched again).
 * ``quantize=`` (``--quantize``): each projection, the embedding and the LM head is
   quantized by :func:`atb.quant.quantize_weight` in blocks of rows (its quantized parts,
   a quarter to an eighth of the float tensor, are the bound), or taken as the GGUF file's
