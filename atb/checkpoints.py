@@ -201,12 +201,30 @@ class _StoredQuantized:
                                f"model through atb.TransformerInfer(model) or atb.patch_hf_model(model)")
 
 
-def load_quantized(directory: str, dtype: torch.dtype = torch.float32, *, progress: bool = True):
-    """``(model, tokenizer)`` of a directory written by ``atb convert --quantize``.
+def load_quantized(directory: str, dtype: torch.dtype | None = torch.float32, *, progress: bool = True):
+    """``(model, tokenizer)`` of a directory written by ``atb convert --quantize``: :func:`load_quantized_model`
+    and the directory's tokenizer."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    model = load_quantized_model(directory, dtype)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load model from {directory}: {str(e).splitlines()[0]}") from e
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return model, tokenizer
+
+
+def load_quantized_model(directory: str, dtype: torch.dtype | None = torch.float32):
+    """The HF model of a directory written by ``atb convert --quantize``, its weights as stored.
 
     The HF model is built on the meta device and only its float tensors (norms, biases, rotary tables) are
-    materialized, in ``dtype``; every quantized weight is read from the files as stored (codes, scales, mins:
-    no float copy, no re-quantization) into ``model.atb_quantized``, a
+    materialized, in ``dtype`` (None: the ``--dtype`` they were stored in); every quantized weight is read from
+    the files as stored (codes, scales, mins: no float copy, no re-quantization) into ``model.atb_quantized``, a
     :class:`atb.quant.api.QuantizedModelWeights` that ``TransformerInfer(model)`` and
     ``patch_hf_model(model)`` run on. The quantized modules' float parameters are zero-stride placeholders
     (no memory); calling such a module's stock forward raises, naming the way to run it.
@@ -215,7 +233,7 @@ def load_quantized(directory: str, dtype: torch.dtype = torch.float32, *, progre
     import json
 
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from atb.convert import QUANT_INDEX
@@ -233,13 +251,18 @@ def load_quantized(directory: str, dtype: torch.dtype = torch.float32, *, progre
     hf_logging.set_verbosity_error()
     try:
         config = AutoConfig.from_pretrained(directory)
-        tokenizer = AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load model from {directory}: {str(e).splitlines()[0]}") from e
     finally:
         hf_logging.set_verbosity(verbosity)
+    if dtype is None:
+        dtype = config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32
     qc = config.quantization_config
-    del config.quantization_config  # the model class is the plain float one; atb holds the quantized weights
+    # The model class is the plain float one and atb holds the quantized weights: the attributes that keep
+    # stock transformers from loading the directory (atb.convert.QUANT_REFUSAL) do not belong to it.
+    del config.quantization_config
+    if hasattr(config, "transformers_weights"):
+        del config.transformers_weights
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
 
@@ -333,7 +356,7 @@ def load_quantized(directory: str, dtype: torch.dtype = torch.float32, *, progre
     model.atb_quantized = QuantizedModelWeights(layers, embed, head, adapter.final_norm(model), tied, report)
     model.atb_quantization_config = qc
     model.atb_source_path = os.path.abspath(directory)
-    return model, tokenizer
+    return model
 
 
 def quant_prefix_of(param_name: str) -> str:

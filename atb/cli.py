@@ -126,6 +126,30 @@ def _preflight(args, runs_on_atb: bool = True):
     return config
 
 
+def _atb_quantization(args) -> dict | None:
+    """The quantization_config of --model when it is an ``atb convert --quantize`` directory, else None."""
+    if not (getattr(args, "model", None) and os.path.isdir(args.model)):
+        return None
+    from atb.checkpoints import atb_quantization
+
+    return atb_quantization(args.model)
+
+
+def check_atb_quantized(args) -> None:
+    """Refuses, before anything loads, what an ``atb convert --quantize`` --model cannot do: be quantized again
+    (--quantize) or be sliced by tensor parallelism (--tp, which slices float weights)."""
+    qc = _atb_quantization(args)
+    if qc is None:
+        return
+    quantize = getattr(args, "quantize", None)
+    if quantize not in (None, "native"):
+        raise UserError(f"--quantize {quantize}: {args.model} is already quantized by atb convert "
+                        f"({qc.get('format')}) and runs as stored; leave --quantize out")
+    if getattr(args, "tp", 1) > 1:
+        raise UserError(f"--tp {args.tp}: {args.model} is an atb quantized checkpoint, and tensor parallelism "
+                        f"slices float weights: run it without --tp, or give --tp a float checkpoint")
+
+
 def _max_seq_len(args, config) -> int:
     """--max-seq-len, or 2048 clamped to the model's max_position_embeddings."""
     if args.max_seq_len is not None:
@@ -205,13 +229,7 @@ def _engine(args):
     dtype = _torch_dtype(args.dtype)
     _check_soc_dtype(args.soc_type, dtype)
     config = _preflight(args)
-    if args.quantize and args.model and os.path.isdir(args.model):
-        from atb.checkpoints import atb_quantization
-
-        qc = atb_quantization(args.model)
-        if qc is not None and args.quantize != "native":
-            raise UserError(f"--quantize {args.quantize}: {args.model} is already quantized by atb convert "
-                            f"({qc.get('format')}) and runs as stored; leave --quantize out")
+    check_atb_quantized(args)
     max_seq_len = _max_seq_len(args, config)
     if args.max_new_tokens >= max_seq_len:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in "
@@ -386,12 +404,9 @@ def cmd_bench(args) -> int:
         except ImportError:
             raise UserError('--plot needs matplotlib: pip install -e ".[plot]"') from None
     _preflight(args)
-    if args.model and os.path.isdir(args.model):
-        from atb.checkpoints import atb_quantization
-
-        if atb_quantization(args.model) is not None:
-            raise UserError(f"bench: {args.model} is an atb-quantized checkpoint, which the stock HF rows of the "
-                            f"bench cannot run (no float weights); bench its float source, or use generate")
+    if _atb_quantization(args) is not None:
+        raise UserError(f"bench: {args.model} is an atb-quantized checkpoint, which the stock HF rows of the "
+                        f"bench cannot run (no float weights); bench its float source, or use generate")
     if args.threads:
         atb.set_num_threads(args.threads)
         torch.set_num_threads(args.threads)

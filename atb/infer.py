@@ -56,13 +56,39 @@ from atb.engine.scheduler import Scheduler
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def _check_dtype(dtype) -> None:
+    """``dtype=`` is None (the model's) or a float dtype the engine computes in."""
+    if dtype is not None and dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"TransformerInfer: dtype must be torch.float32, torch.float16 or torch.bfloat16, "
+                         f"got {dtype}")
+
+
+def _atb_quantized_dir(path: str) -> bool:
+    from atb.checkpoints import atb_quantization
+
+    return os.path.isdir(path) and atb_quantization(path) is not None
+
+
+def _load_quantized_dir(path: str, dtype: torch.dtype | None):
+    """The model of an ``atb convert --quantize`` directory (its float tensors in ``dtype``, None: as stored)."""
+    from atb.checkpoints import ModelLoadError, load_quantized_model
+
+    _check_dtype(dtype)
+    try:
+        return load_quantized_model(path, dtype)
+    except ModelLoadError as e:
+        raise ValueError(f"TransformerInfer: {e}") from None
+
+
 class TransformerInfer(Engine):
     """Paged-KV-cache inference for a loaded HF causal LM of a supported family.
 
     Args:
         model: a loaded HF ``*ForCausalLM`` (llama, mistral, qwen2, qwen3 families), or the path of a local
             HF model directory (``config.json`` + ``*.safetensors``), read tensor by tensor (slice by slice
-            under tensor parallelism) without building the HF model first.
+            under tensor parallelism) without building the HF model first. A directory written by
+            ``atb convert --quantize`` runs on its weights as stored (not under tensor parallelism, which
+            slices float weights: a ValueError).
         max_seq_len: longest sequence (prompt + generated); at most the model's
             ``max_position_embeddings``.
         soc_type: the SoC whose tiling every kernel uses (``atb.soc_names()``).
@@ -103,8 +129,18 @@ class TransformerInfer(Engine):
         from atb.registry import get_adapter
 
         from_path = isinstance(model, (str, os.PathLike))
+        tensor_parallel = tp is not None or tp_group is not None
+        if from_path and _atb_quantized_dir(os.fspath(model)):
+            if tensor_parallel:
+                raise ValueError(f"TransformerInfer: {os.fspath(model)} is an atb quantized checkpoint (atb convert "
+                                 f"--quantize); tensor parallelism slices float weights and cannot read it: give "
+                                 f"tp a float checkpoint (atb convert SRC DST --dtype ...)")
+            model, from_path = _load_quantized_dir(os.fspath(model), dtype), False
+        if tensor_parallel and getattr(model, "atb_quantized", None) is not None:
+            raise ValueError("TransformerInfer: this model's weights are stored quantized by atb convert; tensor "
+                             "parallelism slices float weights and cannot run it: give tp a float checkpoint")
         tp_comm = None
-        if tp is not None or tp_group is not None:
+        if tensor_parallel:
             from atb.distributed import TensorParallel
 
             tp_comm = TensorParallel.resolve(tp, tp_group)
@@ -160,7 +196,9 @@ class TransformerInfer(Engine):
         self._init_engine(runner, Scheduler(cache, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                             max_prefill_tokens=max_prefill_tokens))
         self.graph_mode = graph_mode
-        self.quantize = quantize if quantize is None or isinstance(quantize, str) else "custom"
+        from atb.quant.engine import describe
+
+        self.quantize = describe(model, quantize)
         self.enable_prefix_caching = enable_prefix_caching
 
     # ---- construction -------------------------------------------------------
@@ -174,9 +212,7 @@ class TransformerInfer(Engine):
         else:
             tp_comm.check_same(config, dtype=dtype, **settings)
             plan = tp_comm.plan_for(self.adapter.spec)  # ValueError when the heads do not split
-        if dtype is not None and dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"TransformerInfer: dtype must be torch.float32, torch.float16 or torch.bfloat16, "
-                             f"got {dtype}")
+        _check_dtype(dtype)
         return load_shard(source, config, plan, dtype)
 
     def _resolve_dtype(self, model, dtype):
@@ -191,9 +227,7 @@ class TransformerInfer(Engine):
                               f"float16 (weights converted)", stacklevel=3)
                 return torch.float16
             return model_dtype
-        if dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"TransformerInfer: dtype must be torch.float32, torch.float16 or torch.bfloat16, "
-                             f"got {dtype}")
+        _check_dtype(dtype)
         if dtype == torch.bfloat16 and not soc.supports_bf16:
             raise ValueError(f"TransformerInfer: dtype=bfloat16 requested but {soc.name} has no bfloat16 "
                              f"(use float16 or float32)")

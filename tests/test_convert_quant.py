@@ -195,15 +195,59 @@ def test_gguf_source_keeps_q4_1_and_q8_0_blocks(tmp_path):
 
 
 def test_stock_transformers_refuses_a_quantized_checkpoint(tiny, tmp_path):
+    """Stock from_pretrained stops with an error that says what the directory is and how to load it (not a
+    missing-file OSError, nor a model with random projections); atb's loaders still read it."""
     _, src = tiny
     dst = tmp_path / "q"
-    convert.convert(str(src), str(dst), "float32", quantize="w8a16", progress=False)
+    convert.convert(str(src), str(dst), "float32", quantize="w4a16", progress=False)
     code = ("from transformers import AutoModelForCausalLM\n"
             f"AutoModelForCausalLM.from_pretrained({str(dst)!r})\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
-    assert "Unknown quantization type, got atb" in r.stderr  # transformers' own words about quant_method
-    assert "OSError: Error no file named model.safetensors" in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("ValueError: ") and "atb quantized checkpoint (atb convert --quantize w4a16)" in last
+    assert "load it with atb" in last and "atb.TransformerInfer(path)" in last
+    loaded, _ = checkpoints.load_model(str(dst), progress=False)
+    assert not hasattr(loaded.config, "transformers_weights") and not hasattr(loaded.config, "quantization_config")
+
+
+def test_engine_from_a_quantized_directory_path(tiny, tmp_path):
+    """TransformerInfer(path) loads a quantized DST as stored (no float copy) and reports the bytes saved
+    exactly as an engine that quantized the same float model in memory does."""
+    model, src = tiny
+    dst = tmp_path / "q"
+    convert.convert(str(src), str(dst), "bfloat16", quantize="w4a16", group_size=64, progress=False)
+    from_path = atb.TransformerInfer(str(dst), max_seq_len=64)
+    assert from_path.dtype == torch.bfloat16  # the dtype the float tensors were stored in
+    # convert quantizes the float32 source; so does this engine, computing in the same bfloat16.
+    in_memory = atb.TransformerInfer(model, max_seq_len=64, quantize="w4a16-g64", dtype=torch.bfloat16)
+    ids = [[5, 17, 300, 4000, 42]]
+    assert from_path.generate(ids, max_new_tokens=8) == in_memory.generate(ids, max_new_tokens=8)
+
+    got, want = from_path.memory_summary(), in_memory.memory_summary()
+    assert got["quantize"] == "stored:w4a16-g64" and want["quantize"] == "w4a16-g64"
+    for key in ("weights_bytes", "weights_bytes_unquantized", "weights_bytes_saved"):
+        assert got[key] == want[key], key
+    # The tables (8-bit per channel) are nearly all of this model: about half of their bf16 bytes saved.
+    assert got["weights_bytes_saved"] > 0.45 * got["weights_bytes_unquantized"]
+    loaded, _ = checkpoints.load_model(str(dst), torch.float32, progress=False)
+    assert atb.TransformerInfer(loaded, max_seq_len=64).memory_summary()["quantize"] == "stored:w4a16-g64"
+    assert "weights_bytes_saved" not in atb.TransformerInfer(model, max_seq_len=64).memory_summary()
+
+
+def test_tensor_parallel_refuses_a_quantized_checkpoint(tiny, tmp_path):
+    """tp slices float weights: a quantized DST (path or loaded) is refused before any process group is joined."""
+    import torch.distributed as dist
+
+    _, src = tiny
+    dst = tmp_path / "q"
+    convert.convert(str(src), str(dst), "float32", quantize="w8a16", progress=False)
+    with pytest.raises(ValueError, match=f"{dst} is an atb quantized checkpoint.*tp a float checkpoint"):
+        atb.TransformerInfer(str(dst), max_seq_len=64, tp=2)
+    loaded, _ = checkpoints.load_model(str(dst), progress=False)
+    with pytest.raises(ValueError, match="stored quantized by atb convert.*tp a float checkpoint"):
+        atb.TransformerInfer(loaded, max_seq_len=64, tp=2)
+    assert not dist.is_initialized()
 
 
 def test_killed_quantized_conversion_leaves_no_destination(tmp_path):
@@ -255,3 +299,7 @@ def test_cli_errors(tiny, tmp_path, capsys):
     assert capsys.readouterr().out.strip()
     assert "already quantized" in one_error(capsys, ["generate", "Hello", "--model", str(dst), "--quantize", "w4a16"])
     assert "atb-quantized checkpoint" in one_error(capsys, ["bench", "--model", str(dst), "--quiet"])
+    # --tp slices float weights: refused before torchrun's process group is looked for.
+    for command in (["generate", "Hello"], ["serve"]):
+        assert "tensor parallelism slices float weights" in one_error(capsys, command + ["--model", str(dst),
+                                                                                         "--tp", "2"])

@@ -32,6 +32,17 @@ def gguf_path_of(model) -> str | None:
     return path if isinstance(path, str) and path.endswith(".gguf") and os.path.isfile(path) else None
 
 
+def describe(model, quantize) -> str | None:
+    """The engine's ``quantize`` label (``memory_summary()["quantize"]``): the spec string given, "custom" for
+    a ``QuantizedModelWeights``, ``"stored:<format>[-g<group>]"`` for a model loaded from an ``atb convert
+    --quantize`` directory (which runs quantized with ``quantize`` unset), None for float weights."""
+    stored = getattr(model, "atb_quantization_config", None)
+    if stored is not None and quantize in (None, "native"):
+        group = stored.get("group_size")
+        return f"stored:{stored.get('format', '?')}" + (f"-g{group}" if group else "")
+    return quantize if quantize is None or isinstance(quantize, str) else "custom"
+
+
 def resolve(model, quantize) -> QuantizedModelWeights | None:
     # A model loaded from an `atb convert --quantize` directory carries its stored quantized weights (its
     # projections have no float copy): they are what it runs on, and re-quantizing them is not possible.

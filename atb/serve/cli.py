@@ -42,7 +42,7 @@ def add_parser(sub, model_args) -> None:
 
 
 def cmd_serve(args) -> int:
-    from atb.cli import Progress, UserError, _check_soc_dtype, _load, _torch_dtype
+    from atb.cli import Progress, UserError, _check_soc_dtype, _load, _torch_dtype, check_atb_quantized
 
     try:
         import fastapi  # noqa: F401
@@ -54,6 +54,8 @@ def cmd_serve(args) -> int:
             raise UserError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if not args.tp_timeout > 0:
         raise UserError(f"--tp-timeout must be positive, got {args.tp_timeout}")
+
+    check_atb_quantized(args)
 
     import atb
     from atb.cli import _join_tp
