@@ -202,10 +202,16 @@ def _ptr(t) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           soc_type: str | None = None) -> torch.Tensor:
+           soc_type: str | None = None, row_invariant: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias``: x ``[M, K]``, weight ``[N, K]``, bias ``[N]``; fp32 accumulation, x's dtype out.
 
     ``weight`` may be an ``atb.quant.QuantizedWeight`` (W8A16 / W4A16); so may every weight of the entries below.
+
+    ``row_invariant`` (every entry below takes it): the GEMM kernel at every M instead of the STREAM kernel
+    below 32 rows (16 for bf16 with AVX512-BF16). Each kernel computes a row the same way whatever the other
+    rows, but the two round differently, so without it a row's last bits depend on how many rows share the
+    call; with it they do not (a prefix-cached prefill of a suffix gets a whole-prompt prefill's rows).
+    Float weights only: a quantized weight's kernels choose by M as before.
     """
     if _q.is_quantized(weight):
         return _q.linear(x, weight, bias, soc_type=soc_type)
@@ -217,11 +223,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
     if x.shape[0]:
         _C.linear(x.data_ptr(), x.shape[0], x.shape[1], [(weight.data_ptr(), _ptr(bias), out.data_ptr(), weight.shape[0])],
-                  0, EPILOGUE_PLAIN, code, resolve_soc(soc_type, "linear", code))
+                  0, EPILOGUE_PLAIN, code, resolve_soc(soc_type, "linear", code), row_invariant)
     return out
 
 
-def linear_multi(x: torch.Tensor, weights, biases=None, *, soc_type: str | None = None) -> tuple[torch.Tensor, ...]:
+def linear_multi(x: torch.Tensor, weights, biases=None, *, soc_type: str | None = None,
+                 row_invariant: bool = False) -> tuple[torch.Tensor, ...]:
     """Fused q/k/v projection: one launch over 1..3 weights sharing x, one output each.
 
     Equivalent to ``tuple(linear(x, w, b) for w, b in zip(weights, biases))``; the
@@ -238,12 +245,12 @@ def linear_multi(x: torch.Tensor, weights, biases=None, *, soc_type: str | None 
     segs = [(w.data_ptr(), _ptr(b), out.data_ptr(), w.shape[0]) for w, b, out in zip(weights, biases, outs)]
     if x.shape[0]:
         _C.linear(x.data_ptr(), x.shape[0], x.shape[1], segs, 0, EPILOGUE_PLAIN, code,
-                  resolve_soc(soc_type, "linear_multi", code))
+                  resolve_soc(soc_type, "linear_multi", code), row_invariant)
     return outs
 
 
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, bias: torch.Tensor | None = None, *,
-                    soc_type: str | None = None) -> torch.Tensor:
+                    soc_type: str | None = None, row_invariant: bool = False) -> torch.Tensor:
     """``residual + linear(x, weight, bias)`` (o_proj / down_proj), each rounded to x's dtype as HF does."""
     if _q.is_quantized(weight):
         return _q.linear_residual(x, weight, residual, bias, soc_type=soc_type)
@@ -256,12 +263,13 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
     if x.shape[0]:
         _C.linear(x.data_ptr(), x.shape[0], x.shape[1], [(weight.data_ptr(), _ptr(bias), out.data_ptr(), weight.shape[0])],
-                  residual.data_ptr(), EPILOGUE_RESIDUAL, code, resolve_soc(soc_type, "linear_residual", code))
+                  residual.data_ptr(), EPILOGUE_RESIDUAL, code, resolve_soc(soc_type, "linear_residual", code),
+                  row_invariant)
     return out
 
 
 def linear_swiglu(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, *,
-                  soc_type: str | None = None) -> torch.Tensor:
+                  soc_type: str | None = None, row_invariant: bool = False) -> torch.Tensor:
     """``silu(x @ gate_weight.T) * (x @ up_weight.T)`` in one weight pass (LLaMA MLP's first half)."""
     if _q.is_quantized(gate_weight) or _q.is_quantized(up_weight):
         return _q.linear_swiglu(x, gate_weight, up_weight, soc_type=soc_type)
@@ -275,7 +283,7 @@ def linear_swiglu(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.T
     if x.shape[0]:
         _C.linear(x.data_ptr(), x.shape[0], x.shape[1],
                   [(gate_weight.data_ptr(), 0, out.data_ptr(), n), (up_weight.data_ptr(), 0, 0, n)],
-                  0, EPILOGUE_SWIGLU, code, resolve_soc(soc_type, "linear_swiglu", code))
+                  0, EPILOGUE_SWIGLU, code, resolve_soc(soc_type, "linear_swiglu", code), row_invariant)
     return out
 
 

@@ -95,7 +95,7 @@ void GemmTiling(LinearTilingData& t, int64_t elt, LinearEpilogue ep, const Ascen
 }  // namespace
 
 LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int64_t numSegments, LinearEpilogue ep,
-                              AscendC::DataType dtype, const AscendC::SocInfo& soc) {
+                              AscendC::DataType dtype, const AscendC::SocInfo& soc, bool rowInvariant) {
   ATB_CHECK(m >= 1 && k >= 1, "linear tiling: M and K must be >= 1, got M=", m, " K=", k);
   ATB_CHECK(numSegments >= 1 && numSegments <= kLinearMaxSegments, "linear tiling: 1..", kLinearMaxSegments,
             " weight segments, got ", numSegments);
@@ -117,7 +117,7 @@ LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int6
   int64_t elt = AscendC::DataTypeSize(dtype);
   // The dot-product micro-kernel is the running CPU's (the SIMD table in use), whatever SoC is modelled.
   bool dp = dtype == AscendC::DataType::BFLOAT16 && AscendC::Simd().mmad_nt_dp_bf16 != nullptr;
-  if (m >= kLinearGemmMinRows || (dp && m >= kLinearDpMinRows)) {
+  if (rowInvariant || m >= kLinearGemmMinRows || (dp && m >= kLinearDpMinRows)) {
     GemmTiling(t, elt, ep, soc, dp);
     t.tilingKey = LINEAR_GEMM * 100 + int64_t(dtype) * 10 + ep;
     return t;
