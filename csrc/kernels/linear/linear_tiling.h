@@ -77,8 +77,8 @@ struct LinearTilingData {
 LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int64_t numSegments, LinearEpilogue ep,
                               AscendC::DataType dtype, const AscendC::SocInfo& soc, bool rowInvariant = false);
 
-// Host entry: tiles (STREAM or GEMM by M; GEMM at every M if rowInvariant) and launches. x [m, k] contiguous, every segment's weight
-// [n, k] contiguous, out [m, n] contiguous, all of `dtype`; residual [m, n]
+// Host entry: tiles (STREAM or GEMM by M; GEMM at every M if rowInvariant) and launches. x [m, k]
+// contiguous, every segment's weight [n, k] contiguous, out [m, n] contiguous, all of `dtype`; residual [m, n]
 // (RESIDUAL only). Pointers are trusted (validated by the caller).
 void Linear(const void* x, int64_t m, int64_t k, const LinearSegment* segs, int64_t numSegments,
             const void* residual, LinearEpilogue ep, AscendC::DataType dtype, const AscendC::SocInfo& soc,
