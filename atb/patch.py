@@ -58,7 +58,7 @@ from atb import kernels
 from atb.layers import decoder
 from atb.layers.attention import hf_attention
 from atb.layers.decoder import AttentionShape
-from atb.layers.linear import linear
+from atb.layers.linear import ROUTE_POLICY, ROUTE_TORCH, linear
 from atb.layers.rotary import RotaryEmbedding, SUPPORTED as ROPE_SUPPORTED
 from atb.quant.formats import QuantizedWeight
 from atb.registry import get_adapter, supported_model_types
@@ -188,7 +188,7 @@ class _Conf:
 
     adapter: object
     soc_type: str | None
-    native: bool                      # projections may use the native linear kernels (option ``linear``)
+    route: str                        # how projections pick a kernel: policy, or torch with ``linear=False``
     shape: AttentionShape | None = None
     layer_idx: int = 0
     window: int | None = None
@@ -236,7 +236,7 @@ def _norm(self, hidden_states):
 def _mlp(self, x):
     c = self.__dict__[_CONF]
     w = SimpleNamespace(**{**c.adapter.mlp_weights(self), **c.quant})
-    return decoder.mlp(_rows(x), w, soc_type=c.soc_type, native=c.native).view(*x.shape[:-1], -1)
+    return decoder.mlp(_rows(x), w, soc_type=c.soc_type, route=c.route).view(*x.shape[:-1], -1)
 
 
 @_or_stock
@@ -256,7 +256,7 @@ def _attention(self, hidden_states, position_embeddings=None, attention_mask=Non
     if cos.shape[0] != B:
         cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
     q, k, v = decoder.qkv_rope(_rows(hidden_states), w, c.shape, cos.reshape(B * S, -1), sin.reshape(B * S, -1),
-                               soc_type=c.soc_type, native=c.native)
+                               soc_type=c.soc_type, route=c.route)
     q = q.view(B, S, H, D).transpose(1, 2)
     k = k.view(B, S, KH, D).transpose(1, 2)
     v = v.view(B, S, KH, D).transpose(1, 2)
@@ -266,7 +266,7 @@ def _attention(self, hidden_states, position_embeddings=None, attention_mask=Non
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
     out, weights = attend(self, q, k, v, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
                           scaling=self.scaling, sliding_window=c.window, **kwargs)
-    out = decoder.o_proj(out.reshape(B * S, -1), w, soc_type=c.soc_type, native=c.native)
+    out = decoder.o_proj(out.reshape(B * S, -1), w, soc_type=c.soc_type, route=c.route)
     return out.view(B, S, -1), weights
 
 
@@ -288,14 +288,14 @@ def _decoder_layer(self, hidden_states, attention_mask=None, position_ids=None, 
     if not c.mlp_fused:
         return residual + self.mlp(normed)
     w = SimpleNamespace(**{**c.adapter.mlp_weights(self.mlp), **c.quant})
-    return decoder.mlp(_rows(normed), w, _rows(residual), soc_type=c.soc_type, native=c.native).view(residual.shape)
+    return decoder.mlp(_rows(normed), w, _rows(residual), soc_type=c.soc_type, route=c.route).view(residual.shape)
 
 
 @_or_stock
 def _lm_head(self, x):
     c = self.__dict__[_CONF]
     w = c.quant.get("weight", self.weight)
-    return linear(_rows(x), w, self.bias, soc_type=c.soc_type, native=c.native).view(*x.shape[:-1], -1)
+    return linear(_rows(x), w, self.bias, soc_type=c.soc_type, route=c.route).view(*x.shape[:-1], -1)
 
 
 @_or_stock
@@ -620,8 +620,7 @@ def patch_hf_model(model, *, soc_type: str | None = None, rms_norm: bool = True,
     rope_fused = options["rope"] and "rope" not in config_reasons
     attn_fused = options["attention"] and "attention" not in config_reasons
     layer_of = {id(layer.self_attn): i for i, layer in enumerate(adapter.layers(model))}
-    native = options["linear"]
-    base = _Conf(adapter, soc_type, native)
+    base = _Conf(adapter, soc_type, ROUTE_POLICY if options["linear"] else ROUTE_TORCH)
     try:
         for name, st in status.items():
             if st.status != "fused":

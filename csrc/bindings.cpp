@@ -180,24 +180,25 @@ PYBIND11_MODULE(_C, m) {
   // segments: [(weight_ptr, bias_ptr or 0, out_ptr, n)], 1..3 of them.
   Def(
       m, "linear_tiling",
-      [](int64_t rows, int64_t k, std::vector<int64_t> seg_rows, int epilogue, int dtype, const SocInfo& soc) {
+      [](int64_t rows, int64_t k, std::vector<int64_t> seg_rows, int epilogue, int dtype, const SocInfo& soc,
+         bool row_invariant) {
         return LinearTilingDict(atb::LinearTiling(rows, k, seg_rows.data(), int64_t(seg_rows.size()),
-                                                  atb::LinearEpilogue(epilogue), Dt(dtype), soc));
+                                                  atb::LinearEpilogue(epilogue), Dt(dtype), soc, row_invariant));
       },
-      "m", "k", "seg_rows", "epilogue", "dtype", "soc");
+      "m", "k", "seg_rows", "epilogue", "dtype", "soc", py::arg("row_invariant") = false);
   Def(
       m, "linear",
       [](uintptr_t x, int64_t rows, int64_t k, const std::vector<std::tuple<uintptr_t, uintptr_t, uintptr_t, int64_t>>& segs,
-         uintptr_t residual, int epilogue, int dtype, const SocInfo& soc) {
+         uintptr_t residual, int epilogue, int dtype, const SocInfo& soc, bool row_invariant) {
         atb::bind::CheckSegmentCount("linear", segs.size());
         atb::LinearEpilogue ep = atb::bind::CheckedEpilogue("linear", epilogue);
         atb::LinearSegment s[atb::kLinearMaxSegments];
         for (size_t i = 0; i < segs.size(); ++i)
           s[i] = {Ptr(std::get<0>(segs[i])), Ptr(std::get<1>(segs[i])), Ptr(std::get<2>(segs[i])), std::get<3>(segs[i])};
         py::gil_scoped_release nogil;
-        atb::Linear(Ptr(x), rows, k, s, int64_t(segs.size()), Ptr(residual), ep, Dt(dtype), soc);
+        atb::Linear(Ptr(x), rows, k, s, int64_t(segs.size()), Ptr(residual), ep, Dt(dtype), soc, row_invariant);
       },
-      "x", "m", "k", "segments", "residual", "epilogue", "dtype", "soc");
+      "x", "m", "k", "segments", "residual", "epilogue", "dtype", "soc", py::arg("row_invariant") = false);
 
   // ---- swiglu / silu_mul ---------------------------------------------------------
   Def(

@@ -160,6 +160,30 @@ def test_gemm_rows_do_not_depend_on_m():
         assert torch.equal(atb.kernels.linear(x[lo:hi], w), full[lo:hi])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_invariant_rows_do_not_depend_on_m(isa, dtype):
+    # row_invariant: the GEMM kernel at every M (by default 1..31 rows, 1..15 for bf16 with vdpbf16ps, run the
+    # STREAM kernel, which rounds differently), so rows computed a few at a time, at any offset, are the bits
+    # of one 300-row call: every fused epilogue, K and N with tails.
+    k, n, host = 200, 70, atb.get_soc("host")
+    code = DTYPE_CODES[dtype]
+    assert _C.linear_tiling(1, k, [n], 0, code, host)["tiling_key"] // 100 == 0
+    assert _C.linear_tiling(1, k, [n], 0, code, host, row_invariant=True)["tiling_key"] // 100 == 1
+    x, r = torch.randn(300, k).to(dtype), torch.randn(300, n).to(dtype)
+    w, w2, w3 = (torch.randn(n, k).to(dtype) for _ in range(3))
+    b = torch.randn(n).to(dtype)
+    K, kw = atb.kernels, dict(row_invariant=True)
+    ops = {"linear": lambda i: K.linear(x[i], w, b, **kw),
+           "multi": lambda i: torch.cat(K.linear_multi(x[i], [w, w2, w3[:20]], [b, None, None], **kw), 1),
+           "residual": lambda i: K.linear_residual(x[i], w, r[i], b, **kw),
+           "swiglu": lambda i: K.linear_swiglu(x[i], w, w2, **kw)}
+    assert_close(ops["linear"](slice(0, 300)), linear_ref(x, w, b), scale=_scale(k))
+    for name, op in ops.items():
+        full = op(slice(0, 300))
+        for lo, hi in [(0, 1), (7, 8), (3, 10), (100, 115), (290, 300), (31, 62), (5, 53)]:
+            assert torch.equal(op(slice(lo, hi)), full[lo:hi]), (name, lo, hi)
+
+
 @pytest.mark.parametrize("m,k,n", [(16, 577, 49), (17, 31, 2), (31, 33, 1), (33, 1, 50), (100, 1030, 97),
                                    (16, 64, 3)])
 def test_gemm_bf16_every_isa(isa, m, k, n):

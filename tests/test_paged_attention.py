@@ -59,6 +59,32 @@ def test_multi_token_queries_and_window(dtype, window):
     _check(q, kc, vc, bt, ctx, dtype, q_lens=torch.tensor(q_lens, dtype=torch.int32), window=window)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 200])
+def test_a_query_row_does_not_depend_on_the_other_rows(dtype, window):
+    # Prefix caching prefills a prompt's suffix over its cached prefix: each query row must get the bits a
+    # whole-prompt prefill gives it, whatever q tile it lands in, whether its tile's key range is split into
+    # chunks (merged) or not, and whatever other sequence shares the call.
+    lens = [1100, 300]
+    kc, vc, bt, ctx = _paged_cache(lens, 16, 2, 64, dtype)
+    q = torch.randn(lens[0], 6, 64).to(dtype)
+    other = torch.randn(lens[1], 6, 64).to(dtype)
+
+    def attend(n, c, with_other):
+        rows, seqs = [q[c - n:c]], [0]
+        if with_other:
+            rows, seqs = rows + [other], seqs + [1]
+        lens_now = torch.tensor([c, lens[1]][:len(seqs)], dtype=torch.int32)
+        q_lens = torch.tensor([n, lens[1]][:len(seqs)], dtype=torch.int32)
+        out = atb.kernels.paged_attention(torch.cat(rows), kc, vc, bt[seqs], lens_now, q_lens=q_lens, window=window)
+        return out[:n]
+
+    full = attend(lens[0], lens[0], False)
+    for n, c, with_other in [(32, 1100, False), (1, 1100, True), (37, 1100, True), (300, 1100, False),
+                             (20, 1024, True), (5, 260, False), (3, 256, True)]:
+        assert torch.equal(attend(n, c, with_other), full[c - n:c]), (n, c, with_other)
+
+
 @pytest.mark.parametrize("window", [1, 200, 5000])
 def test_decode_window(window):
     lens = [1, 199, 200, 201, 3000]

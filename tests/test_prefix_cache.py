@@ -382,6 +382,26 @@ def test_smollm2_shared_system_prompt_same_tokens_as_off(smollm2_fp32, smol_prom
     assert s["prefix_cache_hits"] >= (7 + 8) * 288
 
 
+def test_smollm2_bf16_cached_suffix_computes_the_rows_a_whole_prompt_prefill_does(smollm2_bf16):
+    # One after another, each later request prefills only its last 3..14 tokens over the cached 256-token
+    # prefix, while with caching off every prompt is one prefill of 260+ rows. Each projection's rows went to
+    # the kernel M chose (in bf16 the STREAM kernel below 16 rows, the vdpbf16ps GEMM above), which round
+    # differently, and on SmolLM2's near ties that flipped greedy tokens of two of these prompts; the engine's
+    # prefill now runs every projection on the row-invariant GEMM (paged attention's rows are invariant too).
+    model, _ = smollm2_bf16
+    g = torch.Generator().manual_seed(0)
+    ordinary = lambda n: torch.randint(17, model.config.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    prefix = ordinary(256)
+    prompts = [prefix + ordinary(int(torch.randint(3, 15, (1,), generator=g))) for _ in range(8)]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    kw = dict(max_seq_len=288, max_batch_size=8, block_size=32)
+    ref = run(atb.TransformerInfer(model, **kw), prompts, params)
+    infer = atb.TransformerInfer(model, enable_prefix_caching=True, **kw)
+    assert run(infer, prompts, params, together=False) == ref
+    released(infer)
+    assert infer.stats()["prefix_cache_hits"] == 7 * 256
+
+
 # ---- blocks filled by decode ----------------------------------------------------------------------------
 def test_a_follow_up_turn_reuses_the_blocks_its_answer_filled(tiny):
     """Turn 2 = turn 1's prompt + its answer + a new message: the answer's full blocks come from the cache."""

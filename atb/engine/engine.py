@@ -13,8 +13,12 @@ call, so any thread may add or abort requests while another drives ``step``
 3. returns a `RequestOutput` for every request that produced tokens or
    finished, and frees the blocks of finished requests at once.
 
-Tokens of a request do not depend on its batch mates: the kernels compute each
-row on its own and each request samples from its own generator.
+A request's prefill does not depend on its batch mates (or on how much of its
+prompt was cached): the prefill projections run the row-invariant GEMM and
+paged attention computes each query row on its own. Decode picks each linear's
+kernel by the batch size (the few-row kernel below 16 rows in bf16 with
+AVX512-BF16, 32 otherwise), so a decode row may round differently once the
+batch crosses that size. Each request samples from its own generator.
 """
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ import torch
 from atb import kernels as K
 from atb.layers.decoder import AttentionShape, decoder_layer, lm_head
 from atb.layers.kv_cache import PagedKVCache
+from atb.layers.linear import ROUTE_POLICY, ROUTE_ROW_INVARIANT
 from atb.layers.rotary import RotaryEmbedding
 from atb.quant.formats import QuantizedWeight
 
@@ -130,8 +131,10 @@ class ModelRunner:
         return total
 
     # ---- executors ----------------------------------------------------------------------------------
-    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend_for) -> torch.Tensor:
-        """Embedding and every decoder layer; ``attend_for(i)`` is layer i's attention core."""
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend_for,
+                route: str = ROUTE_POLICY) -> torch.Tensor:
+        """Embedding and every decoder layer; ``attend_for(i)`` is layer i's attention core, ``route`` how the
+        projections pick their kernels (``atb.layers.linear``)."""
         tp = self.tp
         if isinstance(self.embed, QuantizedWeight):
             x = self.embed.rows(tokens, self.dtype, soc_type=self.soc_type)  # each token's row dequantized
@@ -142,12 +145,12 @@ class ModelRunner:
         cos = self.cos.index_select(0, positions)
         sin = self.sin.index_select(0, positions)
         for i, lw in enumerate(self.layers):
-            x = decoder_layer(x, lw, self.shape, cos, sin, attend_for(i), soc_type=self.soc_type, tp=tp)
+            x = decoder_layer(x, lw, self.shape, cos, sin, attend_for(i), soc_type=self.soc_type, tp=tp, route=route)
         return x
 
-    def _logits(self, x: torch.Tensor, gather: bool = True) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, gather: bool = True, route: str = ROUTE_POLICY) -> torch.Tensor:
         """Logits of the whole vocabulary; under tp with ``gather=False``, of this rank's slice."""
-        logits = lm_head(x, self.final_norm, self.lm_head, self.shape.eps, soc_type=self.soc_type)
+        logits = lm_head(x, self.final_norm, self.lm_head, self.shape.eps, soc_type=self.soc_type, route=route)
         return self.tp.gather_logits(logits) if gather and self.tp is not None else logits
 
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor | None,
@@ -164,8 +167,11 @@ class ModelRunner:
         suffix. Every prompt takes this path, cached prefix or not: paged attention computes a query's row the
         same way whatever the other rows of the call, so a suffix prefilled over a cached prefix gets the
         attention a cold prefill of the whole prompt would (flash attention tiles differently; in bf16 the
-        two paths can pick different greedy tokens on near ties). Every layer writes the step's K/V before any
-        attention reads it, so a sequence may read blocks that another sequence of the same call fills.
+        two paths can pick different greedy tokens on near ties). For the same reason its projections run
+        the row-invariant route (the native GEMM kernel at every row count, ``atb.layers.linear``): the
+        routing policy would send a 1000-row prompt and its 30-row suffix to kernels that round differently.
+        Every layer writes the step's K/V before any attention reads it, so a sequence may read blocks that
+        another sequence of the same call fills.
         """
         soc, scale, kcs, vcs = self.soc_type, self.shape.scale, self.cache.key_caches, self.cache.value_caches
 
@@ -183,10 +189,11 @@ class ModelRunner:
                                          soc_type=soc)
             return attend
 
-        x = self._layers(tokens, positions, attend_for)
+        route = ROUTE_POLICY if paged is None else ROUTE_ROW_INVARIANT
+        x = self._layers(tokens, positions, attend_for, route)
         if last is not None:
             x = x.index_select(0, last)
-        return self._logits(x)
+        return self._logits(x, route=route)
 
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor, slot_mapping: torch.Tensor, greedy: bool):

@@ -218,14 +218,18 @@ def _weights_kind(*weights):
     return _FloatWeights
 
 
-def _launch(kind, op: str, x: torch.Tensor, code: int, segs: list, residual, epilogue: int, soc_type) -> None:
+def _launch(kind, op: str, x: torch.Tensor, code: int, segs: list, residual, epilogue: int, soc_type,
+            row_invariant: bool) -> None:
     if x.shape[0]:
         residual_ptr = 0 if residual is None else residual.data_ptr()
+        # row_invariant is the float kernels' choice; a quantized weight's kernels choose by M.
+        extra = (row_invariant,) if kind is _FloatWeights else ()
         kind.launch(x.data_ptr(), x.shape[0], x.shape[1], segs, residual_ptr, epilogue, code,
-                    resolve_soc(soc_type, op, code))
+                    resolve_soc(soc_type, op, code), *extra)
 
 
-def _one_weight(op: str, x, weight, bias, soc_type, residual=None, epilogue: int = EPILOGUE_PLAIN) -> torch.Tensor:
+def _one_weight(op: str, x, weight, bias, soc_type, row_invariant: bool, residual=None,
+                epilogue: int = EPILOGUE_PLAIN) -> torch.Tensor:
     """``linear`` and ``linear_residual``: one weight, its bias, and (RESIDUAL) the residual."""
     kind = _weights_kind(weight)
     code = linear_x(op, x)
@@ -237,20 +241,27 @@ def _one_weight(op: str, x, weight, bias, soc_type, residual=None, epilogue: int
     x, weight = x.contiguous(), weight.contiguous()
     bias = None if bias is None else bias.contiguous()
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
-    _launch(kind, op, x, code, [kind.segment(weight, bias, out)], residual, epilogue, soc_type)
+    _launch(kind, op, x, code, [kind.segment(weight, bias, out)], residual, epilogue, soc_type, row_invariant)
     return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           soc_type: str | None = None) -> torch.Tensor:
+           soc_type: str | None = None, row_invariant: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias``: x ``[M, K]``, weight ``[N, K]``, bias ``[N]``; fp32 accumulation, x's dtype out.
 
     ``weight`` may be an ``atb.quant.QuantizedWeight`` (W8A16 / W4A16); so may every weight of the entries below.
+
+    ``row_invariant`` (every entry below takes it): the GEMM kernel at every M instead of the STREAM kernel
+    below 32 rows (16 for bf16 with AVX512-BF16). Each kernel computes a row the same way whatever the other
+    rows, but the two round differently, so without it a row's last bits depend on how many rows share the
+    call; with it they do not (a prefix-cached prefill of a suffix gets a whole-prompt prefill's rows).
+    Float weights only: a quantized weight's kernels choose by M as before.
     """
-    return _one_weight("linear", x, weight, bias, soc_type)
+    return _one_weight("linear", x, weight, bias, soc_type, row_invariant)
 
 
-def linear_multi(x: torch.Tensor, weights, biases=None, *, soc_type: str | None = None) -> tuple[torch.Tensor, ...]:
+def linear_multi(x: torch.Tensor, weights, biases=None, *, soc_type: str | None = None,
+                 row_invariant: bool = False) -> tuple[torch.Tensor, ...]:
     """Fused q/k/v projection: one launch over 1..3 weights sharing x, one output each.
 
     Equivalent to ``tuple(linear(x, w, b) for w, b in zip(weights, biases))``; the
@@ -264,18 +275,18 @@ def linear_multi(x: torch.Tensor, weights, biases=None, *, soc_type: str | None 
     weights = [w.contiguous() for w in weights]  # the lists keep every pointer below alive through the launch
     outs = tuple(torch.empty(x.shape[0], w.shape[0], dtype=x.dtype) for w in weights)
     segs = [kind.segment(w, b, out) for w, b, out in zip(weights, biases, outs)]
-    _launch(kind, "linear_multi", x, code, segs, None, EPILOGUE_PLAIN, soc_type)
+    _launch(kind, "linear_multi", x, code, segs, None, EPILOGUE_PLAIN, soc_type, row_invariant)
     return outs
 
 
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, bias: torch.Tensor | None = None, *,
-                    soc_type: str | None = None) -> torch.Tensor:
+                    soc_type: str | None = None, row_invariant: bool = False) -> torch.Tensor:
     """``residual + linear(x, weight, bias)`` (o_proj / down_proj), each rounded to x's dtype as HF does."""
-    return _one_weight("linear_residual", x, weight, bias, soc_type, residual, EPILOGUE_RESIDUAL)
+    return _one_weight("linear_residual", x, weight, bias, soc_type, row_invariant, residual, EPILOGUE_RESIDUAL)
 
 
 def linear_swiglu(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, *,
-                  soc_type: str | None = None) -> torch.Tensor:
+                  soc_type: str | None = None, row_invariant: bool = False) -> torch.Tensor:
     """``silu(x @ gate_weight.T) * (x @ up_weight.T)`` in one weight pass (LLaMA MLP's first half)."""
     kind = _weights_kind(gate_weight, up_weight)
     code = linear_x("linear_swiglu", x)
@@ -285,7 +296,7 @@ def linear_swiglu(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.T
     x, gate_weight, up_weight = x.contiguous(), gate_weight.contiguous(), up_weight.contiguous()
     out = torch.empty(x.shape[0], gate_weight.shape[0], dtype=x.dtype)
     segs = [kind.segment(gate_weight, None, out), kind.segment(up_weight, None, None)]
-    _launch(kind, "linear_swiglu", x, code, segs, None, EPILOGUE_SWIGLU, soc_type)
+    _launch(kind, "linear_swiglu", x, code, segs, None, EPILOGUE_SWIGLU, soc_type, row_invariant)
     return out
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from atb import kernels as K
-from atb.layers.linear import linear, linear_multi, swiglu
+from atb.layers.linear import ROUTE_POLICY, linear, linear_multi, swiglu
 
 
 @dataclass(frozen=True)
@@ -39,10 +39,10 @@ class AttentionShape:
 
 
 def qkv_rope(h: torch.Tensor, w, s: AttentionShape, cos: torch.Tensor, sin: torch.Tensor, *,
-             soc_type: str | None = None, native: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             soc_type: str | None = None, route: str = ROUTE_POLICY) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q/k/v projections of the normed input ``h [T, hidden]``, q/k RMSNorm (Qwen3), rope in place."""
     T = h.shape[0]
-    q, k, v = linear_multi(h, (w.q, w.k, w.v), (w.q_bias, w.k_bias, w.v_bias), soc_type=soc_type, native=native)
+    q, k, v = linear_multi(h, (w.q, w.k, w.v), (w.q_bias, w.k_bias, w.v_bias), soc_type=soc_type, route=route)
     q, k, v = q.view(T, s.num_heads, s.head_dim), k.view(T, s.num_kv_heads, s.head_dim), v.view(T, s.num_kv_heads,
                                                                                                  s.head_dim)
     if w.q_norm is not None:
@@ -53,41 +53,43 @@ def qkv_rope(h: torch.Tensor, w, s: AttentionShape, cos: torch.Tensor, sin: torc
 
 
 def o_proj(out: torch.Tensor, w, residual: torch.Tensor | None = None, *, soc_type: str | None = None,
-           native: bool = True) -> torch.Tensor:
+           route: str = ROUTE_POLICY) -> torch.Tensor:
     """The attention output projection of ``out [T, H*D]`` (+ residual, fused where native)."""
-    return linear(out, w.o, w.o_bias, residual=residual, soc_type=soc_type, native=native)
+    return linear(out, w.o, w.o_bias, residual=residual, soc_type=soc_type, route=route)
 
 
 def mlp(h: torch.Tensor, w, residual: torch.Tensor | None = None, *, soc_type: str | None = None,
-        native: bool = True) -> torch.Tensor:
+        route: str = ROUTE_POLICY) -> torch.Tensor:
     """SwiGLU MLP of ``h [T, hidden]``: ``down(silu(gate(h)) * up(h))`` (+ residual, fused where native)."""
-    a = swiglu(h, w.gate, w.up, w.gate_bias, w.up_bias, soc_type=soc_type, native=native)
-    return linear(a, w.down, w.down_bias, residual=residual, soc_type=soc_type, native=native)
+    a = swiglu(h, w.gate, w.up, w.gate_bias, w.up_bias, soc_type=soc_type, route=route)
+    return linear(a, w.down, w.down_bias, residual=residual, soc_type=soc_type, route=route)
 
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def decoder_layer(x: torch.Tensor, w, s: AttentionShape, cos: torch.Tensor, sin: torch.Tensor, attend: Attend, *,
-                  soc_type: str | None = None, tp=None) -> torch.Tensor:
+                  soc_type: str | None = None, tp=None, route: str = ROUTE_POLICY) -> torch.Tensor:
     """One pre-norm decoder layer over ``x [T, hidden]``; ``attend(q, k, v) -> [T, H, D]`` is the attention core
-    (it also writes the KV cache). The residual adds are fused into o_proj and down_proj.
+    (it also writes the KV cache). The residual adds are fused into o_proj and down_proj. ``route``: how every
+    projection picks its kernel (``atb.layers.linear``).
 
     ``tp`` (an ``atb.distributed.TensorParallel``): ``w`` is this rank's shard, the o and down projections
     give partial sums that ``tp.all_reduce`` adds up; rank 0 alone adds the residual (fused, as without tp)."""
     own = tp is None or tp.rank == 0
     h = K.rms_norm(x, w.input_norm, s.eps, soc_type=soc_type)
-    q, k, v = qkv_rope(h, w, s, cos, sin, soc_type=soc_type)
-    x = o_proj(attend(q, k, v).view(x.shape[0], -1), w, x if own else None, soc_type=soc_type)
+    q, k, v = qkv_rope(h, w, s, cos, sin, soc_type=soc_type, route=route)
+    x = o_proj(attend(q, k, v).view(x.shape[0], -1), w, x if own else None, soc_type=soc_type, route=route)
     if tp is not None:
         tp.all_reduce(x)
     h = K.rms_norm(x, w.post_attention_norm, s.eps, soc_type=soc_type)
-    x = mlp(h, w, x if own else None, soc_type=soc_type)
+    x = mlp(h, w, x if own else None, soc_type=soc_type, route=route)
     if tp is not None:
         tp.all_reduce(x)
     return x
 
 
-def lm_head(x: torch.Tensor, final_norm: torch.Tensor, head, eps: float, *, soc_type: str | None = None) -> torch.Tensor:
+def lm_head(x: torch.Tensor, final_norm: torch.Tensor, head, eps: float, *, soc_type: str | None = None,
+            route: str = ROUTE_POLICY) -> torch.Tensor:
     """Final RMSNorm and the LM head projection: logits ``[T, vocab]``."""
-    return linear(K.rms_norm(x, final_norm, eps, soc_type=soc_type), head, soc_type=soc_type)
+    return linear(K.rms_norm(x, final_norm, eps, soc_type=soc_type), head, soc_type=soc_type, route=route)

@@ -1,4 +1,5 @@
-// Prefill-shaped linear (the GEMM kernel): y = x W^T (+ bias) for M >= kLinearGemmMinRows,
+// Prefill-shaped linear (the GEMM kernel): y = x W^T (+ bias) for M >= kLinearGemmMinRows (any M when the
+// caller asks for row invariance),
 // with the same fused epilogues as the STREAM kernel.
 //
 // Work units are (row tile of one segment, M pass). For each K chunk a unit packs

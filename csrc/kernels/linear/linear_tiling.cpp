@@ -119,12 +119,12 @@ void GemmUnitSplit(LinearTilingData& t, LinearEpilogue ep, const AscendC::SocInf
 }
 
 LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int64_t numSegments, LinearEpilogue ep,
-                              AscendC::DataType dtype, const AscendC::SocInfo& soc) {
+                              AscendC::DataType dtype, const AscendC::SocInfo& soc, bool rowInvariant) {
   LinearTilingData t = LinearShapeTiling("linear", m, k, segRows, numSegments, ep, dtype, soc);
   int64_t elt = AscendC::DataTypeSize(dtype);
   // The dot-product micro-kernel is the running CPU's (the SIMD table in use), whatever SoC is modelled.
   bool dp = dtype == AscendC::DataType::BFLOAT16 && AscendC::Simd().mmad_nt_dp_bf16 != nullptr;
-  if (m >= kLinearGemmMinRows || (dp && m >= kLinearDpMinRows)) {
+  if (rowInvariant || m >= kLinearGemmMinRows || (dp && m >= kLinearDpMinRows)) {
     GemmTiling(t, elt, ep, soc, dp);
     t.tilingKey = LINEAR_GEMM * 100 + int64_t(dtype) * 10 + ep;
     return t;

@@ -16,6 +16,12 @@ namespace atb {
 //     widened while packing, so half-precision prefill runs at fp32 FMA speed.
 //     bf16 on AVX512-BF16 instead runs vdpbf16ps on x and W where they lie
 //     (mmad_nt_dp_bf16, twice fp32 FMA's rate), from kLinearDpMinRows rows on.
+// Each kernel computes a row of y the same way whatever the other rows (M, the
+// row's place in a tile, the core split), but the two kernels differ from each
+// other in the last bits. rowInvariant runs the GEMM kernel at every M, so a
+// row's bits do not depend on how many rows share the call: a prefill that
+// computes only a prompt's uncached suffix gets the rows a whole-prompt
+// prefill computes (prefix caching).
 //
 // Epilogues (tilingKey = dtype * 10 + epilogue), fused so the output is
 // written once:
@@ -67,15 +73,16 @@ struct LinearTilingData {
   int64_t tilingKey = 0;     // mode * 100 + dtype * 10 + epilogue
 };
 
-// Pure host function of (shapes, dtype, epilogue, SoC). segRows: n of each segment.
+// Pure host function of (shapes, dtype, epilogue, SoC, rowInvariant). segRows: n of each segment.
 LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int64_t numSegments, LinearEpilogue ep,
-                              AscendC::DataType dtype, const AscendC::SocInfo& soc);
+                              AscendC::DataType dtype, const AscendC::SocInfo& soc, bool rowInvariant = false);
 
-// Host entry: tiles (STREAM or GEMM by M) and launches. x [m, k] contiguous, every segment's weight
-// [n, k] contiguous, out [m, n] contiguous, all of `dtype`; residual [m, n]
+// Host entry: tiles (STREAM or GEMM by M; GEMM at every M if rowInvariant) and launches. x [m, k]
+// contiguous, every segment's weight [n, k] contiguous, out [m, n] contiguous, all of `dtype`; residual [m, n]
 // (RESIDUAL only). Pointers are trusted (validated by the caller).
 void Linear(const void* x, int64_t m, int64_t k, const LinearSegment* segs, int64_t numSegments,
-            const void* residual, LinearEpilogue ep, AscendC::DataType dtype, const AscendC::SocInfo& soc);
+            const void* residual, LinearEpilogue ep, AscendC::DataType dtype, const AscendC::SocInfo& soc,
+            bool rowInvariant = false);
 // The GEMM kernel's launch for a GEMM-mode tiling (called by Linear).
 void LinearGemm(const void* x, const LinearSegment* segs, const void* residual, const LinearTilingData& t,
                 const AscendC::SocInfo& soc);
