@@ -4,6 +4,7 @@ random-weight presets of known shapes. No model hub is ever contacted.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -92,10 +93,25 @@ def cached_conversion(gguf_path: str, progress: bool = True) -> str:
     return path
 
 
+
+@contextlib.contextmanager
+def _quiet_hf(what: str, errors=(OSError, ValueError)):
+    """transformers' logging at error level inside; its ``errors`` become one ``ModelLoadError``: ``what: reason``."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    except errors as e:
+        raise ModelLoadError(f"{what}: {str(e).splitlines()[0]}") from e
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 def model_config(path: str | None = None):
     """The HF config of what :func:`load_model` would load, without reading any weights."""
     from transformers import AutoConfig
-    from transformers.utils import logging as hf_logging
 
     if path is None:
         path = default_model_path()
@@ -103,14 +119,8 @@ def model_config(path: str | None = None):
         if os.path.isfile(os.path.join(cached, "config.json")):
             path = cached
     directory, gguf_file = _split(path)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
+    with _quiet_hf(f"cannot read the model configuration of {path}", (OSError, ValueError, KeyError)):
         return AutoConfig.from_pretrained(directory, **({"gguf_file": gguf_file} if gguf_file else {}))
-    except (OSError, ValueError, KeyError) as e:
-        raise ModelLoadError(f"cannot read the model configuration of {path}: {str(e).splitlines()[0]}") from e
-    finally:
-        hf_logging.set_verbosity(verbosity)
 
 
 def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, *, cache: bool | None = None,
@@ -205,17 +215,10 @@ def load_quantized(directory: str, dtype: torch.dtype | None = torch.float32, *,
     """``(model, tokenizer)`` of a directory written by ``atb convert --quantize``: :func:`load_quantized_model`
     and the directory's tokenizer."""
     from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
     model = load_quantized_model(directory, dtype)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
+    with _quiet_hf(f"cannot load model from {directory}"):
         tokenizer = AutoTokenizer.from_pretrained(directory)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot load model from {directory}: {str(e).splitlines()[0]}") from e
-    finally:
-        hf_logging.set_verbosity(verbosity)
     return model, tokenizer
 
 
@@ -234,7 +237,6 @@ def load_quantized_model(directory: str, dtype: torch.dtype | None = torch.float
 
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
     from atb.convert import QUANT_INDEX
     from atb.quant.api import PROJECTIONS, QuantizedModelWeights
@@ -247,14 +249,8 @@ def load_quantized_model(directory: str, dtype: torch.dtype | None = torch.float
             weight_map = json.load(f)["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(f"cannot load quantized model from {directory}: {index_path}: {e}") from None
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
+    with _quiet_hf(f"cannot load model from {directory}"):
         config = AutoConfig.from_pretrained(directory)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot load model from {directory}: {str(e).splitlines()[0]}") from e
-    finally:
-        hf_logging.set_verbosity(verbosity)
     if dtype is None:
         dtype = config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32
     qc = config.quantization_config
