@@ -222,10 +222,8 @@ def _launch(kind, op: str, x: torch.Tensor, code: int, segs: list, residual, epi
             row_invariant: bool) -> None:
     if x.shape[0]:
         residual_ptr = 0 if residual is None else residual.data_ptr()
-        # row_invariant is the float kernels' choice; a quantized weight's kernels choose by M.
-        extra = (row_invariant,) if kind is _FloatWeights else ()
         kind.launch(x.data_ptr(), x.shape[0], x.shape[1], segs, residual_ptr, epilogue, code,
-                    resolve_soc(soc_type, op, code), *extra)
+                    resolve_soc(soc_type, op, code), row_invariant)
 
 
 def _one_weight(op: str, x, weight, bias, soc_type, row_invariant: bool, residual=None,

@@ -15,8 +15,12 @@ import torch
 from atb import _C
 from atb.quant.formats import QuantizedWeight
 
-# The native entry, called as atb._C.linear is: (x, m, k, segments, residual, epilogue, dtype code, soc).
-launch = _C.quant_linear
+
+def launch(x: int, m: int, k: int, segments: list, residual: int, epilogue: int, dtype: int, soc,
+           row_invariant: bool) -> None:
+    """The native entry, called as ``atb._C.linear`` is. ``row_invariant`` has no quantized counterpart: the
+    quantized kernels choose STREAM or GEMM by M (see ``atb.kernels.linear.linear``)."""
+    _C.quant_linear(x, m, k, segments, residual, epilogue, dtype, soc)
 
 
 def is_quantized(w) -> bool:

@@ -21,7 +21,6 @@ import torch
 
 from atb import kernels as K
 from atb.layers.linear import ROUTE_POLICY, ROUTE_ROW_INVARIANT, linear, linear_multi, swiglu
-from atb.quant.formats import QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -94,9 +93,10 @@ def lm_head(x: torch.Tensor, final_norm: torch.Tensor, head, eps: float, *, soc_
             route: str = ROUTE_POLICY) -> torch.Tensor:
     """Final RMSNorm and the LM head projection: logits ``[T, vocab]``."""
     h = K.rms_norm(x, final_norm, eps, soc_type=soc_type)
-    if route == ROUTE_ROW_INVARIANT and not isinstance(head, QuantizedWeight) and h.shape[0] > 0:
+    if route == ROUTE_ROW_INVARIANT and h.shape[0]:
         # The engine prefill's LM head sees one row per prompt. Those rows one at a time through the native
-        # STREAM kernel (M = 1) are as row-invariant as the GEMM kernel at any M, and far cheaper: for a few
-        # rows the GEMM kernel packs the whole vocabulary's weights (fp32 SmolLM2: ~50 ms, against ~4 ms a row).
+        # STREAM kernel (M = 1, float or quantized) are as row-invariant as the GEMM kernel at any M, and far
+        # cheaper: for a few rows the GEMM kernel packs the whole vocabulary's weights (fp32 SmolLM2: ~50 ms,
+        # against ~4 ms a row).
         return torch.cat([K.linear(h[i:i + 1], head, soc_type=soc_type) for i in range(h.shape[0])])
     return linear(h, head, soc_type=soc_type, route=route)

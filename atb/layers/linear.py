@@ -9,7 +9,8 @@ Each function takes a ``route``, how its projections pick a kernel:
 * ``"row_invariant"``: the native GEMM kernel at every row count, so a row's bits do not depend on how many
   rows are computed with it (``row_invariant`` of the kernels). The engine's prefill runs this way: a prompt
   whose prefix is cached computes its suffix rows exactly as a whole-prompt prefill does, which the policy
-  cannot promise (it sends 1000 rows and 30 rows to different kernels, which round differently).
+  cannot promise (it sends 1000 rows and 30 rows to different kernels, which round differently). Its LM
+  head (``atb.layers.decoder.lm_head``, one row per prompt) runs those rows one at a time instead.
 
 Nothing else in the executor touches a weight except to read its ``.shape``, so a weight entry can later hold
 another kind of weight object (quantized) by teaching only this module about it. Inputs are 2-D
