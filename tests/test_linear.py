@@ -184,6 +184,30 @@ def test_row_invariant_rows_do_not_depend_on_m(isa, dtype):
             assert torch.equal(op(slice(lo, hi)), full[lo:hi]), (name, lo, hi)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stream_rows_do_not_depend_on_m(isa, dtype):
+    # The STREAM kernel's lanes Mmad holds one fma chain per lane whatever block of (rows, weight rows) computes
+    # it (AVX2: 2 x 4 blocks up to two rows, 4 x 3 from three on, and their row and column tails), so every row
+    # of a 1..31-row call is the bits of the same row alone, on every table and epilogue (bf16 from 16 rows on
+    # runs the GEMM kernel where the table has vdpbf16ps).
+    k, n = 579, 77
+    x, r = torch.randn(31, k).to(dtype), torch.randn(31, n).to(dtype)
+    w, w2 = torch.randn(n, k).to(dtype), torch.randn(n, k).to(dtype)
+    K = atb.kernels
+    ops = {"linear": lambda i: K.linear(x[i], w), "residual": lambda i: K.linear_residual(x[i], w, r[i]),
+           "swiglu": lambda i: K.linear_swiglu(x[i], w, w2)}
+    host, code = atb.get_soc("host"), DTYPE_CODES[dtype]
+    stream = [m for m in (2, 3, 4, 5, 6, 7, 9, 13, 16, 31)
+              if _C.linear_tiling(m, k, [n], 0, code, host)["tiling_key"] // 100 == 0]
+    assert stream[:6] == [2, 3, 4, 5, 6, 7]
+    for name, op in ops.items():
+        alone = [op(slice(i, i + 1)) for i in range(31)]
+        for m in stream:
+            got = op(slice(0, m))
+            for i in range(m):
+                assert torch.equal(got[i:i + 1], alone[i]), (name, m, i)
+
+
 @pytest.mark.parametrize("m,k,n", [(16, 577, 49), (17, 31, 2), (31, 33, 1), (33, 1, 50), (100, 1030, 97),
                                    (16, 64, 3)])
 def test_gemm_bf16_every_isa(isa, m, k, n):
