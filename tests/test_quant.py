@@ -105,6 +105,44 @@ def test_linear_matches_reference(dtype, m, fmt, group, isa):
     assert_close(y, linear_ref(x, quant_dequant_ref(q), b), scale=_scale(k))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt,group", [("w8a16", 0), ("w4a16", 32), ("w4a16", 128)])
+def test_half_width_x_error_bound(dtype, fmt, group, isa):
+    # 16-bit x against the same values as fp32 x (the fp32 route). On AVX2 16-bit x takes the int16 route:
+    # per 32-value chunk a power-of-two scale 2^(e-14) (2^e <= the chunk's largest |x| < 2^(e+1)), so a
+    # value is off by at most half that, |x|max * 2^-15, and the products are exact. Output n may then
+    # differ by sum_k |w(n, k)| * |x|max(chunk of k) * 2^-15, plus one ulp of its own rounding and fp32 sums.
+    # Chunks here mix magnitudes 2^12 apart, so small values really are rounded.
+    k, n = 577, 67
+    x = (torch.randn(5, k) * 2.0 ** torch.randint(-6, 7, (5, k)).float()).to(dtype)
+    q = _qw(n, k, fmt, group)
+    w = quant_dequant_ref(q).double().abs()
+    xpad = torch.nn.functional.pad(x.double().abs(), (0, (-k) % 32))
+    chunk_max = xpad.view(5, -1, 32).amax(-1).repeat_interleave(32, -1)[:, :k]
+    bound = (chunk_max * 2.0 ** -15) @ w.T
+    for m in (1, 2, 5):
+        got = K.linear(x[:m], q).double()
+        want = K.linear(x[:m].float(), q).double()
+        slack = bound[:m] + want.abs() * torch.finfo(dtype).eps + 1e-5 * want.abs().max()
+        assert ((got - want).abs() <= slack).all(), (m, ((got - want).abs() - slack).max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt,group", [("w8a16", 0), ("w4a16", 32)])
+def test_nonfinite_x_reaches_the_output(dtype, fmt, group, isa):
+    # A NaN or an infinity in x makes that row's outputs non-finite on every route (the int16 route marks
+    # its chunk with a NaN scale); the other rows stay finite.
+    k, n = 100, 9
+    q = _qw(n, k, fmt, group)
+    x = torch.randn(3, k).to(dtype)
+    x[1, 40] = float("nan")
+    x[2, 99] = float("inf")
+    y = K.linear(x, q)
+    assert torch.isfinite(y[0]).all() and not torch.isfinite(y[1]).any() and not torch.isfinite(y[2]).any()
+    z = torch.zeros(2, k).to(dtype)   # all-zero chunks: exact zeros (scale 0)
+    assert torch.equal(K.linear(z, q), torch.zeros(2, n).to(dtype))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 3, 16, 64, 300])
 def test_linear_multi_mixed_formats(dtype, m, isa):

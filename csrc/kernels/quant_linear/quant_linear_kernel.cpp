@@ -7,7 +7,8 @@
 // widened to fp32 in UB, and the micro-kernel (quant_simd.h) keeps every group's
 // partial dot in registers and scales it once per group. With bf16 x and a W4
 // segment on an AVX512-BF16 CPU, x is also kept as bf16 (zero-padded) for the
-// vdpbf16ps route (quant_simd.h: gemv_w4_bf16).
+// vdpbf16ps route (quant_simd.h: gemv_w4_bf16). With fp16/bf16 x on a table with the int16 routes (AVX2),
+// x is also kept as int16 per 32-value chunk (QuantizeXInt16) for gemv_w4_i16 / gemv_w8_i16.
 #include <algorithm>
 #include <type_traits>
 
@@ -22,6 +23,7 @@ namespace {
 template <typename T>
 class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
   static constexpr bool kBf16 = std::is_same<T, bfloat16_t>::value;
+  static constexpr bool kHalfWidth = !std::is_same<T, float>::value;
   using Stream = LinearStreamIo<T, KernelQuantLinear<T>>;
   friend Stream;
   using Stream::t_, Stream::streams_, Stream::pipe_, Stream::xGm_, Stream::sums_;
@@ -37,6 +39,10 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
     pipe_.InitBuffer(xBuf_, mt * t_.kTile * sizeof(float));
     pipe_.InitBuffer(xsumBuf_, mt * kChunks_ * sizeof(float));
     if (kBf16) pipe_.InitBuffer(xbBuf_, mt * t_.kTile * sizeof(uint16_t));
+    if (kHalfWidth) {
+      pipe_.InitBuffer(xqBuf_, mt * t_.kTile * sizeof(int16_t));
+      pipe_.InitBuffer(xqScaleBuf_, mt * kChunks_ * sizeof(float));
+    }
     for (int s = 0; s < streams_; ++s) {
       pipe_.InitBuffer(scaleBuf_[s], nt * kChunks_ * sizeof(float));
       pipe_.InitBuffer(minBuf_[s], nt * kChunks_ * sizeof(float));
@@ -64,6 +70,9 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
       CastRaw<float, T>(row, xGm_.GetPhyAddr((m0 + m) * t_.k + k0), valid);
       std::fill(row + valid, row + kl, 0.0f);
       for (int64_t c = 0; c < kl / kQuantChunk; ++c) xs[m * kChunks_ + c] = Simd().reduce_sum(row + c * kQuantChunk, kQuantChunk);
+      if (kHalfWidth && (QuantSimd().gemv_w4_i16 || QuantSimd().gemv_w8_i16))
+        QuantizeXInt16(xqBuf_.Get<int16_t>().GetPhyAddr(m * t_.kTile),
+                       xqScaleBuf_.Get<float>().GetPhyAddr(m * kChunks_), row, kl);
       if (kBf16) {
         uint16_t* xb = xbBuf_.Get<uint16_t>().GetPhyAddr(m * t_.kTile);
         std::copy_n(reinterpret_cast<const uint16_t*>(xGm_.GetPhyAddr((m0 + m) * t_.k + k0)), valid, xb);
@@ -85,17 +94,26 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
       if (kBf16 && QuantSimd().gemv_w4_bf16)
         return QuantSimd().gemv_w4_bf16(y, nt, xbBuf_.Get<uint16_t>().GetPhyAddr(), t_.kTile, xs, kChunks_, w, kPad_ / 2,
                                         sc.scale, sc.min, sc.lds, mt, nt, kl, sc.group, k0 > 0);
+      if (kHalfWidth && QuantSimd().gemv_w4_i16)
+        return QuantSimd().gemv_w4_i16(y, nt, XInt16(), t_.kTile, XInt16Scales(), kChunks_, xs, kChunks_, w, kPad_ / 2,
+                                       sc.scale, sc.min, sc.lds, mt, nt, kl, sc.group, k0 > 0);
       QuantSimd().gemv_w4(y, nt, x, t_.kTile, xs, kChunks_, w, kPad_ / 2, sc.scale, sc.min, sc.lds, mt, nt, kl, sc.group,
                           k0 > 0);
     } else {
       const int8_t* w = static_cast<const int8_t*>(q.data) + row * kPad_ + k0;
+      if (kHalfWidth && QuantSimd().gemv_w8_i16)
+        return QuantSimd().gemv_w8_i16(y, nt, XInt16(), t_.kTile, XInt16Scales(), kChunks_, w, kPad_, sc.scale, sc.lds,
+                                       mt, nt, kl, sc.group, k0 > 0);
       QuantSimd().gemv_w8(y, nt, x, t_.kTile, w, kPad_, sc.scale, sc.lds, mt, nt, kl, sc.group, k0 > 0);
     }
   }
 
+  const int16_t* XInt16() { return xqBuf_.Get<int16_t>().GetPhyAddr(); }
+  const float* XInt16Scales() { return xqScaleBuf_.Get<float>().GetPhyAddr(); }
+
   const QuantSegment* q_ = nullptr;
   int64_t kPad_ = 0, kChunks_ = 0;
-  TBuf<TPosition::VECCALC> xBuf_, xsumBuf_, xbBuf_, scaleBuf_[2], minBuf_[2];
+  TBuf<TPosition::VECCALC> xBuf_, xsumBuf_, xbBuf_, xqBuf_, xqScaleBuf_, scaleBuf_[2], minBuf_[2];
 };
 
 // Embedding rows: each core dequantizes its share of the requested rows, in K pieces that fit its UB.

@@ -18,6 +18,7 @@ namespace {
 //   x          fp32 [mTile, kTile]     (zero-padded past K)
 //   xsum       fp32 [mTile, kTile/32]  (x summed per 32-value chunk: the W4 min term)
 //   x bf16     bf16 [mTile, kTile]     (bf16 x only: the AVX512-BF16 W4 route reads x as it came)
+//   x int16    int16 [mTile, kTile] and its fp32 scales [mTile, kTile/32] (fp16/bf16 x: the gemv_*_i16 routes)
 //   scale, min fp32 [nTile, kTile/32]  per stream (this tile's group scales, widened)
 //   sums       fp32 [mTile, nTile]     per stream
 //   and LinearIo's out (and residual) queues
@@ -26,6 +27,7 @@ int64_t StreamUb(int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue
   int64_t ub = UbSlot(mt * kt * 4) + UbSlot(mt * chunks * 4) +
                streams * (2 * UbSlot(nt * chunks * 4) + UbSlot(mt * nt * 4)) + LinearIoUb(mt, nt, elt, ep);
   if (bf16) ub += UbSlot(mt * kt * 2);
+  if (elt == 2) ub += UbSlot(mt * kt * 2) + UbSlot(mt * chunks * 4);
   return ub;
 }
 

@@ -49,11 +49,32 @@ struct QuantSimdOps {
   void (*gemv_w4_bf16)(float* y, int64_t ldy, const uint16_t* x, int64_t ldx, const float* xsum, int64_t ldxs,
                        const uint8_t* q, int64_t ldq, const float* scale, const float* min, int64_t lds, int64_t M,
                        int64_t N, int64_t kLen, int64_t G, bool accumulate);
+  // W4 / W8 GEMV with x given as int16 per 32-value chunk: x(m, k) = xq[m*ldx + k] * xscale[m*ldxc + k/32].
+  // Null unless the table has it (AVX2: without a bf16 dot product, int->float conversions and FMAs bound
+  // the fp32 route at half of W8's and a third of W4's byte rate). vpmaddwd multiplies the unpacked weights
+  // (int16) by xq and adds pairs: 16 exact products per instruction; a lane's four products per chunk sum
+  // exactly in int32 (|sum| <= 4 * 128 * 32767 < 2^24, so its conversion to fp32 is exact too), then
+  // t = fma(sum, xscale, t) per chunk and scale * t per group as the fp32 route does. The kernel gives it
+  // only 16-bit activations (quantize_x_i16), which int16 with a power-of-two scale represents exactly
+  // wherever a value is within 2^7 (bf16) or 2^4 (fp16) of its chunk's largest.
+  void (*gemv_w4_i16)(float* y, int64_t ldy, const int16_t* xq, int64_t ldx, const float* xscale, int64_t ldxc,
+                      const float* xsum, int64_t ldxs, const uint8_t* q, int64_t ldq, const float* scale,
+                      const float* min, int64_t lds, int64_t M, int64_t N, int64_t kLen, int64_t G, bool accumulate);
+  void (*gemv_w8_i16)(float* y, int64_t ldy, const int16_t* xq, int64_t ldx, const float* xscale, int64_t ldxc,
+                      const int8_t* q, int64_t ldq, const float* scale, int64_t lds, int64_t M, int64_t N,
+                      int64_t kLen, int64_t G, bool accumulate);
   // One row, kLen values (a multiple of 32): dst[k] = fma(q(k), scale[k / G], min[k / G]) (W4),
   // q(k) * scale[k / G] (W8); one rounding, as gguf's own dequantization.
   void (*dequant_w4)(float* dst, const uint8_t* q, const float* scale, const float* min, int64_t kLen, int64_t G);
   void (*dequant_w8)(float* dst, const int8_t* q, const float* scale, int64_t kLen, int64_t G);
 };
+
+// x (kLen fp32 values that came from fp16/bf16, kLen a multiple of 32) as int16 per 32-value chunk for the
+// gemv_*_i16 routes: scale[c] = 2^(e - 14), e the exponent of the chunk's largest |x|, and xq = x / scale
+// rounded to nearest even (exact for 16-bit inputs within 2^7 of that largest value; |xq| <= 32767 since
+// such a value has at most 11 significant bits). A chunk of zeros gets scale 0; a chunk holding a NaN or an
+// infinity gets scale NaN, so every output it feeds is NaN, as in the fp32 route.
+void QuantizeXInt16(int16_t* xq, float* scale, const float* x, int64_t kLen);
 
 const QuantSimdOps& QuantSimd();
 const QuantSimdOps* QuantPortableOps();

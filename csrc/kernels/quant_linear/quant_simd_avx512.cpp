@@ -180,13 +180,15 @@ void GemvW4Bf16(float* y, int64_t ldy, const uint16_t* x, int64_t ldx, const flo
   GemvBlocks<4, uint16_t, W4Bf16Rows>(y, ldy, x, ldx, xsum, ldxs, q, ldq, scale, min, lds, M, N, kLen, G, acc);
 }
 
-const QuantSimdOps kOps = MakeQuantOps<V512>("avx512");
+// constexpr: the tables are constant-initialized, so no code compiled for AVX-512 runs at load time on a
+// CPU without it (a run-time copy of the 64-byte table compiled to one zmm move here).
+constexpr QuantSimdOps kOps = MakeQuantOps<V512>("avx512");
 
-QuantSimdOps WithBf16(QuantSimdOps ops) {
+constexpr QuantSimdOps WithBf16(QuantSimdOps ops) {
   ops.gemv_w4_bf16 = GemvW4Bf16;
   return ops;
 }
-const QuantSimdOps kOpsBf16 = WithBf16(kOps);
+constexpr QuantSimdOps kOpsBf16 = WithBf16(kOps);
 
 }  // namespace
 

@@ -99,6 +99,17 @@ struct RowsOf {
   };
 };
 
+// xg[i * ng + g] = the sum of x row i over group g, from its 32-value chunk sums xsum[i * ldxs + c].
+inline void GroupSums(float* xg, const float* xsum, int64_t ldxs, int64_t rows, int64_t kLen, int64_t G) {
+  int64_t ng = (kLen + G - 1) / G, chunks = kLen / 32, cpg = G / 32;
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t g = 0; g < ng; ++g) {
+      float s = 0.0f;
+      for (int64_t c = g * cpg; c < std::min(chunks, (g + 1) * cpg); ++c) s += xsum[i * ldxs + c];
+      xg[i * ng + g] = s;
+    }
+}
+
 // The GEMV over blocks of up to kMB rows of x (element type X: fp32, or bf16 bits for the
 // AVX512-BF16 W4 route), Rows<MB> the row walker of one block. With xsum (W4), each block's x
 // group sums (at most kQuantMaxGroupSums: the tiling keeps min(mTile, 4) x kTile / 32 under it)
@@ -108,17 +119,11 @@ template <int kMB, class X, template <int> class Rows>
 void GemvBlocks(float* y, int64_t ldy, const X* x, int64_t ldx, const float* xsum, int64_t ldxs, const uint8_t* q,
                 int64_t ldq, const float* scale, const float* min, int64_t lds, int64_t M, int64_t N, int64_t kLen,
                 int64_t G, bool acc) {
-  int64_t ng = (kLen + G - 1) / G, chunks = kLen / 32, cpg = G / 32;
+  int64_t ng = (kLen + G - 1) / G;
   float xg[kQuantMaxGroupSums];
   for (int64_t m = 0; m < M;) {
     int64_t mb = std::min<int64_t>(kMB, M - m);
-    if (xsum)
-      for (int64_t i = 0; i < mb; ++i)
-        for (int64_t g = 0; g < ng; ++g) {
-          float s = 0.0f;
-          for (int64_t c = g * cpg; c < std::min(chunks, (g + 1) * cpg); ++c) s += xsum[(m + i) * ldxs + c];
-          xg[i * ng + g] = s;
-        }
+    if (xsum) GroupSums(xg, xsum + m * ldxs, ldxs, mb, kLen, G);
     float* ym = y + m * ldy;
     const X* xm = x + m * ldx;
     switch (mb) {
@@ -168,6 +173,6 @@ void DequantW8(float* dst, const int8_t* q, const float* scale, int64_t kLen, in
 }
 
 template <class V>
-QuantSimdOps MakeQuantOps(const char* isa) {
-  return QuantSimdOps{isa, GemvW4<V>, GemvW8<V>, nullptr, DequantW4<V>, DequantW8<V>};
+constexpr QuantSimdOps MakeQuantOps(const char* isa) {
+  return QuantSimdOps{isa, GemvW4<V>, GemvW8<V>, nullptr, nullptr, nullptr, DequantW4<V>, DequantW8<V>};
 }

@@ -62,7 +62,7 @@ struct VPortable {
 
 #include "quant_simd_impl.h"
 
-const QuantSimdOps kOps = MakeQuantOps<VPortable>("portable");
+constexpr QuantSimdOps kOps = MakeQuantOps<VPortable>("portable");
 
 }  // namespace
 
