@@ -39,7 +39,10 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
     pipe_.InitBuffer(xBuf_, mt * t_.kTile * sizeof(float));
     pipe_.InitBuffer(xsumBuf_, mt * kChunks_ * sizeof(float));
     if (kBf16) pipe_.InitBuffer(xbBuf_, mt * t_.kTile * sizeof(uint16_t));
-    if (kHalfWidth) {
+    // The int16 route, decided once: 16-bit x on a table that has it (the tiling budgets its UB for every
+    // 16-bit x, so a table without it just leaves the buffers unused).
+    int16_ = kHalfWidth && QuantSimd().gemv_w4_i16 && QuantSimd().gemv_w8_i16;
+    if (int16_) {
       pipe_.InitBuffer(xqBuf_, mt * t_.kTile * sizeof(int16_t));
       pipe_.InitBuffer(xqScaleBuf_, mt * kChunks_ * sizeof(float));
     }
@@ -70,7 +73,7 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
       CastRaw<float, T>(row, xGm_.GetPhyAddr((m0 + m) * t_.k + k0), valid);
       std::fill(row + valid, row + kl, 0.0f);
       for (int64_t c = 0; c < kl / kQuantChunk; ++c) xs[m * kChunks_ + c] = Simd().reduce_sum(row + c * kQuantChunk, kQuantChunk);
-      if (kHalfWidth && (QuantSimd().gemv_w4_i16 || QuantSimd().gemv_w8_i16))
+      if (int16_)
         QuantizeXInt16(xqBuf_.Get<int16_t>().GetPhyAddr(m * t_.kTile),
                        xqScaleBuf_.Get<float>().GetPhyAddr(m * kChunks_), row, kl);
       if (kBf16) {
@@ -94,14 +97,14 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
       if (kBf16 && QuantSimd().gemv_w4_bf16)
         return QuantSimd().gemv_w4_bf16(y, nt, xbBuf_.Get<uint16_t>().GetPhyAddr(), t_.kTile, xs, kChunks_, w, kPad_ / 2,
                                         sc.scale, sc.min, sc.lds, mt, nt, kl, sc.group, k0 > 0);
-      if (kHalfWidth && QuantSimd().gemv_w4_i16)
+      if (int16_)
         return QuantSimd().gemv_w4_i16(y, nt, XInt16(), t_.kTile, XInt16Scales(), kChunks_, xs, kChunks_, w, kPad_ / 2,
                                        sc.scale, sc.min, sc.lds, mt, nt, kl, sc.group, k0 > 0);
       QuantSimd().gemv_w4(y, nt, x, t_.kTile, xs, kChunks_, w, kPad_ / 2, sc.scale, sc.min, sc.lds, mt, nt, kl, sc.group,
                           k0 > 0);
     } else {
       const int8_t* w = static_cast<const int8_t*>(q.data) + row * kPad_ + k0;
-      if (kHalfWidth && QuantSimd().gemv_w8_i16)
+      if (int16_)
         return QuantSimd().gemv_w8_i16(y, nt, XInt16(), t_.kTile, XInt16Scales(), kChunks_, w, kPad_, sc.scale, sc.lds,
                                        mt, nt, kl, sc.group, k0 > 0);
       QuantSimd().gemv_w8(y, nt, x, t_.kTile, w, kPad_, sc.scale, sc.lds, mt, nt, kl, sc.group, k0 > 0);
@@ -113,6 +116,7 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
 
   const QuantSegment* q_ = nullptr;
   int64_t kPad_ = 0, kChunks_ = 0;
+  bool int16_ = false;
   TBuf<TPosition::VECCALC> xBuf_, xsumBuf_, xbBuf_, xqBuf_, xqScaleBuf_, scaleBuf_[2], minBuf_[2];
 };
 
