@@ -44,6 +44,8 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str =
 
     neox: x*cos + cat(-x2, x1)*sin over the first rotary_dim columns (x1, x2 its halves);
     interleave (GPT-J): pairs (2i, 2i+1) with rotate = (-x[2i+1], x[2i]). The tail passes through.
+    Each product is rounded to x's dtype before the add, as HF's separate ops do (without that, a sum that
+    cancels is off by more than the dtype's relative tolerance).
     """
     r = cos.shape[-1]
     c = cos.to(x.dtype).double()[:, None, :]
@@ -54,7 +56,7 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str =
         rot = torch.cat((-xr[..., r // 2:], xr[..., : r // 2]), dim=-1)
     else:
         rot = torch.stack((-xr[..., 1::2], xr[..., 0::2]), dim=-1).flatten(-2)
-    return torch.cat((xr * c + rot * s, xd[..., r:]), dim=-1)
+    return torch.cat(((xr * c).to(x.dtype).double() + (rot * s).to(x.dtype).double(), xd[..., r:]), dim=-1)
 
 
 def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -109,6 +109,11 @@ struct SimdOps {
   // Reduces n groups of 8 lanes (mmad_nt_lanes' output): dst[i] = ((l0 + l4) + (l2 + l6)) + ((l1 + l5) +
   // (l3 + l7)) of lanes[8i ..], the same tree on every table.
   void (*sum_lanes8)(float* dst, const float* lanes, int64_t n);
+  // Widening transpose (the GEMM's packed B operand: weight rows to [k][n] fp32), exact:
+  //   dst[k * ldd + n] = fp32(src[n * lds + k]),  n < N, k < K
+  void (*transpose_f32)(float* dst, int64_t ldd, const float* src, int64_t lds, int64_t N, int64_t K);
+  void (*transpose_f16)(float* dst, int64_t ldd, const uint16_t* src, int64_t lds, int64_t N, int64_t K);
+  void (*transpose_bf16)(float* dst, int64_t ldd, const uint16_t* src, int64_t lds, int64_t N, int64_t K);
   // bf16 x bf16 NT Mmad on AVX512-BF16's vdpbf16ps; null on tables (and CPUs) without it:
   //   C[m][n] (+)= sum_k A[m][k] * B[n][k], A and B bf16 rows, K-contiguous (x and the weights as they lie).
   // Each element: 16 fp32 lanes, lane j adding the exact products of k = 32i + 2j + 1, then 32i + 2j, for

@@ -690,6 +690,8 @@ void SumLanes8(float* d, const float* l, int64_t n) {
   for (int64_t i = 0; i < n; ++i) d[i] = HSum(_mm256_loadu_ps(l + 8 * i));  // HSum's tree is sum_lanes8's
 }
 
+#include "simd_transpose8.h"  // TransposeWiden
+
 const SimdOps kAvx2 = {
     "avx2", Add, Sub, Mul, Max, Muls, Adds, Axpy, Exp, Silu, SiluMul, Duplicate,
     ReduceSum, ReduceMax, SumSquares, Dot, F16ToF32, Bf16ToF32, F32ToF16, F32ToBf16,
@@ -700,6 +702,8 @@ const SimdOps kAvx2 = {
     MmadNTRows<float, Load8, Load1>, MmadNTRows<uint16_t, Load8H, Load1H>, MmadNTRows<uint16_t, Load8B, Load1B>,
     MmadNNRows<float, Load8, Load1>, MmadNNRows<uint16_t, Load8H, Load1H>, MmadNNRows<uint16_t, Load8B, Load1B>,
     MmadTN, ExpSubAcc, SumLanes8,
+    TransposeWiden<float, Widen8, Load1>, TransposeWiden<uint16_t, Widen8H, Load1H>,
+    TransposeWiden<uint16_t, Widen8B, Load1B>,
 };
 
 }  // namespace

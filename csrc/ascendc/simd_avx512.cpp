@@ -706,6 +706,8 @@ void SumLanes8(float* d, const float* l, int64_t n) {
   if (i < n) d[i] = HSum8(_mm256_loadu_ps(l + 8 * i));
 }
 
+#include "simd_transpose8.h"  // TransposeWiden
+
 // ---- bf16 dot-product NT Mmad (AVX512-BF16: prefill GEMM, batch decode) -------
 // R (<= 8) rows of A against CN (<= 3) rows of B per block: R*CN accumulators,
 // R + CN loads per R*CN vdpbf16ps (32 multiply-adds each), x and the weights
@@ -802,6 +804,8 @@ const SimdOps ATB_AVX512_TABLE = {
     MmadNTRows<float, Load16, Load16>, MmadNTRows<uint16_t, Load16H, Load16H>, MmadNTRows<uint16_t, Load16B, Load16B>,
     MmadNNRows<float, Load16>, MmadNNRows<uint16_t, Load16H>, MmadNNRows<uint16_t, Load16B>,
     MmadTN, ExpSubAcc, SumLanes8,
+    TransposeWiden<float, Widen8, Load1>, TransposeWiden<uint16_t, Widen8H, Load1H>,
+    TransposeWiden<uint16_t, Widen8B, Load1B>,
 };
 
 // The table with the AVX512-BF16 entries (SIMDe implements them on any CPU).

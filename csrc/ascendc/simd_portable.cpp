@@ -176,6 +176,12 @@ void SumLanes8(float* d, const float* l, int64_t n) {
   for (int64_t i = 0; i < n; ++i, l += 8) d[i] = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
 
+template <typename TB, float (*L)(const TB*)>
+void TransposeWiden(float* dst, int64_t ldd, const TB* src, int64_t lds, int64_t N, int64_t K) {
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) dst[k * ldd + n] = L(src + n * lds + k);
+}
+
 const SimdOps kPortable = {
     "portable", Add, Sub, Mul, Max, Muls, Adds, Axpy, Exp, Silu, SiluMul, Duplicate,
     ReduceSum, ReduceMax, SumSquares, Dot, F16ToF32, Bf16ToF32, F32ToF16, F32ToBf16,
@@ -186,6 +192,7 @@ const SimdOps kPortable = {
     MmadNT<float, Load>, MmadNT<uint16_t, LoadH>, MmadNT<uint16_t, LoadB>,  // mmad_nt_rows: one row at a time already
     MmadNN<float, Load>, MmadNN<uint16_t, LoadH>, MmadNN<uint16_t, LoadB>,  // mmad_nn_rows
     MmadTN, ExpSubAcc, SumLanes8,
+    TransposeWiden<float, Load>, TransposeWiden<uint16_t, LoadH>, TransposeWiden<uint16_t, LoadB>,
 };
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "ascendc/kernel_operator.h"
 #include "linear_io.h"
@@ -37,10 +38,9 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
   using Gemm::t_, Gemm::ep_, Gemm::streams_, Gemm::xGm_, Gemm::wGm_, Gemm::bBuf_, Gemm::cBuf_;
 
  public:
-  void Init(GM_ADDR x, const LinearSegment* segs, GM_ADDR residual, const LinearTilingData& t) {
+  void Init(GM_ADDR x, const float* xF32, const LinearSegment* segs, GM_ADDR residual, const LinearTilingData& t) {
     dp_ = t.dpBf16 != 0;
-    Gemm::InitGemm(x, segs, residual, t, t.k, !dp_);
-    Gemm::InitWidenedX(!dp_);
+    Gemm::InitGemm(x, xF32, segs, residual, t, t.k, !dp_);
   }
 
  private:
@@ -71,21 +71,46 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
   // weights have no padding: kv = kl).
   void PackWeight(int st, int seg, int64_t row, int64_t nt, int64_t k0, int64_t kl, int64_t /*kv*/) {
     float* b = bBuf_[st].template Get<float>().GetPhyAddr();
-    int64_t ld = t_.nTile;
-    for (int64_t n = 0; n < nt; ++n) {
-      const T* w = wGm_[seg].GetPhyAddr((row + n) * t_.k + k0);
-      for (int64_t k = 0; k < kl; ++k) b[k * ld + n] = ToFloat(w[k]);
-    }
+    const T* w = wGm_[seg].GetPhyAddr(row * t_.k + k0);
+    if constexpr (std::is_same<T, float>::value) Simd().transpose_f32(b, t_.nTile, w, t_.k, nt, kl);
+    else if constexpr (std::is_same<T, half>::value) Simd().transpose_f16(b, t_.nTile, StorageBits(w), t_.k, nt, kl);
+    else Simd().transpose_bf16(b, t_.nTile, StorageBits(w), t_.k, nt, kl);
   }
 
   bool dp_ = false;
 };
 
+// Rows [first, last) of x as fp32 into dst, the block's share of WidenedX.
+template <typename T>
+void WidenRows(float* dst, const void* x, int64_t m, int64_t k) {
+  int64_t per = CeilDiv(m, GetBlockNum());
+  int64_t first = GetBlockIdx() * per, last = std::min(m, first + per);
+  if (first < last) CastRaw<float, T>(dst + first * k, static_cast<const T*>(x) + first * k, (last - first) * k);
+}
+
 }  // namespace
+
+const float* WidenedX(const void* x, int64_t m, int64_t k, DataType dtype, const SocInfo& soc) {
+  if (dtype == DataType::FLOAT32) return static_cast<const float*>(x);
+  thread_local std::vector<float> workspace;
+  size_t need = size_t(m * k);
+  if (workspace.capacity() * sizeof(float) > size_t(kWidenKeepBytes) && need * sizeof(float) <= size_t(kWidenKeepBytes))
+    std::vector<float>().swap(workspace);
+  if (workspace.size() < need) workspace.resize(need);
+  float* dst = workspace.data();
+  // Rows in blocks of at least 16 (a block's share pays for its dispatch), on the vector cores.
+  int64_t blocks = std::max<int64_t>(1, std::min(soc.vector_core_num, CeilDiv(m, 16)));
+  KernelLaunch(blocks, soc.ub_size, [&]() {
+    if (dtype == DataType::FLOAT16) WidenRows<half>(dst, x, m, k);
+    else WidenRows<bfloat16_t>(dst, x, m, k);
+  });
+  return dst;
+}
 
 void LinearGemm(const void* x, const LinearSegment* segs, const void* residual, const LinearTilingData& t,
                 const SocInfo& soc) {
-  LaunchLinearKernel<KernelLinearGemm>(t, soc, GmAddr(x), segs, GmAddr(residual), t);
+  const float* xF32 = t.dpBf16 ? nullptr : WidenedX(x, t.m, t.k, DataType(t.tilingKey / 10 % 10), soc);
+  LaunchLinearKernel<KernelLinearGemm>(t, soc, GmAddr(x), xF32, segs, GmAddr(residual), t);
 }
 
 }  // namespace atb

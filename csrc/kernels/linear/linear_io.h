@@ -174,19 +174,17 @@ class LinearGemmIo : protected LinearIo<T> {
     int64_t row, nt, m0, mp;
   };
 
-  // The accumulators and, when the unit packs its weights, the B operands: per stream.
-  void InitGemm(AscendC::GM_ADDR x, const LinearSegment* segs, AscendC::GM_ADDR residual, const LinearTilingData& t,
-                int64_t kCols, bool packed) {
+  // The accumulators and, when the unit packs its weights, the B operands: per stream. xF32: the A operand
+  // of packed units, x as fp32 [M, K] (x itself for fp32, else WidenedX's copy; null when nothing packs).
+  void InitGemm(AscendC::GM_ADDR x, const float* xF32, const LinearSegment* segs, AscendC::GM_ADDR residual,
+                const LinearTilingData& t, int64_t kCols, bool packed) {
     this->InitIo(x, segs, residual, t);
     kCols_ = kCols;
+    aGm_.SetGlobalBuffer(const_cast<float*>(xF32));
     for (int st = 0; st < this->streams_; ++st) {
       if (packed) this->pipe_.InitBuffer(bBuf_[st], t.kTile * t.nTile * sizeof(float));
       this->pipe_.InitBuffer(cBuf_[st], t.mPass * t.nTile * sizeof(float));
     }
-  }
-  // The A operand of a packed unit: fp16/bf16 x widened per K chunk (fp32 x is read where it lies).
-  void InitWidenedX(bool packed) {
-    if (!kFloat && packed) this->pipe_.InitBuffer(aBuf_, this->t_.mTile * this->t_.kTile * sizeof(float));
   }
 
   void ProcessPackedUnit(const GemmUnit& u) {
@@ -210,7 +208,8 @@ class LinearGemmIo : protected LinearIo<T> {
   }
 
   int64_t kCols_ = 0;
-  AscendC::TBuf<AscendC::TPosition::VECCALC> aBuf_, bBuf_[2], cBuf_[2];
+  AscendC::GlobalTensor<float> aGm_;
+  AscendC::TBuf<AscendC::TPosition::VECCALC> bBuf_[2], cBuf_[2];
 
  private:
   Kernel& self() { return static_cast<Kernel&>(*this); }
@@ -233,19 +232,8 @@ class LinearGemmIo : protected LinearIo<T> {
   // C[mt0 : mt0 + mt, :nt] (+)= x[m : m + mt, k0 : k0 + kv] . packed, per stream.
   void Compute(int64_t m, int64_t mt0, int64_t mt, int64_t nt, int64_t k0, int64_t kv) {
     const LinearTilingData& t = this->t_;
-    const float* a;
-    int64_t lda;
-    if constexpr (kFloat) {
-      a = this->xGm_.GetPhyAddr(m * t.k + k0);  // fp32 x is the A operand where it lies
-      lda = t.k;
-    } else {
-      float* ub = aBuf_.template Get<float>().GetPhyAddr();
-      for (int64_t r = 0; r < mt; ++r)
-        AscendC::CastRaw<float, T>(ub + r * t.kTile, this->xGm_.GetPhyAddr((m + r) * t.k + k0), kv);
-      a = ub;
-      lda = t.kTile;
-    }
-    AscendC::MmadParams p{mt, nt, kv, lda, t.nTile, t.nTile, k0 > 0};
+    const float* a = aGm_.GetPhyAddr(m * t.k + k0);
+    AscendC::MmadParams p{mt, nt, kv, t.k, t.nTile, t.nTile, k0 > 0};
     for (int st = 0; st < this->streams_; ++st)
       AscendC::MmadNN(cBuf_[st].template Get<float>().GetPhyAddr(mt0 * t.nTile), a,
                       bBuf_[st].template Get<float>().GetPhyAddr(), p);
@@ -253,6 +241,14 @@ class LinearGemmIo : protected LinearIo<T> {
 };
 
 inline AscendC::GM_ADDR GmAddr(const void* p) { return reinterpret_cast<AscendC::GM_ADDR>(const_cast<void*>(p)); }
+
+// The packed GEMM kernels' A operand: x [m, k] as fp32. fp32 x is used where it lies; fp16/bf16 x is widened
+// once per call, its rows split over the cores, into a workspace in GM, so each element is converted once
+// rather than once per weight tile (N / nTile times, each a strided read from memory). Widening is exact:
+// the sums are the same bits as widening per tile. The calling thread keeps a workspace of up to
+// kWidenKeepBytes for its next call; a larger one (a very long prompt) is freed again by the next call.
+constexpr int64_t kWidenKeepBytes = int64_t(32) << 20;
+const float* WidenedX(const void* x, int64_t m, int64_t k, AscendC::DataType dtype, const AscendC::SocInfo& soc);
 
 // KernelLaunch of Kernel<T> (Init(init...) + Process) for the tiling's dtype.
 template <template <typename> class Kernel, class... InitArgs>

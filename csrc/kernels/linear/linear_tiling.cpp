@@ -31,14 +31,11 @@ constexpr int64_t kHostMinBytesPerCore = 256 * 1024;
 // UB of one GEMM work unit:
 //   packed W   fp32 [kTile, nTile]  per stream        (the cube's B operand)
 //   C          fp32 [mPass, nTile]  per stream        (the accumulator, kept across K chunks)
-//   x          fp32 [mTile, kTile]  (fp16/bf16 only: fp32 x is read in place)
-//   and LinearIo's out (and residual) queues
-// With the dot-product micro-kernel (dp) there is neither packed W nor widened x.
+//   and LinearIo's out (and residual) queues (x is the A operand as fp32 in GM: WidenedX)
+// With the dot-product micro-kernel (dp) there is no packed W.
 int64_t GemmUb(int64_t mPass, int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep, bool dp) {
   int64_t streams = ep == LINEAR_SWIGLU ? 2 : 1;
-  int64_t ub = streams * ((dp ? 0 : UbSlot(kt * nt * 4)) + UbSlot(mPass * nt * 4)) + LinearIoUb(mt, nt, elt, ep);
-  if (elt != 4 && !dp) ub += UbSlot(mt * kt * 4);
-  return ub;
+  return streams * ((dp ? 0 : UbSlot(kt * nt * 4)) + UbSlot(mPass * nt * 4)) + LinearIoUb(mt, nt, elt, ep);
 }
 
 // dp: weight rows per tile, a multiple of the micro-kernel's 3-row panel (its 16-row blocks of 48 keep the
@@ -103,7 +100,7 @@ int64_t MinSegmentRows(const LinearTilingData& t) {
 
 void GemmPackedTile(LinearTilingData& t, int64_t kCols) {
   int64_t minRows = MinSegmentRows(t);
-  t.nTile = minRows >= 32 ? 32 : AlignUp(minRows, 8);
+  t.nTile = minRows >= 64 ? 64 : minRows >= 32 ? 32 : AlignUp(minRows, 8);
   t.kTile = std::min<int64_t>(kCols, 256);
 }
 

@@ -83,15 +83,16 @@ inline void DequantRow(const QuantSegment& q, int64_t kPad, int64_t row, int64_t
     QuantSimd().dequant_w8(dst, static_cast<const int8_t*>(q.data) + row * kPad + k0, s.scale, kl, s.group);
 }
 
-// LaunchLinearKernel of Kernel<T> with Init(x, segments as LinearSegments, segments, residual, t): the float
-// linear's epilogue, bias and output plumbing (LinearIo) sees the quantized segments as LinearSegments.
-template <template <typename> class Kernel>
+// LaunchLinearKernel of Kernel<T> with Init(x, xOperands..., segments as LinearSegments, segments, residual, t):
+// the float linear's epilogue, bias and output plumbing (LinearIo) sees the quantized segments as
+// LinearSegments. xOperands: what else the kernel reads x as (the GEMM: its fp32 A operand).
+template <template <typename> class Kernel, class... XOperands>
 void LaunchQuantKernel(const void* x, const QuantSegment* segs, const void* residual, const QuantLinearTilingData& t,
-                       const AscendC::SocInfo& soc) {
+                       const AscendC::SocInfo& soc, const XOperands&... xOperands) {
   LinearSegment ls[kLinearMaxSegments];
   for (int64_t s = 0; s < t.base.numSegments; ++s) ls[s] = {segs[s].data, segs[s].bias, segs[s].out, segs[s].n};
   const LinearSegment* linearSegs = ls;
-  LaunchLinearKernel<Kernel>(t.base, soc, GmAddr(x), linearSegs, segs, GmAddr(residual), t);
+  LaunchLinearKernel<Kernel>(t.base, soc, GmAddr(x), xOperands..., linearSegs, segs, GmAddr(residual), t);
 }
 
 }  // namespace atb

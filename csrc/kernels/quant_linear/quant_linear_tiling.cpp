@@ -34,16 +34,13 @@ int64_t StreamUb(int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue
 // UB of one GEMM work unit:
 //   packed W   fp32 [kTile, nTile]  per stream (the dequantized B operand)
 //   C          fp32 [mPass, nTile]  per stream (accumulators across K chunks)
-//   row        fp32 [kTile]         (one weight row dequantized before its transposed store)
+//   rows       fp32 [kQuantPackRows, kTile]  (weight rows dequantized before their transposed store)
 //   scale, min fp32 [kTile/32]      (that row's group scales)
-//   x          fp32 [mTile, kTile]  (fp16/bf16 only: fp32 x is read in place)
-//   and LinearIo's out (and residual) queues
+//   and LinearIo's out (and residual) queues (x is the A operand as fp32 in GM: WidenedX)
 int64_t GemmUb(int64_t mPass, int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep) {
   int64_t streams = ep == LINEAR_SWIGLU ? 2 : 1;
-  int64_t ub = streams * (UbSlot(kt * nt * 4) + UbSlot(mPass * nt * 4)) + UbSlot(kt * 4) +
-               2 * UbSlot(kt / kQuantChunk * 4) + LinearIoUb(mt, nt, elt, ep);
-  if (elt != 4) ub += UbSlot(mt * kt * 4);
-  return ub;
+  return streams * (UbSlot(kt * nt * 4) + UbSlot(mPass * nt * 4)) + UbSlot(kQuantPackRows * kt * 4) +
+         2 * UbSlot(kt / kQuantChunk * 4) + LinearIoUb(mt, nt, elt, ep);
 }
 
 // K chunks below all of kPad are multiples of the largest group (128), so no group straddles two chunks.

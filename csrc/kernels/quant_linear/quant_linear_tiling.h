@@ -25,6 +25,9 @@ namespace atb {
 // the whole row (per output channel). scale/min: [N, groups] in scaleType
 // (fp32, fp16 or bf16), widened to fp32 in UB per tile.
 constexpr int64_t kQuantChunk = 32;  // values per SIMD chunk; kPad and every group are multiples of it
+// Weight rows the GEMM kernel dequantizes before one transposed store into its packed B tile (an 8 x 8
+// SIMD transpose block).
+constexpr int64_t kQuantPackRows = 8;
 
 struct QuantSegment {
   const void* data = nullptr;   // [n, kPad] int8 or [n, kPad / 2] packed int4
