@@ -5,7 +5,8 @@ counterparts; everything else about a call is shared).
 
 Same semantics, epilogues and kernel split as the float linear (STREAM below 32 rows:
 each packed weight byte streamed once for all rows and dequantized in registers; GEMM from
-32 rows: a weight tile dequantized into UB, reused by up to 384 rows), activations
+32 rows, from 16 with 16-bit x on AVX2: a weight tile dequantized into UB, reused by
+up to 384 rows), activations
 fp32/fp16/bf16, fp32 accumulation, output in x's dtype.
 """
 from __future__ import annotations

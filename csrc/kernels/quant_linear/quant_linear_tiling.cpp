@@ -66,7 +66,9 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
   q.kPad = AlignUp(k, kQuantChunk);
   int64_t elt = AscendC::DataTypeSize(dtype);
   bool bf16 = dtype == AscendC::DataType::BFLOAT16;
-  if (m >= kLinearGemmMinRows) {
+  // One threshold for every format, so a segment's sums do not depend on the other segments of its launch.
+  bool int16Route = elt == 2 && QuantSimd().gemv_w4_i16 != nullptr;
+  if (m >= (int16Route ? kQuantInt16GemmMinRows : kLinearGemmMinRows)) {
     GemmPackedTile(t, q.kPad);
     GemmShrinkAndSplit(t, kQuantKHalving, ep, "quant_linear", soc, [&](const LinearTilingData& c) {
       return GemmUb(c.mPass, c.mTile, c.nTile, c.kTile, elt, ep);
