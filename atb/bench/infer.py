@@ -12,7 +12,8 @@ model after ``patch_hf_model`` (unpatched again afterwards). ``tinyllama`` is a
 random-weight model of TinyLlama-1.1B's shape. Decode is reported as a fraction
 of the weight-streaming roofline (weight bytes per step / streaming-read
 bandwidth measured in this run), prefill as a fraction of the GEMM peak
-(torch.matmul on 1024^3 in this dtype, measured in this run; prefill FLOPs
+(torch.matmul on 1024^3, measured in this run: fp32, or for fp16/bf16 the larger of that dtype and fp32,
+``atb.bench.roofline.gemm_gflops``; prefill FLOPs
 counted as 2 x the layers' linear parameters x tokens). Medians over ``--repeats``.
 """
 from __future__ import annotations
@@ -156,7 +157,7 @@ def main(argv=None) -> list[dict]:
                               f"{m['step_ms']:7.1f} {m['roofline_fraction']:8.0%}", flush=True)
             if not args.json:
                 print(f"{mname} {dname}: streaming read {bw / 1e9:.1f} GB/s, GEMM peak {peak / 1e9:.0f} GFLOP/s "
-                      f"(torch.matmul 1024^3), weights {weights / 1e6:.0f} MB", flush=True)
+                      f"(torch.matmul 1024^3, gemm_gflops), weights {weights / 1e6:.0f} MB", flush=True)
             del model
     return json_results(results, args.json)
 
