@@ -155,9 +155,10 @@ def format_e2e(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     hf = {(r["model"], r["batch"]): r["decode"] for r in rows if r["format"] == "HF eager bf16"}
     for r in rows:
-        vs = r["decode"] / hf[(r["model"], r["batch"])] if (r["model"], r["batch"]) in hf else float("nan")
+        key = (r["model"], r["batch"])
+        vs = f"{r['decode'] / hf[key]:5.2f}x" if key in hf else f"{'-':>6}"  # --no-hf: no ratio to print
         lines.append(f"{r['model']:10} {r['format']:14} {r['batch']:>5} {r['prefill']:13.0f} {r['decode']:12.1f} "
-                     f"{r['bytes_per_step'] / 1e6:8.1f} {r['roofline']:8.0%} {vs:5.2f}x")
+                     f"{r['bytes_per_step'] / 1e6:8.1f} {r['roofline']:8.0%} {vs}")
     return "\n".join(lines)
 
 
