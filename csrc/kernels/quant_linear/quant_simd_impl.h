@@ -14,6 +14,7 @@
 // registers accumulate into separate t's so the FMA chains stay independent
 // (4-cycle FMA latency; one chain per row would stall).
 #pragma once
+#include "ascendc/block_prefetch.h"
 
 // sum_i a[i] * b[i] in vector lanes (the W4 min term: one row's mins . x's group sums).
 template <class V>
@@ -38,6 +39,7 @@ void GemvBlock(float* y, int64_t ldy, const float* x, int64_t ldx, const float* 
   R a[NR][MB];
   for (int r = 0; r < NR; ++r)
     for (int mb = 0; mb < MB; ++mb) a[r][mb] = V::zero();
+  const AscendC::BlockPrefetch<NR> prefetch(q, ldq, kLen * Bits / 8);
   int64_t ng = (kLen + G - 1) / G;
   for (int64_t g = 0; g < ng; ++g) {
     int64_t k0 = g * G, k1 = std::min(kLen, k0 + G);
@@ -46,6 +48,7 @@ void GemvBlock(float* y, int64_t ldy, const float* x, int64_t ldx, const float* 
       for (int mb = 0; mb < MB; ++mb)
         for (int v = 0; v < TV; ++v) t[r][mb][v] = V::zero();
     for (int64_t k = k0; k < k1; k += 32) {
+      if (k * Bits / 8 % 64 == 0) prefetch.At(k * Bits / 8);
       R xv[MB][V::kVecs];
       for (int mb = 0; mb < MB; ++mb)
         for (int v = 0; v < V::kVecs; ++v)

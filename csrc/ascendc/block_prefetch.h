@@ -1,0 +1,37 @@
+// Software prefetch for the decode GEMV micro-kernels, which walk a block of NR adjacent weight rows
+// in step (one 64-byte line of each row per step) and then the next block. NR interleaved row streams
+// defeat the hardware prefetcher, so each step also prefetches NR lines of the block ahead.
+//
+// When the rows are whole (the row pitch equals the bytes used per row), the block ahead is one
+// contiguous span and is prefetched front to back, NR lines per step: one linear stream. Zen 3,
+// 2 threads, cold weights, int16-route W8 GEMV at M = 1, medians of 25 interleaved rounds in one
+// process: 1536x576 83 -> 56 us (10.6 -> 15.7 GB/s), 576x1536 79 -> 68 us, against the per-row
+// prefetch at the same offset. When the rows are a K slice of longer rows, each row's slice is
+// prefetched at the step's offset. Either way the address is base + byte * a + r * b: no branch in
+// the step (a branch and a runtime row count there cost more than the prefetch gained).
+#pragma once
+#include <cstdint>
+
+namespace AscendC {
+
+template <int NR>
+class BlockPrefetch {
+ public:
+  // rows: the current block's first row; pitch: bytes between rows; rowBytes: bytes used per row.
+  BlockPrefetch(const void* rows, int64_t pitch, int64_t rowBytes, int blocksAhead = 1)
+      : ahead_(static_cast<const char*>(rows) + int64_t(blocksAhead) * NR * pitch),
+        perByte_(pitch == rowBytes ? NR : 1),
+        perRow_(pitch == rowBytes ? 64 : pitch) {}
+
+  // Once per 64 bytes of row; byte is the offset within the row.
+  void At(int64_t byte) const {
+    const char* p = ahead_ + byte * perByte_;
+    for (int r = 0; r < NR; ++r) __builtin_prefetch(p + r * perRow_, 0, 3);
+  }
+
+ private:
+  const char* ahead_;
+  int64_t perByte_, perRow_;
+};
+
+}  // namespace AscendC
