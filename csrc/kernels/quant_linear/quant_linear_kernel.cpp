@@ -37,6 +37,19 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
     kChunks_ = t.kChunks;
     int64_t mt = t_.mTile, nt = t_.nTile;
     pipe_.InitBuffer(xBuf_, mt * t_.kTile * sizeof(float));
+    std::copy_n(t.lanes, kLinearMaxSegments, lanes_);
+    gemv_ = t.anyGemv;
+    if (t.anyLanes) {
+      panel_ = QuantLanesPanelRows(t_.kTile);
+      pipe_.InitBuffer(wBuf_, std::max(panel_ * t_.kTile, mt * panel_) * sizeof(float));
+      for (int s = 0; s < streams_; ++s) pipe_.InitBuffer(lanesBuf_[s], mt * nt * 8 * sizeof(float));
+    }
+    for (int s = 0; s < streams_; ++s) {
+      pipe_.InitBuffer(scaleBuf_[s], nt * kChunks_ * sizeof(float));
+      pipe_.InitBuffer(minBuf_[s], nt * kChunks_ * sizeof(float));
+      pipe_.InitBuffer(sums_[s], mt * nt * sizeof(float));
+    }
+    if (!gemv_) return;
     pipe_.InitBuffer(xsumBuf_, mt * kChunks_ * sizeof(float));
     if (kBf16) pipe_.InitBuffer(xbBuf_, mt * t_.kTile * sizeof(uint16_t));
     // The int16 route, decided once: 16-bit x on a table that has it (the tiling budgets its UB for every
@@ -45,11 +58,6 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
     if (int16_) {
       pipe_.InitBuffer(xqBuf_, mt * t_.kTile * sizeof(int16_t));
       pipe_.InitBuffer(xqScaleBuf_, mt * kChunks_ * sizeof(float));
-    }
-    for (int s = 0; s < streams_; ++s) {
-      pipe_.InitBuffer(scaleBuf_[s], nt * kChunks_ * sizeof(float));
-      pipe_.InitBuffer(minBuf_[s], nt * kChunks_ * sizeof(float));
-      pipe_.InitBuffer(sums_[s], mt * nt * sizeof(float));
     }
   }
 
@@ -60,6 +68,8 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
       if (!xResident) CopyInX(m0, mt, k0, kl);
       for (int st = 0; st < streams_; ++st) Compute(st, st == 1 ? 1 : s, row, mt, nt, k0, kl);
     }
+    for (int st = 0; st < streams_; ++st)
+      if (lanes_[st == 1 ? 1 : s]) SumPanelLanes(st, mt, nt);
     Stream::OutputSums(s, row, m0, mt, nt);
   }
 
@@ -72,6 +82,7 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
       float* row = x + m * t_.kTile;
       CastRaw<float, T>(row, xGm_.GetPhyAddr((m0 + m) * t_.k + k0), valid);
       std::fill(row + valid, row + kl, 0.0f);
+      if (!gemv_) continue;
       for (int64_t c = 0; c < kl / kQuantChunk; ++c) xs[m * kChunks_ + c] = Simd().reduce_sum(row + c * kQuantChunk, kQuantChunk);
       if (int16_)
         QuantizeXInt16(xqBuf_.Get<int16_t>().GetPhyAddr(m * t_.kTile),
@@ -89,8 +100,9 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
     const QuantSegment& q = q_[seg];
     TileScales sc = LoadScales(q, kPad_, row, nt, k0, kl, scaleBuf_[st].Get<float>().GetPhyAddr(),
                                minBuf_[st].Get<float>().GetPhyAddr(), kChunks_);
-    float* y = Stream::Sums(st);
     const float* x = xBuf_.Get<float>().GetPhyAddr();
+    if (lanes_[seg]) return DequantLanes(st, q, sc, row, mt, nt, k0, kl);
+    float* y = Stream::Sums(st);
     const float* xs = xsumBuf_.Get<float>().GetPhyAddr();
     if (q.bits == 4) {
       const uint8_t* w = static_cast<const uint8_t*>(q.data) + row * (kPad_ / 2) + k0 / 2;
@@ -111,13 +123,49 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
     }
   }
 
+  // lanes (+)= x chunk . W_tile^T, W_tile = the tile's rows dequantized to fp32 (one rounding per value:
+  // fma(q, scale, min), as the GEMM's packing), in the float STREAM's lane order. A panel of rows at a
+  // time (QuantLanesPanelRows: L1-sized), each panel's lanes their own [mt, rows, 8] block, so the
+  // dequantized values are still in L1 when every x row passes over them.
+  void DequantLanes(int st, const QuantSegment& q, const TileScales& sc, int64_t row, int64_t mt, int64_t nt,
+                    int64_t k0, int64_t kl) {
+    float* w = wBuf_.Get<float>().GetPhyAddr();
+    float* lanes = lanesBuf_[st].Get<float>().GetPhyAddr();
+    const float* x = xBuf_.Get<float>().GetPhyAddr();
+    for (int64_t n0 = 0; n0 < nt; n0 += panel_) {
+      int64_t nb = std::min(panel_, nt - n0);
+      for (int64_t n = 0; n < nb; ++n) {
+        const float* s = sc.scale + (n0 + n) * sc.lds;
+        int64_t r = row + n0 + n;
+        if (q.bits == 4)
+          QuantSimd().dequant_w4(w + n * t_.kTile, static_cast<const uint8_t*>(q.data) + r * (kPad_ / 2) + k0 / 2, s,
+                                 sc.min + (n0 + n) * sc.lds, kl, sc.group);
+        else
+          QuantSimd().dequant_w8(w + n * t_.kTile, static_cast<const int8_t*>(q.data) + r * kPad_ + k0, s, kl, sc.group);
+      }
+      Simd().mmad_nt_lanes_f32(lanes + n0 * mt * 8, x, t_.kTile, w, t_.kTile, mt, nb, kl, k0 > 0);
+    }
+  }
+
+  // sums[m][n] of stream st from the panels' lanes ([mt, rows, 8] per panel).
+  void SumPanelLanes(int st, int64_t mt, int64_t nt) {
+    const float* lanes = lanesBuf_[st].Get<float>().GetPhyAddr();
+    float* sums = Stream::Sums(st);
+    float* panelSums = wBuf_.Get<float>().GetPhyAddr();  // free between tiles
+    for (int64_t n0 = 0; n0 < nt; n0 += panel_) {
+      int64_t nb = std::min(panel_, nt - n0);
+      Simd().sum_lanes8(panelSums, lanes + n0 * mt * 8, mt * nb);
+      for (int64_t m = 0; m < mt; ++m) std::copy_n(panelSums + m * nb, nb, sums + m * nt + n0);
+    }
+  }
+
   const int16_t* XInt16() { return xqBuf_.Get<int16_t>().GetPhyAddr(); }
   const float* XInt16Scales() { return xqScaleBuf_.Get<float>().GetPhyAddr(); }
 
   const QuantSegment* q_ = nullptr;
-  int64_t kPad_ = 0, kChunks_ = 0;
-  bool int16_ = false;
-  TBuf<TPosition::VECCALC> xBuf_, xsumBuf_, xbBuf_, xqBuf_, xqScaleBuf_, scaleBuf_[2], minBuf_[2];
+  int64_t kPad_ = 0, kChunks_ = 0, panel_ = 0;
+  bool int16_ = false, gemv_ = false, lanes_[kLinearMaxSegments] = {false, false, false};
+  TBuf<TPosition::VECCALC> xBuf_, xsumBuf_, xbBuf_, xqBuf_, xqScaleBuf_, scaleBuf_[2], minBuf_[2], wBuf_, lanesBuf_[2];
 };
 
 // Embedding rows: each core dequantizes its share of the requested rows, in K pieces that fit its UB.

@@ -22,10 +22,20 @@ namespace {
 //   scale, min fp32 [nTile, kTile/32]  per stream (this tile's group scales, widened)
 //   sums       fp32 [mTile, nTile]     per stream
 //   and LinearIo's out (and residual) queues
-int64_t StreamUb(int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep, bool bf16) {
+//   lanes      (a segment on the dequantized-lanes route) one panel of dequantized W rows fp32
+//              [QuantLanesPanelRows, kTile] and per stream the lanes fp32 [mTile, nTile, 8]
+//   xsum and the bf16/int16 x only when some segment takes the GEMV
+int64_t StreamUb(int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep, bool bf16, bool lanes,
+                 bool gemv) {
   int64_t streams = ep == LINEAR_SWIGLU ? 2 : 1, chunks = kt / kQuantChunk;
-  int64_t ub = UbSlot(mt * kt * 4) + UbSlot(mt * chunks * 4) +
-               streams * (2 * UbSlot(nt * chunks * 4) + UbSlot(mt * nt * 4)) + LinearIoUb(mt, nt, elt, ep);
+  int64_t ub = UbSlot(mt * kt * 4) + streams * (2 * UbSlot(nt * chunks * 4) + UbSlot(mt * nt * 4)) +
+               LinearIoUb(mt, nt, elt, ep);
+  if (lanes) {
+    int64_t panel = QuantLanesPanelRows(kt);
+    ub += UbSlot(std::max(panel * kt, mt * panel) * 4) + streams * UbSlot(mt * nt * 8 * 4);
+  }
+  if (!gemv) return ub;
+  ub += UbSlot(mt * chunks * 4);
   if (bf16) ub += UbSlot(mt * kt * 2);
   if (elt == 2) ub += UbSlot(mt * kt * 2) + UbSlot(mt * chunks * 4);
   return ub;
@@ -66,9 +76,8 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
   q.kPad = AlignUp(k, kQuantChunk);
   int64_t elt = AscendC::DataTypeSize(dtype);
   bool bf16 = dtype == AscendC::DataType::BFLOAT16;
-  // One threshold for every format, so a segment's sums do not depend on the other segments of its launch.
-  bool int16Route = elt == 2 && QuantSimd().gemv_w4_i16 != nullptr;
-  if (m >= (int16Route ? kQuantInt16GemmMinRows : kLinearGemmMinRows)) {
+  bool int16Route = QuantSimd().gemv_w4_i16 != nullptr;  // the AVX2 table (see QuantLanesMinRows)
+  if (m >= kLinearGemmMinRows) {
     GemmPackedTile(t, q.kPad);
     GemmShrinkAndSplit(t, kQuantKHalving, ep, "quant_linear", soc, [&](const LinearTilingData& c) {
       return GemmUb(c.mPass, c.mTile, c.nTile, c.kTile, elt, ep);
@@ -85,8 +94,13 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
   // The W4 micro-kernel keeps the group sums of up to 4 x rows on its stack.
   while (std::min<int64_t>(t.mTile, 4) * (t.kTile / kQuantChunk) > kQuantMaxGroupSums)
     t.kTile = kQuantKHalving.Halve(t.kTile);
-  StreamShrink(t, kQuantKHalving, "quant_linear", soc,
-               [&](const LinearTilingData& c) { return StreamUb(c.mTile, c.nTile, c.kTile, elt, ep, bf16); });
+  for (int64_t s = 0; s < numSegments; ++s) {
+    q.lanes[s] = int16Route && m >= QuantLanesMinRows(segs[s].bits, elt);
+    (q.lanes[s] ? q.anyLanes : q.anyGemv) = true;
+  }
+  StreamShrink(t, kQuantKHalving, "quant_linear", soc, [&](const LinearTilingData& c) {
+    return StreamUb(c.mTile, c.nTile, c.kTile, elt, ep, bf16, q.anyLanes, q.anyGemv);
+  });
   q.kChunks = t.kTile / kQuantChunk;
   t.tilingKey = LINEAR_STREAM * 100 + int64_t(dtype) * 10 + ep;
   return q;

@@ -1,4 +1,5 @@
 #pragma once
+#include <algorithm>
 #include <cstdint>
 
 #include "ascendc/dtype.h"
@@ -12,9 +13,8 @@ namespace atb {
 // dtype, with the float linear's fused epilogues (multi-segment q/k/v,
 // RESIDUAL, SWIGLU; see linear_tiling.h) and its two kernels:
 //   STREAM (M < kLinearGemmMinRows, decode): each core streams its weight rows
-//     once for all M rows, dequantizing in registers (quant_simd.h); with
-//     16-bit x on a table with the int16 routes it hands over to the GEMM from
-//     kQuantInt16GemmMinRows rows on;
+//     once for all M rows, dequantizing in registers (quant_simd.h) or, from a
+//     few rows on, into L1 once per panel of rows (QuantLanesMinRows);
 //   GEMM (prefill): a weight tile is dequantized into UB as the fp32 B operand
 //     and reused by up to mPass rows through the cube tile (MmadNN).
 //
@@ -30,11 +30,24 @@ constexpr int64_t kQuantChunk = 32;  // values per SIMD chunk; kPad and every gr
 // Weight rows the GEMM kernel dequantizes before one transposed store into its packed B tile (an 8 x 8
 // SIMD transpose block).
 constexpr int64_t kQuantPackRows = 8;
-// 16-bit x on a table with the int16 routes (AVX2): the GEMM from this many rows on, whatever the format.
-// The STREAM kernel unpacks each weight again for every pair of x rows, the GEMM once per weight tile;
-// measured on Zen 3 (SmolLM2 MLP shapes, 2 threads, M = 16), the GEMM is 1.3-1.5x faster for W4 and
-// even for W8 (at M = 8-12 the two are even).
-constexpr int64_t kQuantInt16GemmMinRows = 16;
+// The STREAM kernel's two routes for a segment, chosen per segment from (its bits, x's width, M) alone
+// so its sums never depend on the other segments of its launch:
+//   GEMV     every weight unpacked in registers once per block of x rows (quant_simd.h);
+//   DEQUANT LANES  a panel of the tile's rows dequantized to fp32 in L1 once, then the float STREAM's
+//            lanes Mmad over every x row (QuantLanesPanelRows).
+// On the table with the int16 routes (AVX2), the lanes route from QuantLanesMinRows rows on. Measured on
+// Zen 3, 2 threads, SmolLM2 MLP shapes (576x1536, 1536x576), cold weights, medians of 9 (us, bf16 x):
+//   W4 g32  M=2  GEMV 120-130  lanes 153-167 | M=3  167-178 / 131-135 | M=8  379-423 / 194-216
+//   W8      M=12 GEMV 204-245  lanes 311-535 | M=16 487-576 / 308-438 (the GEMM that M=16 took: the same)
+//   fp32 x  M=4  W8 196-204 / 141-171, W4 242-275 / 140-178;  M=2 the GEMV is ahead
+// Other tables keep the GEMV (their W4 routes, e.g. AVX512-BF16's vdpbf16ps, were not measured against it).
+inline int64_t QuantLanesMinRows(int64_t bits, int64_t xBytes) {
+  if (xBytes == 4) return 4;
+  return bits == 4 ? 3 : 16;
+}
+// Weight rows the lanes route dequantizes at a time: a multiple of the lanes Mmad's 3-row blocks whose fp32
+// values (kTile each) fit in 24 KiB of L1.
+inline int64_t QuantLanesPanelRows(int64_t kTile) { return std::max<int64_t>(3, 24576 / (kTile * 4) / 3 * 3); }
 
 struct QuantSegment {
   const void* data = nullptr;   // [n, kPad] int8 or [n, kPad / 2] packed int4
@@ -54,6 +67,9 @@ struct QuantLinearTilingData {
   LinearTilingData base;
   int64_t kPad = 0;
   int64_t kChunks = 0;    // kTile / 32: xsum entries per x row, scale entries per weight row (at most)
+  // STREAM: per segment, the dequantized-lanes route (else the GEMV); and whether any segment takes each.
+  bool lanes[kLinearMaxSegments] = {false, false, false};
+  bool anyLanes = false, anyGemv = false;
 };
 
 // Pure host function of (shapes, formats, dtype, epilogue, SoC).
