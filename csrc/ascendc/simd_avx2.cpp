@@ -495,7 +495,9 @@ inline void LanesBlock(float* lanes, int64_t N, const float* A, int64_t lda, con
   // and fp32 unchanged). Long rows are left to the hardware prefetcher.
   constexpr int64_t kLine = 64 / int64_t(sizeof(TB));
   const bool prefetch = ldb * int64_t(sizeof(TB)) <= 4096;
-  const BlockPrefetch<CN> ahead(B, ldb * int64_t(sizeof(TB)), K * int64_t(sizeof(TB)));
+  // Rows prefetched one by one (long rows, a K slice) are fetched two blocks ahead, as before the sweep.
+  const int64_t rowBytes = K * int64_t(sizeof(TB)), pitch = ldb * int64_t(sizeof(TB));
+  const BlockPrefetch<CN> ahead(B, pitch, rowBytes, BlockPrefetch<CN>::Linear(pitch, rowBytes) ? 1 : 2);
   for (int64_t k = 0; k < K; k += 8) {
     if (prefetch && k % kLine == 0) ahead.At(k * int64_t(sizeof(TB)));
     __m256 b[CN];
