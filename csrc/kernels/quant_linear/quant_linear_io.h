@@ -72,15 +72,22 @@ inline TileScales LoadScales(const QuantSegment& q, int64_t kPad, int64_t row, i
   return {scaleUb, minUb, ldUb, q.group};
 }
 
-// Dequantized row `row` of segment q over [k0, k0 + kl) into dst (fp32); scale/min: kl/32 floats of scratch.
+// Dequantized row `row` of segment q over [k0, k0 + kl) into dst (fp32), with that row's scales (and
+// mins) already in fp32: scale/min point at its first group in the chunk.
+inline void DequantRowScaled(const QuantSegment& q, int64_t kPad, int64_t row, int64_t k0, int64_t kl, float* dst,
+                             const float* scale, const float* min, int64_t group) {
+  if (q.bits == 4)
+    QuantSimd().dequant_w4(dst, static_cast<const uint8_t*>(q.data) + row * (kPad / 2) + k0 / 2, scale, min, kl,
+                           group);
+  else
+    QuantSimd().dequant_w8(dst, static_cast<const int8_t*>(q.data) + row * kPad + k0, scale, kl, group);
+}
+
+// As DequantRowScaled, loading the row's scales first; scale/min: kl/32 floats of scratch.
 inline void DequantRow(const QuantSegment& q, int64_t kPad, int64_t row, int64_t k0, int64_t kl, float* dst,
                        float* scale, float* min) {
   TileScales s = LoadScales(q, kPad, row, 1, k0, kl, scale, min, 0);
-  if (q.bits == 4)
-    QuantSimd().dequant_w4(dst, static_cast<const uint8_t*>(q.data) + row * (kPad / 2) + k0 / 2, s.scale, s.min, kl,
-                           s.group);
-  else
-    QuantSimd().dequant_w8(dst, static_cast<const int8_t*>(q.data) + row * kPad + k0, s.scale, kl, s.group);
+  DequantRowScaled(q, kPad, row, k0, kl, dst, s.scale, s.min, s.group);
 }
 
 // LaunchLinearKernel of Kernel<T> with Init(x, xOperands..., segments as LinearSegments, segments, residual, t):

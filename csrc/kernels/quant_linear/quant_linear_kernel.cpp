@@ -38,8 +38,8 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
     int64_t mt = t_.mTile, nt = t_.nTile;
     pipe_.InitBuffer(xBuf_, mt * t_.kTile * sizeof(float));
     std::copy_n(t.lanes, kLinearMaxSegments, lanes_);
-    gemv_ = t.anyGemv;
-    if (t.anyLanes) {
+    gemv_ = t.AnyGemv();
+    if (t.AnyLanes()) {
       panel_ = QuantLanesPanelRows(t_.kTile);
       pipe_.InitBuffer(wBuf_, std::max(panel_ * t_.kTile, mt * panel_) * sizeof(float));
       for (int s = 0; s < streams_; ++s) pipe_.InitBuffer(lanesBuf_[s], mt * nt * 8 * sizeof(float));
@@ -134,15 +134,9 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
     const float* x = xBuf_.Get<float>().GetPhyAddr();
     for (int64_t n0 = 0; n0 < nt; n0 += panel_) {
       int64_t nb = std::min(panel_, nt - n0);
-      for (int64_t n = 0; n < nb; ++n) {
-        const float* s = sc.scale + (n0 + n) * sc.lds;
-        int64_t r = row + n0 + n;
-        if (q.bits == 4)
-          QuantSimd().dequant_w4(w + n * t_.kTile, static_cast<const uint8_t*>(q.data) + r * (kPad_ / 2) + k0 / 2, s,
-                                 sc.min + (n0 + n) * sc.lds, kl, sc.group);
-        else
-          QuantSimd().dequant_w8(w + n * t_.kTile, static_cast<const int8_t*>(q.data) + r * kPad_ + k0, s, kl, sc.group);
-      }
+      for (int64_t n = n0; n < n0 + nb; ++n)
+        DequantRowScaled(q, kPad_, row + n, k0, kl, w + (n - n0) * t_.kTile, sc.scale + n * sc.lds,
+                         sc.min ? sc.min + n * sc.lds : nullptr, sc.group);
       Simd().mmad_nt_lanes_f32(lanes + n0 * mt * 8, x, t_.kTile, w, t_.kTile, mt, nb, kl, k0 > 0);
     }
   }

@@ -76,7 +76,7 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
   q.kPad = AlignUp(k, kQuantChunk);
   int64_t elt = AscendC::DataTypeSize(dtype);
   bool bf16 = dtype == AscendC::DataType::BFLOAT16;
-  bool int16Route = QuantSimd().gemv_w4_i16 != nullptr;  // the AVX2 table (see QuantLanesMinRows)
+  bool lanesTable = QuantSimd().gemv_w4_i16 != nullptr;  // the AVX2 table (see QuantLanesMinRows)
   if (m >= kLinearGemmMinRows) {
     GemmPackedTile(t, q.kPad);
     GemmShrinkAndSplit(t, kQuantKHalving, ep, "quant_linear", soc, [&](const LinearTilingData& c) {
@@ -94,12 +94,9 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
   // The W4 micro-kernel keeps the group sums of up to 4 x rows on its stack.
   while (std::min<int64_t>(t.mTile, 4) * (t.kTile / kQuantChunk) > kQuantMaxGroupSums)
     t.kTile = kQuantKHalving.Halve(t.kTile);
-  for (int64_t s = 0; s < numSegments; ++s) {
-    q.lanes[s] = int16Route && m >= QuantLanesMinRows(segs[s].bits, elt);
-    (q.lanes[s] ? q.anyLanes : q.anyGemv) = true;
-  }
+  for (int64_t s = 0; s < numSegments; ++s) q.lanes[s] = lanesTable && m >= QuantLanesMinRows(segs[s].bits, elt);
   StreamShrink(t, kQuantKHalving, "quant_linear", soc, [&](const LinearTilingData& c) {
-    return StreamUb(c.mTile, c.nTile, c.kTile, elt, ep, bf16, q.anyLanes, q.anyGemv);
+    return StreamUb(c.mTile, c.nTile, c.kTile, elt, ep, bf16, q.AnyLanes(), q.AnyGemv());
   });
   q.kChunks = t.kTile / kQuantChunk;
   t.tilingKey = LINEAR_STREAM * 100 + int64_t(dtype) * 10 + ep;

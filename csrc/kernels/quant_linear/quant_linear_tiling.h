@@ -67,9 +67,11 @@ struct QuantLinearTilingData {
   LinearTilingData base;
   int64_t kPad = 0;
   int64_t kChunks = 0;    // kTile / 32: xsum entries per x row, scale entries per weight row (at most)
-  // STREAM: per segment, the dequantized-lanes route (else the GEMV); and whether any segment takes each.
+  // STREAM: per segment, the dequantized-lanes route (else the GEMV).
   bool lanes[kLinearMaxSegments] = {false, false, false};
-  bool anyLanes = false, anyGemv = false;
+
+  bool AnyLanes() const { return std::any_of(lanes, lanes + base.numSegments, [](bool l) { return l; }); }
+  bool AnyGemv() const { return !std::all_of(lanes, lanes + base.numSegments, [](bool l) { return l; }); }
 };
 
 // Pure host function of (shapes, formats, dtype, epilogue, SoC).
