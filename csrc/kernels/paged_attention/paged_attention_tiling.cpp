@@ -24,8 +24,13 @@ constexpr int64_t kGatherStageBytes = 64 * 1024;
 // head_dim >= 64, and 256-key chunks give a 2048-token sequence 8 pieces to
 // spread over cores at batch 1.
 constexpr int64_t kChunk = 256;
-// Host cores are only worth waking for 64 KiB of K/V traffic each.
-constexpr int64_t kMinBytesPerHostCore = 64 * 1024;
+// Host cores are only worth waking for 16 KiB of K/V traffic each. In a decode step the K/V rows come
+// from DRAM (the weights streamed through the caches since the last step), so a second core's misses
+// in flight pay for the hand-off well below the 64 KiB this was first set to with warm caches. Zen 3,
+// 2 threads, SmolLM2 shapes (bf16, 3 KV heads), 30 layers' caches with 16 MiB read between calls,
+// medians of 20-25 interleaved rounds, batch 1 at 160 keys (123 KB, 3 items): 1 core 43-54 us per
+// layer, 3 blocks on 2 cores 38-39 us; at 40 and 300 keys unchanged (1 and 3 blocks either way).
+constexpr int64_t kMinBytesPerHostCore = 16 * 1024;
 
 int64_t AttentionUb(int64_t m, int64_t tn, int64_t d, int64_t elt, bool gather) {
   int64_t ub = 2 * UbSlot(m * d * elt)         // q in, out (storage type)
