@@ -118,6 +118,29 @@ def test_tiling_variants_and_gqa_rows():
     assert sorted((i[1], i[3]) for i in t["items"]) == [(h, 4) for h in range(8)]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 100])
+def test_decode_batch_items_cover_every_kv_head_with_the_same_sums(isa, dtype, window):
+    # A decode batch of at least as many sequences as cores gets one item per (sequence, chunk) holding
+    # all KV heads, so each cache row is read whole; every row's sums are those of the one-head items
+    # that the same sequence gets alone (batch 1), split (600 keys) or not.
+    lens = [600, 1, 130, 257]
+    kc, vc, bt, ctx = _paged_cache(lens, 16, 3, 64, dtype)
+    q = torch.randn(len(lens), 9, 64).to(dtype)
+    host = atb.get_soc("host")
+    t = _C.paged_attention_tiling(len(lens), 9, 3, 64, kc.shape[0], 16, bt.shape[1], ctx.data_ptr(), 0, len(lens),
+                                  window or 0, DTYPE_CODES[dtype], host)
+    if host.cube_core_num <= len(lens):
+        assert {i[3] for i in t["items"]} == {9}  # one item per 256-key chunk of each sequence's keys
+        assert t["num_items"] == (3 + 1 + 1 + 2 if window is None else 2 + 1 + 1 + 2)
+    out = _check(q, kc, vc, bt, ctx, dtype, window=window)
+    for b in range(len(lens)):
+        alone = atb.kernels.paged_attention(q[b:b + 1], kc, vc, bt[b:b + 1], ctx[b:b + 1], window=window)
+        assert torch.equal(out[b:b + 1], alone)
+    ones = torch.ones(len(lens), dtype=torch.int32)  # q_lens of all 1 is decode too
+    assert torch.equal(out, atb.kernels.paged_attention(q, kc, vc, bt, ctx, q_lens=ones, window=window))
+
+
 @pytest.mark.parametrize("soc", ALL_SOCS)
 def test_every_soc_and_thread_count_gives_the_same_numbers(soc):
     lens, q_lens = [3000, 17, 600], [1, 5, 1]

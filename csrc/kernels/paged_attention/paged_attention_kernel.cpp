@@ -75,6 +75,7 @@ class KernelPagedAttention {
  private:
   void ProcessItem(const PagedAttentionItem& it) {
     rows_ = int64_t(it.qn) * it.gn;
+    kvn_ = ItemKvHeads(it, t_->groupSize);
     int64_t ctx = t_->contextLens[it.batch], ql = t_->qLens[it.batch];
     for (int64_t tp = 0; tp < it.qn; ++tp) {
       int64_t p = ctx - ql + it.q0 + tp;  // this query token's position
@@ -151,7 +152,8 @@ class KernelPagedAttention {
   // prefetchers do not follow across pages; without this the cube would stall
   // on every row it reads from DRAM.
   void PrefetchKv(const PagedAttentionItem& it, int64_t t0, int64_t t1) {
-    const int64_t bs = t_->blockSize, kh = t_->kvHeads, rowBytes = d_ * int64_t(sizeof(T));
+    const int64_t bs = t_->blockSize, kh = t_->kvHeads;
+    const int64_t rowBytes = ItemKvHeads(it, t_->groupSize) * d_ * int64_t(sizeof(T));
     const int32_t* table = bt_ + int64_t(it.batch) * t_->maxBlocks;
     for (int64_t pos = t0; pos < t1; ++pos) {
       int64_t base = ((int64_t(table[pos / bs]) * bs + pos % bs) * kh + it.kvHead) * d_;
@@ -196,8 +198,13 @@ class KernelPagedAttention {
     float* acc = accBuf_.Get<float>().GetPhyAddr();
     float* m = statBuf_.Get<float>().GetPhyAddr();
     float* l = m + rows_;
+    // A decode item of several KV heads (its rows are one token's heads, kvn_ groups of rows_ / kvn_):
+    // each key chunk is scored for every KV head in turn, so the chunk's whole cache rows are read once.
+    const int64_t hr = rows_ / kvn_;
     for (const auto& r : runs_) ForKeyChunks(r, r.k, [&](int64_t j, int64_t nj) {
-      MmadNTRows<T>(s + r.col + j, q, r.k + j * r.ld, {rows_, nj, d_, d_, r.ld, tn, false});
+      for (int64_t h = 0; h < kvn_; ++h)
+        MmadNTRows<T>(s + h * hr * tn + r.col + j, q + h * hr * d_, r.k + h * d_ + j * r.ld,
+                      {hr, nj, d_, d_, r.ld, tn, false});
     });
     for (int64_t tp = 0; tp < it.qn; ++tp) {
       // Keys this token may see inside the tile (causal end, sliding-window start).
@@ -235,7 +242,9 @@ class KernelPagedAttention {
       }
     }
     for (const auto& r : runs_) ForKeyChunks(r, r.v, [&](int64_t j, int64_t nj) {
-      MmadNNRows<T>(acc, s + r.col + j, r.v + j * r.ld, {rows_, d_, nj, tn, r.ld, d_, true});
+      for (int64_t h = 0; h < kvn_; ++h)
+        MmadNNRows<T>(acc + h * hr * d_, s + h * hr * tn + r.col + j, r.v + h * d_ + j * r.ld,
+                      {hr, d_, nj, tn, r.ld, d_, true});
     });
     if (gather_) {
       inK_.FreeTensor(k);
@@ -251,7 +260,7 @@ class KernelPagedAttention {
   template <typename Fn>
   void ForKeyChunks(const KvRun<T>& r, const T* rows, Fn&& fn) {
     constexpr int64_t kKeyChunk = 24, kKeyAhead = 48;  // 24: a multiple of the 3-key score blocks
-    const int64_t rowBytes = d_ * int64_t(sizeof(T));
+    const int64_t rowBytes = kvn_ * d_ * int64_t(sizeof(T));
     for (int64_t j = 0; j < r.n; j += kKeyChunk) {
       for (int64_t p = j + kKeyAhead; p < std::min(r.n, j + kKeyAhead + kKeyChunk); ++p) {
         const char* row = reinterpret_cast<const char*>(rows + p * r.ld);
@@ -284,7 +293,7 @@ class KernelPagedAttention {
   }
 
   const PagedAttentionTilingData* t_ = nullptr;
-  int64_t d_ = 0, rows_ = 0;
+  int64_t d_ = 0, rows_ = 0, kvn_ = 1;
   bool gather_ = false;
   int64_t lo_[PA_MAX_ROWS], hi_[PA_MAX_ROWS];
   const int32_t* bt_ = nullptr;

@@ -130,6 +130,18 @@ PagedAttentionTilingData PagedAttentionTiling(int64_t batch, int64_t numHeads, i
   // reads a chunk for every KV head in turn: the chunk's cache rows (a row holds
   // all heads) come in whole pages and cache lines instead of one head's
   // 128..512-byte slice per page, which would cost a TLB walk per row.
+  //
+  // Decode batches (one query per sequence, at least as many sequences as cores): an item takes every KV
+  // head of its chunk (kvn = kvHeads, its rows the token's heads in order) when they fit one q tile, and
+  // scores each 24-key run for every head in turn, so its cache rows are read whole, front to back,
+  // instead of one head's slice of each row per item. Each row's sums are those of the one-head items.
+  // Zen 3, 2 threads, SmolLM2 shapes (bf16, 9 heads, 3 KV heads), 30 layers' caches with 16 MiB read
+  // between calls, interleaved medians, us per layer: batch 16 at 160 keys 408-423 -> 332-358, at 600
+  // keys 2065 -> 1585; batch 2 at 160 keys 81 -> 51; batch 16 with warm caches 191 -> 167.
+  bool decode = !gather && t.headsPerTile == t.groupSize && kvHeads * t.groupSize <= m &&
+                batch >= std::max<int64_t>(2, soc.cube_core_num);
+  for (int64_t b = 0; decode && b < batch; ++b) decode = t.qLens[b] <= 1;
+  const int64_t kvn = decode ? kvHeads : 1;
   int64_t ws = 0, kvBytes = 0, mergeBytes = 0;
   for (int64_t b = 0; b < batch; ++b) {
     int64_t ctx = t.contextLens[b], ql = t.qLens[b];
@@ -141,21 +153,22 @@ PagedAttentionTilingData PagedAttentionTiling(int64_t batch, int64_t numHeads, i
         int64_t pFirst = ctx - ql + q0, pLast = pFirst + qn - 1;
         int64_t lo = t.window ? std::max<int64_t>(0, pFirst - t.window + 1) : 0, hi = pLast + 1;
         int64_t c0 = lo / kChunk, c1 = (hi - 1) / kChunk, splits = c1 - c0 + 1;
-        int64_t partialFloats = qn * gn * (headDim + 2);
+        int64_t partialFloats = qn * kvn * gn * (headDim + 2);
         kvBytes += kvHeads * (hi - lo) * 2 * headDim * elt;
         int64_t base = ws;
+        const int64_t units = kvHeads / kvn, heads = kvn * gn;  // items per chunk, query heads per item
         if (splits > 1) {
-          for (int64_t kvh = 0; kvh < kvHeads; ++kvh)
-            t.groups.push_back({int32_t(b), int32_t(kvh), int32_t(g0), int32_t(gn), int32_t(q0), int32_t(qn),
-                                int32_t(splits), base + kvh * splits * partialFloats});
-          ws += kvHeads * splits * partialFloats;
-          mergeBytes += kvHeads * splits * partialFloats * 4;
+          for (int64_t u = 0; u < units; ++u)
+            t.groups.push_back({int32_t(b), int32_t(u * kvn), int32_t(g0), int32_t(heads), int32_t(q0), int32_t(qn),
+                                int32_t(splits), base + u * splits * partialFloats});
+          ws += units * splits * partialFloats;
+          mergeBytes += units * splits * partialFloats * 4;
         }
         for (int64_t c = c0; c <= c1; ++c)
-          for (int64_t kvh = 0; kvh < kvHeads; ++kvh)
-            t.items.push_back({int32_t(b), int32_t(kvh), int32_t(g0), int32_t(gn), int32_t(q0), int32_t(qn),
+          for (int64_t u = 0; u < units; ++u)
+            t.items.push_back({int32_t(b), int32_t(u * kvn), int32_t(g0), int32_t(heads), int32_t(q0), int32_t(qn),
                                int32_t(std::max(lo, c * kChunk)), int32_t(std::min(hi, (c + 1) * kChunk)),
-                               splits > 1 ? base + (kvh * splits + c - c0) * partialFloats : -1});
+                               splits > 1 ? base + (u * splits + c - c0) * partialFloats : -1});
       }
     }
   }

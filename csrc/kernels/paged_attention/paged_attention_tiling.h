@@ -18,12 +18,19 @@ constexpr int64_t PA_MAX_ROWS = 64;
 
 // One core's unit of work: the query rows (query tokens q0..q0+qn of sequence
 // `batch`, heads kvHead*G + g0 .. +gn) against key positions [kvStart, kvEnd).
+// gn > G only in decode (qn == 1, g0 == 0): the item then covers the gn / G
+// consecutive KV heads from kvHead, its rows the token's gn query heads in order.
 // partial < 0: the item covers the rows' whole key range and writes the output;
 // otherwise it writes (max, sum, acc) for its rows at workspace[partial].
 struct PagedAttentionItem {
   int32_t batch, kvHead, g0, gn, q0, qn, kvStart, kvEnd;
   int64_t partial;
 };
+
+// The KV heads an item covers; groupSize = query heads per KV head.
+inline int64_t ItemKvHeads(const PagedAttentionItem& it, int64_t groupSize) {
+  return it.gn > groupSize ? it.gn / groupSize : 1;
+}
 
 // The rows of one q tile whose key range was split into `splits` chunks;
 // the merge stage combines their partials (stored back to back) in order.
@@ -59,7 +66,8 @@ struct PagedAttentionTilingData {
 // Results are bitwise identical on every SoC and thread count: the key range
 // is cut on a fixed grid of `chunk` positions and scored in fixed `kvTile`
 // tiles, both chosen from (head_dim, dtype, block_size) to fit the smallest UB
-// in the SoC table (192 KiB); the SoC only decides which core runs which item.
+// in the SoC table (192 KiB); the SoC only decides which core runs which item
+// and whether a decode item covers one KV head or all (the same sums either way).
 // qLens == nullptr: one query per sequence (decode).
 PagedAttentionTilingData PagedAttentionTiling(int64_t batch, int64_t numHeads, int64_t kvHeads, int64_t headDim,
                                               int64_t numBlocks, int64_t blockSize, int64_t maxBlocks,
