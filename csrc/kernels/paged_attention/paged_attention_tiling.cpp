@@ -138,10 +138,10 @@ PagedAttentionTilingData PagedAttentionTiling(int64_t batch, int64_t numHeads, i
   // Zen 3, 2 threads, SmolLM2 shapes (bf16, 9 heads, 3 KV heads), 30 layers' caches with 16 MiB read
   // between calls, interleaved medians, us per layer: batch 16 at 160 keys 408-423 -> 332-358, at 600
   // keys 2065 -> 1585; batch 2 at 160 keys 81 -> 51; batch 16 with warm caches 191 -> 167.
-  bool decode = !gather && t.headsPerTile == t.groupSize && kvHeads * t.groupSize <= m &&
-                batch >= std::max<int64_t>(2, soc.cube_core_num);
-  for (int64_t b = 0; decode && b < batch; ++b) decode = t.qLens[b] <= 1;
-  const int64_t kvn = decode ? kvHeads : 1;
+  bool wholeRows = !gather && t.headsPerTile == t.groupSize && numHeads <= m &&
+                   batch >= std::max<int64_t>(2, soc.cube_core_num);
+  for (int64_t b = 0; wholeRows && b < batch; ++b) wholeRows = t.qLens[b] <= 1;
+  const int64_t kvn = wholeRows ? kvHeads : 1;
   int64_t ws = 0, kvBytes = 0, mergeBytes = 0;
   for (int64_t b = 0; b < batch; ++b) {
     int64_t ctx = t.contextLens[b], ql = t.qLens[b];
