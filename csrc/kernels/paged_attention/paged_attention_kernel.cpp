@@ -146,14 +146,16 @@ class KernelPagedAttention {
     }
   }
 
+  // The bytes of one key's cache row that an item of kvn KV heads reads (its heads are adjacent).
+  int64_t ItemRowBytes(int64_t kvn) const { return kvn * d_ * int64_t(sizeof(T)); }
+
   // The ping-pong half of the copy engine: while tile i is computed, tile i+1's
-  // K/V rows are requested. One head's rows are head_dim * elt bytes (128 to
-  // 512) every kv_heads * head_dim elements, a pattern the CPU's stream
+  // K/V rows are requested. A one-head item's rows are head_dim * elt bytes (128
+  // to 512) every kv_heads * head_dim elements, a pattern the CPU's stream
   // prefetchers do not follow across pages; without this the cube would stall
   // on every row it reads from DRAM.
   void PrefetchKv(const PagedAttentionItem& it, int64_t t0, int64_t t1) {
-    const int64_t bs = t_->blockSize, kh = t_->kvHeads;
-    const int64_t rowBytes = ItemKvHeads(it, t_->groupSize) * d_ * int64_t(sizeof(T));
+    const int64_t bs = t_->blockSize, kh = t_->kvHeads, rowBytes = ItemRowBytes(ItemKvHeads(it, t_->groupSize));
     const int32_t* table = bt_ + int64_t(it.batch) * t_->maxBlocks;
     for (int64_t pos = t0; pos < t1; ++pos) {
       int64_t base = ((int64_t(table[pos / bs]) * bs + pos % bs) * kh + it.kvHead) * d_;
@@ -260,7 +262,7 @@ class KernelPagedAttention {
   template <typename Fn>
   void ForKeyChunks(const KvRun<T>& r, const T* rows, Fn&& fn) {
     constexpr int64_t kKeyChunk = 24, kKeyAhead = 48;  // 24: a multiple of the 3-key score blocks
-    const int64_t rowBytes = kvn_ * d_ * int64_t(sizeof(T));
+    const int64_t rowBytes = ItemRowBytes(kvn_);
     for (int64_t j = 0; j < r.n; j += kKeyChunk) {
       for (int64_t p = j + kKeyAhead; p < std::min(r.n, j + kKeyAhead + kKeyChunk); ++p) {
         const char* row = reinterpret_cast<const char*>(rows + p * r.ld);

@@ -153,10 +153,10 @@ PagedAttentionTilingData PagedAttentionTiling(int64_t batch, int64_t numHeads, i
         int64_t pFirst = ctx - ql + q0, pLast = pFirst + qn - 1;
         int64_t lo = t.window ? std::max<int64_t>(0, pFirst - t.window + 1) : 0, hi = pLast + 1;
         int64_t c0 = lo / kChunk, c1 = (hi - 1) / kChunk, splits = c1 - c0 + 1;
-        int64_t partialFloats = qn * kvn * gn * (headDim + 2);
+        const int64_t units = kvHeads / kvn, heads = kvn * gn;  // items per chunk, query heads per item
+        int64_t partialFloats = qn * heads * (headDim + 2);
         kvBytes += kvHeads * (hi - lo) * 2 * headDim * elt;
         int64_t base = ws;
-        const int64_t units = kvHeads / kvn, heads = kvn * gn;  // items per chunk, query heads per item
         if (splits > 1) {
           for (int64_t u = 0; u < units; ++u)
             t.groups.push_back({int32_t(b), int32_t(u * kvn), int32_t(g0), int32_t(heads), int32_t(q0), int32_t(qn),
