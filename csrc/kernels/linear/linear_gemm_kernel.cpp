@@ -80,36 +80,47 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
   bool dp_ = false;
 };
 
-// Rows [first, last) of x as fp32 into dst, the block's share of WidenedX.
+// PackedX blocks [first, last) of x into dst: this core's share.
 template <typename T>
-void WidenRows(float* dst, const void* x, int64_t m, int64_t k) {
-  int64_t per = CeilDiv(m, GetBlockNum());
-  int64_t first = GetBlockIdx() * per, last = std::min(m, first + per);
-  if (first < last) CastRaw<float, T>(dst + first * k, static_cast<const T*>(x) + first * k, (last - first) * k);
+void PackBlocks(float* dst, const void* x, int64_t m, int64_t k) {
+  int64_t blocks = CeilDiv(m, kPackedXRows), per = CeilDiv(blocks, GetBlockNum());
+  int64_t first = GetBlockIdx() * per, last = std::min(blocks, first + per);
+  for (int64_t b = first; b < last; ++b) {
+    float* block = dst + b * kPackedXRows * k;
+    int64_t rows = std::min(kPackedXRows, m - b * kPackedXRows);
+    if (rows < kPackedXRows) std::fill(block, block + kPackedXRows * k, 0.0f);
+    const T* src = static_cast<const T*>(x) + b * kPackedXRows * k;
+    if constexpr (std::is_same<T, float>::value) Simd().transpose_f32(block, kPackedXRows, src, k, rows, k);
+    else if constexpr (std::is_same<T, half>::value) Simd().transpose_f16(block, kPackedXRows, StorageBits(src), k, rows, k);
+    else Simd().transpose_bf16(block, kPackedXRows, StorageBits(src), k, rows, k);
+  }
 }
 
 }  // namespace
 
-const float* WidenedX(const void* x, int64_t m, int64_t k, DataType dtype, const SocInfo& soc) {
-  if (dtype == DataType::FLOAT32) return static_cast<const float*>(x);
+const float* PackedX(const void* x, int64_t m, int64_t k, DataType dtype, const SocInfo& soc) {
   thread_local std::vector<float> workspace;
-  size_t need = size_t(m * k);
+  int64_t blocks = CeilDiv(m, kPackedXRows);
+  size_t need = size_t(blocks * kPackedXRows * k);
   if (workspace.capacity() * sizeof(float) > size_t(kWidenKeepBytes) && need * sizeof(float) <= size_t(kWidenKeepBytes))
     std::vector<float>().swap(workspace);
   if (workspace.size() < need) workspace.resize(need);
   float* dst = workspace.data();
-  // Rows in blocks of at least 16 (a block's share pays for its dispatch), on the vector cores.
-  int64_t blocks = std::max<int64_t>(1, std::min(soc.vector_core_num, CeilDiv(m, 16)));
-  KernelLaunch(blocks, soc.ub_size, [&]() {
-    if (dtype == DataType::FLOAT16) WidenRows<half>(dst, x, m, k);
-    else WidenRows<bfloat16_t>(dst, x, m, k);
+  // Blocks of at least 16 rows' worth per core (a core's share pays for its dispatch).
+  int64_t cores = std::max<int64_t>(1, std::min(soc.vector_core_num, CeilDiv(m, 16)));
+  KernelLaunch(cores, soc.ub_size, [&]() {
+    switch (dtype) {
+      case DataType::FLOAT32: return PackBlocks<float>(dst, x, m, k);
+      case DataType::FLOAT16: return PackBlocks<half>(dst, x, m, k);
+      case DataType::BFLOAT16: return PackBlocks<bfloat16_t>(dst, x, m, k);
+    }
   });
   return dst;
 }
 
 void LinearGemm(const void* x, const LinearSegment* segs, const void* residual, const LinearTilingData& t,
                 const SocInfo& soc) {
-  const float* xF32 = t.dpBf16 ? nullptr : WidenedX(x, t.m, t.k, DataType(t.tilingKey / 10 % 10), soc);
+  const float* xF32 = t.dpBf16 ? nullptr : PackedX(x, t.m, t.k, DataType(t.tilingKey / 10 % 10), soc);
   LaunchLinearKernel<KernelLinearGemm>(t, soc, GmAddr(x), xF32, segs, GmAddr(residual), t);
 }
 

@@ -31,7 +31,7 @@ constexpr int64_t kHostMinBytesPerCore = 256 * 1024;
 // UB of one GEMM work unit:
 //   packed W   fp32 [kTile, nTile]  per stream        (the cube's B operand)
 //   C          fp32 [mPass, nTile]  per stream        (the accumulator, kept across K chunks)
-//   and LinearIo's out (and residual) queues (x is the A operand as fp32 in GM: WidenedX)
+//   and LinearIo's out (and residual) queues (x is the A operand as fp32 in GM: PackedX)
 // With the dot-product micro-kernel (dp) there is no packed W.
 int64_t GemmUb(int64_t mPass, int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep, bool dp) {
   int64_t streams = ep == LINEAR_SWIGLU ? 2 : 1;

@@ -62,7 +62,7 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
 
 void QuantLinearGemm(const void* x, const QuantSegment* segs, const void* residual, const QuantLinearTilingData& t,
                      const SocInfo& soc) {
-  const float* xF32 = WidenedX(x, t.base.m, t.base.k, DataType(t.base.tilingKey / 10 % 10), soc);
+  const float* xF32 = PackedX(x, t.base.m, t.base.k, DataType(t.base.tilingKey / 10 % 10), soc);
   LaunchQuantKernel<KernelQuantLinearGemm>(x, segs, residual, t, soc, xF32);
 }
 

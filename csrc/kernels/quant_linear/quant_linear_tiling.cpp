@@ -46,7 +46,7 @@ int64_t StreamUb(int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue
 //   C          fp32 [mPass, nTile]  per stream (accumulators across K chunks)
 //   rows       fp32 [kQuantPackRows, kTile]  (weight rows dequantized before their transposed store)
 //   scale, min fp32 [kTile/32]      (that row's group scales)
-//   and LinearIo's out (and residual) queues (x is the A operand as fp32 in GM: WidenedX)
+//   and LinearIo's out (and residual) queues (x is the A operand as fp32 in GM: PackedX)
 int64_t GemmUb(int64_t mPass, int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep) {
   int64_t streams = ep == LINEAR_SWIGLU ? 2 : 1;
   return streams * (UbSlot(kt * nt * 4) + UbSlot(mPass * nt * 4)) + UbSlot(kQuantPackRows * kt * 4) +
