@@ -4,8 +4,8 @@
 //
 // Work units are (row tile of one segment, M pass). For each K chunk a unit packs
 // its weight tile W[rows, k0 : k0 + kTile] transposed and widened to fp32 into UB
-// (the cube's B operand in L0B), then every mTile rows of x of the pass run through
-// the 6x16 register-blocked cube tile (MmadNN) into fp32 accumulators that stay in
+// (the cube's B operand in L0B), then every mTile rows of x of the pass (PackedX's blocks) run through
+// the 6x16 register-blocked cube tile (MmadTN) into fp32 accumulators that stay in
 // UB across the K chunks (L0C). A weight element is thus converted once per M pass
 // and used by up to mPass rows, which is what makes bf16/fp16 weights as fast as fp32.
 // Every output element is one fma chain over k in order, so the result does not
@@ -38,9 +38,9 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
   using Gemm::t_, Gemm::ep_, Gemm::streams_, Gemm::xGm_, Gemm::wGm_, Gemm::bBuf_, Gemm::cBuf_;
 
  public:
-  void Init(GM_ADDR x, const float* xF32, const LinearSegment* segs, GM_ADDR residual, const LinearTilingData& t) {
+  void Init(GM_ADDR x, const float* xPacked, const LinearSegment* segs, GM_ADDR residual, const LinearTilingData& t) {
     dp_ = t.dpBf16 != 0;
-    Gemm::InitGemm(x, xF32, segs, residual, t, t.k, !dp_);
+    Gemm::InitGemm(x, xPacked, segs, residual, t, t.k, !dp_);
   }
 
  private:
@@ -120,8 +120,8 @@ const float* PackedX(const void* x, int64_t m, int64_t k, DataType dtype, const 
 
 void LinearGemm(const void* x, const LinearSegment* segs, const void* residual, const LinearTilingData& t,
                 const SocInfo& soc) {
-  const float* xF32 = t.dpBf16 ? nullptr : PackedX(x, t.m, t.k, DataType(t.tilingKey / 10 % 10), soc);
-  LaunchLinearKernel<KernelLinearGemm>(t, soc, GmAddr(x), xF32, segs, GmAddr(residual), t);
+  const float* xPacked = t.dpBf16 ? nullptr : PackedX(x, t.m, t.k, DataType(t.tilingKey / 10 % 10), soc);
+  LaunchLinearKernel<KernelLinearGemm>(t, soc, GmAddr(x), xPacked, segs, GmAddr(residual), t);
 }
 
 }  // namespace atb

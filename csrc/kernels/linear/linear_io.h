@@ -165,9 +165,9 @@ const float* PackedX(const void* x, int64_t m, int64_t k, AscendC::DataType dtyp
 // packs, per K chunk of the kCols columns, its weight tile as the cube's fp32 B operand (Kernel's
 // PackWeight(st, seg, row, nt, k0, kl, kv): W[row + n][k0 + k] into bBuf_[st] at [k][n], n < nt, k < kv,
 // of a chunk of kl columns whose first kv exist in x) and runs every mTile rows of x of the pass through
-// the 6x16 cube tile (MmadNN) into the fp32 accumulators cBuf_ kept across K chunks (ProcessPackedUnit), or
-// computes its sums its own way; then the epilogue of every mTile rows (OutputRows). Kernel brings
-// ProcessUnit(unit).
+// the 6x16 cube tile (MmadTN, x as PackedX's blocks) into the fp32 accumulators cBuf_ kept across K
+// chunks (ProcessPackedUnit), or computes its sums its own way; then the epilogue of every mTile rows
+// (OutputRows). Kernel brings ProcessUnit(unit).
 template <typename T, class Kernel>
 class LinearGemmIo : protected LinearIo<T> {
   static constexpr bool kFloat = std::is_same<T, float>::value;
@@ -188,13 +188,13 @@ class LinearGemmIo : protected LinearIo<T> {
     int64_t row, nt, m0, mp;
   };
 
-  // The accumulators and, when the unit packs its weights, the B operands: per stream. xF32: the A operand
+  // The accumulators and, when the unit packs its weights, the B operands: per stream. xPacked: the A operand
   // of packed units, x as PackedX's blocks (null when nothing packs).
-  void InitGemm(AscendC::GM_ADDR x, const float* xF32, const LinearSegment* segs, AscendC::GM_ADDR residual,
+  void InitGemm(AscendC::GM_ADDR x, const float* xPacked, const LinearSegment* segs, AscendC::GM_ADDR residual,
                 const LinearTilingData& t, int64_t kCols, bool packed) {
     this->InitIo(x, segs, residual, t);
     kCols_ = kCols;
-    aGm_.SetGlobalBuffer(const_cast<float*>(xF32));
+    aGm_.SetGlobalBuffer(const_cast<float*>(xPacked));
     for (int st = 0; st < this->streams_; ++st) {
       if (packed) this->pipe_.InitBuffer(bBuf_[st], t.kTile * t.nTile * sizeof(float));
       this->pipe_.InitBuffer(cBuf_[st], t.mPass * t.nTile * sizeof(float));
@@ -262,7 +262,6 @@ class LinearGemmIo : protected LinearIo<T> {
 };
 
 inline AscendC::GM_ADDR GmAddr(const void* p) { return reinterpret_cast<AscendC::GM_ADDR>(const_cast<void*>(p)); }
-
 
 // KernelLaunch of Kernel<T> (Init(init...) + Process) for the tiling's dtype.
 template <template <typename> class Kernel, class... InitArgs>

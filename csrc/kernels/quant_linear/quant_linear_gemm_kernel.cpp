@@ -5,8 +5,8 @@
 // segment, M pass); for each K chunk a unit dequantizes its weight tile
 // W[rows, k0 : k0 + kTile] into UB, transposed, as the cube's fp32 B operand
 // (kQuantPackRows rows at a time through the quantized SIMD table, then one
-// SIMD transpose of the block), and every mTile rows of x of the pass run through the 6x16
-// register-blocked cube tile (MmadNN) into fp32 accumulators kept across K
+// SIMD transpose of the block), and every mTile rows of x of the pass (PackedX's blocks) run through the
+// 6x16 register-blocked cube tile (MmadTN) into fp32 accumulators kept across K
 // chunks. A weight is thus dequantized once per M pass (up to 384 rows of x),
 // so prefill runs at the fp32 cube's speed whatever the weight format.
 #include <algorithm>
@@ -27,9 +27,9 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
   using Gemm::t_, Gemm::pipe_, Gemm::bBuf_;
 
  public:
-  void Init(GM_ADDR x, const float* xF32, const LinearSegment* ls, const QuantSegment* qs, GM_ADDR residual,
+  void Init(GM_ADDR x, const float* xPacked, const LinearSegment* ls, const QuantSegment* qs, GM_ADDR residual,
             const QuantLinearTilingData& t) {
-    Gemm::InitGemm(x, xF32, ls, residual, t.base, t.kPad, true);
+    Gemm::InitGemm(x, xPacked, ls, residual, t.base, t.kPad, true);
     q_ = qs;
     kPad_ = t.kPad;
     pipe_.InitBuffer(rowBuf_, kQuantPackRows * t_.kTile * sizeof(float));
@@ -62,8 +62,8 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
 
 void QuantLinearGemm(const void* x, const QuantSegment* segs, const void* residual, const QuantLinearTilingData& t,
                      const SocInfo& soc) {
-  const float* xF32 = PackedX(x, t.base.m, t.base.k, DataType(t.base.tilingKey / 10 % 10), soc);
-  LaunchQuantKernel<KernelQuantLinearGemm>(x, segs, residual, t, soc, xF32);
+  const float* xPacked = PackedX(x, t.base.m, t.base.k, DataType(t.base.tilingKey / 10 % 10), soc);
+  LaunchQuantKernel<KernelQuantLinearGemm>(x, segs, residual, t, soc, xPacked);
 }
 
 }  // namespace atb
