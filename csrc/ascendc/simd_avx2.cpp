@@ -585,10 +585,7 @@ inline void ForRowBlocks(int64_t M, Fn&& fn) {
 // lane sums are reduced four at a time by an hadd tree (5 instructions per 4
 // outputs instead of 6 per output), which matters at head_dim 64 where a
 // block's k loop is only 8 steps long.
-inline __m128 HSum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-  __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
+#include "simd_hsum4.h"  // HSum4
 
 template <typename TB, __m256 (*L8)(const TB*), float (*L1)(const TB*), int R, int CN>
 inline void BlockNTRows(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t K,

@@ -51,23 +51,9 @@ struct V256 {
 
 #include "quant_simd_impl.h"
 
-// The int16-x GEMV (quant_simd.h: gemv_w4_i16 / gemv_w8_i16): one block of NR weight rows x MB rows of x.
-// Per 32-value chunk and weight row: the 32 weights widen to int16 in two registers (W4: one vpmovzxbw of
-// the 16 bytes, then the low nibbles are values 0..15 and the high ones 16..31; W8: two vpmovsxbw), two
-// vpmaddwd against x's two int16 registers give 8 exact int32 sums of 4 products, converted once and
-// scaled by x's chunk scale into the group's t. 8 instructions per 32 weights where the fp32 route takes
-// 16 (W4) or 12 (W8).
-//
-// The chunk loop runs a 64-byte line of every row per step (4 W4 chunks, 2 W8 ones), so the prefetch is
-// issued once per step with no test. With one group per chunk (W4 at G == 32, GGUF's Q4_0/Q4_1 blocks)
-// the chunk's sum goes straight into the accumulator at x's chunk scale times the row's group scale: no
-// per-group t, reset and fold, whose loop bookkeeping cost more than the arithmetic. Zen 3, 2 threads,
-// cold weights, medians of 21 interleaved rounds, W4 G = 32: M = 1 1536x576 54 -> 48 us, 576x1536
-// 52-60 -> 44-53 us, 5632x2048 626 -> 538 us; M = 2 1536x576 81 -> 64 us; G = 128 1536x576 41 -> 38 us.
-// W8 is unchanged per channel, and kept on the group loop at G = 32, where the fold measured 5-10% slower.
 // The W4 min term, sum_g min[r][g] * xg[mb][g], added into the accumulator lanes before their one
 // horizontal sum: 8 groups per FMA and a masked tail (K = 576 has 18 groups), where it was a separate
-// dot with a scalar tail and its own horizontal sum. With Hsum4 (the 4-row block's sums in one vector,
+// dot with a scalar tail and its own horizontal sum. With HSum4 (the 4-row block's sums in one vector,
 // one store), Zen 3, one thread, weights in L2, interleaved medians of 61 rounds: W4 G = 32 480x576
 // 20.3 -> 17.6 us, 288x1536 1.08-1.12x; G = 128 1.10x; W8 (no min term) per channel 1.06x, G = 32 1.10x.
 template <int NR, int MB>
@@ -86,12 +72,22 @@ __attribute__((always_inline)) inline void AddMinLanes(__m256 (&a)[NR][MB], cons
     }
 }
 
-// The four horizontal sums of a0..a3 as one vector, in order.
-inline __m128 Hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-  __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
+#include "ascendc/simd_hsum4.h"  // HSum4
 
+// The int16-x GEMV (quant_simd.h: gemv_w4_i16 / gemv_w8_i16): one block of NR weight rows x MB rows of x.
+// Per 32-value chunk and weight row: the 32 weights widen to int16 in two registers (W4: one vpmovzxbw of
+// the 16 bytes, then the low nibbles are values 0..15 and the high ones 16..31; W8: two vpmovsxbw), two
+// vpmaddwd against x's two int16 registers give 8 exact int32 sums of 4 products, converted once and
+// scaled by x's chunk scale into the group's t. 8 instructions per 32 weights where the fp32 route takes
+// 16 (W4) or 12 (W8).
+//
+// The chunk loop runs a 64-byte line of every row per step (4 W4 chunks, 2 W8 ones), so the prefetch is
+// issued once per step with no test. With one group per chunk (W4 at G == 32, GGUF's Q4_0/Q4_1 blocks)
+// the chunk's sum goes straight into the accumulator at x's chunk scale times the row's group scale: no
+// per-group t, reset and fold, whose loop bookkeeping cost more than the arithmetic. Zen 3, 2 threads,
+// cold weights, medians of 21 interleaved rounds, W4 G = 32: M = 1 1536x576 54 -> 48 us, 576x1536
+// 52-60 -> 44-53 us, 5632x2048 626 -> 538 us; M = 2 1536x576 81 -> 64 us; G = 128 1536x576 41 -> 38 us.
+// W8 is unchanged per channel, and kept on the group loop at G = 32, where the fold measured 5-10% slower.
 template <int Bits, int NR, int MB, bool kGroupPerChunk>
 void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const float* xsc, int64_t ldxc,
                   const float* xg, int64_t ldxg, const uint8_t* q, int64_t ldq, const float* scale, const float* min,
@@ -164,7 +160,7 @@ void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const fl
   for (int mb = 0; mb < MB; ++mb) {
     float* o = y + mb * ldy;
     if constexpr (NR == 4) {
-      __m128 v = Hsum4(a[0][mb], a[1][mb], a[2][mb], a[3][mb]);
+      __m128 v = HSum4(a[0][mb], a[1][mb], a[2][mb], a[3][mb]);
       _mm_storeu_ps(o, accumulate ? _mm_add_ps(_mm_loadu_ps(o), v) : v);
     } else {
       for (int r = 0; r < NR; ++r) o[r] = accumulate ? o[r] + V256::hsum(a[r][mb]) : V256::hsum(a[r][mb]);
