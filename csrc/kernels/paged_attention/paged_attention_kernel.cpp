@@ -62,14 +62,19 @@ class KernelPagedAttention {
   void Process() {
     int64_t first = GetBlockIdx() * t_->blockFactor;
     int64_t last = std::min<int64_t>(int64_t(t_->items.size()), first + t_->blockFactor);
-    // An item's first tile is requested before the item starts (the next item's while this one runs):
-    // PrefetchKv inside an item only covers the tiles after its first, so a decode item of <= kvTile keys
-    // read every K/V row on demand (SmolLM2 fp32 decode at 192 keys: 60 us per layer for 295 KB).
-    if (first < last) PrefetchFirstTile(t_->items[size_t(first)]);
-    for (int64_t i = first; i < last; ++i) {
-      if (i + 1 < last) PrefetchFirstTile(t_->items[size_t(i + 1)]);
-      ProcessItem(t_->items[size_t(i)]);
+    if (first >= last) return;
+    if (gather_) {
+      // An item's first tile is requested before the item starts (the next item's while this one runs):
+      // PrefetchKv inside an item only covers the tiles after its first.
+      PrefetchFirstTile(t_->items[size_t(first)]);
+      for (int64_t i = first; i < last; ++i) {
+        if (i + 1 < last) PrefetchFirstTile(t_->items[size_t(i + 1)]);
+        ProcessItem(t_->items[size_t(i)]);
+      }
+      return;
     }
+    ahead_.Start(*t_, bt_, kGm_.GetPhyAddr(0), vGm_.GetPhyAddr(0), first, last);
+    for (int64_t i = first; i < last; ++i) ProcessItem(t_->items[size_t(i)]);
   }
 
  private:
@@ -84,11 +89,10 @@ class KernelPagedAttention {
     }
     CopyInQuery(it);
     PrepareQuery();
-    int64_t tn = t_->kvTile;
     for (int64_t t0 = it.kvStart; t0 < it.kvEnd;) {
-      int64_t t1 = std::min<int64_t>(it.kvEnd, (t0 / tn + 1) * tn);
+      int64_t t1 = TileEnd(t0, it.kvEnd, t_->kvTile);
       CopyInKv(it, t0, t1);
-      PrefetchKv(it, t1, std::min<int64_t>(it.kvEnd, t1 + tn));
+      if (gather_) PrefetchKv(it, t1, TileEnd(t1, it.kvEnd, t_->kvTile));
       Compute(it, t0, t1);
       t0 = t1;
     }
@@ -149,8 +153,90 @@ class KernelPagedAttention {
   // The bytes of one key's cache row that an item of kvn KV heads reads (its heads are adjacent).
   int64_t ItemRowBytes(int64_t kvn) const { return kvn * d_ * int64_t(sizeof(T)); }
 
-  // The ping-pong half of the copy engine: while tile i is computed, tile i+1's
-  // K/V rows are requested. A one-head item's rows are head_dim * elt bytes (128
+  static int64_t TileEnd(int64_t t0, int64_t end, int64_t tn) { return std::min<int64_t>(end, (t0 / tn + 1) * tn); }
+
+  // The rows of a direct-read block's items in the order the score and P x V loops read them: per tile,
+  // its K rows, then its V rows; then the next tile, then the next item. Requests run a fixed number of
+  // bytes ahead of the reads, topped up before every key chunk, so the copy engine's requests are spread
+  // over the compute instead of issued a tile (~100 KiB) at a time: a burst of prefetches larger than the
+  // core's outstanding misses stalls the core until it drains, and the reads after it then wait on DRAM
+  // again. The item boundaries inside a block are crossed the same way. The old scheme (a tile's burst
+  // before it and a 48-keys-ahead request inside each cache-block run, which at 128-token blocks never
+  // reached past the run) against this one, Zen 3, 2 threads, SmolLM2 shapes (bf16, 9 heads, 3 KV heads,
+  // 128-token blocks), 30 layers' caches with 64 MiB read between steps, medians of 6 interleaved runs,
+  // us per layer: batch 16 x 160 keys 530 -> 366, 16 x 600 1878 -> 1150, 4 x 300 270 -> 159, 1 x 160
+  // 48 -> 37. Leads of 4 to 96 KiB measured within noise of each other at 16 x 160; 8 KiB (into L1)
+  // stays clear of the item's UB buffers.
+  class RowStream {
+   public:
+    void Start(const PagedAttentionTilingData& t, const int32_t* blockTables, const void* keyCache,
+               const void* valueCache, int64_t first, int64_t last) {
+      t_ = &t;
+      bt_ = blockTables;
+      k_ = static_cast<const char*>(keyCache);
+      v_ = static_cast<const char*>(valueCache);
+      elt_ = AscendC::DataTypeSize(TilingKeyDtype(t.tilingKey));
+      item_ = first;
+      last_ = last;
+      issued_ = read_ = 0;
+      StartItem();
+    }
+    // Called before reading the next n rows: requests up to kLeadBytes past them.
+    void Read(int64_t n) {
+      while (item_ < last_ && issued_ < read_ + n + lead_) {
+        int64_t base = ((int64_t(table_[pos_ / t_->blockSize]) * t_->blockSize + pos_ % t_->blockSize) * t_->kvHeads +
+                        kvHead_) * t_->headDim * elt_;
+        const char* row = (inV_ ? v_ : k_) + base;
+        const char* end = row + rowBytes_;
+        for (const char* p = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(row) & ~uintptr_t(63)); p < end;
+             p += 64)
+          __builtin_prefetch(p, 0, 3);
+        ++issued_;
+        Advance();
+      }
+      read_ += n;
+    }
+
+   private:
+    static constexpr int64_t kLeadBytes = 8 * 1024;
+    void StartItem() {
+      if (item_ >= last_) return;
+      const PagedAttentionItem& it = t_->items[size_t(item_)];
+      table_ = bt_ + int64_t(it.batch) * t_->maxBlocks;
+      rowBytes_ = ItemKvHeads(it, t_->groupSize) * t_->headDim * elt_;
+      lead_ = std::max<int64_t>(1, kLeadBytes / rowBytes_);
+      kvHead_ = it.kvHead;
+      t0_ = pos_ = it.kvStart;
+      t1_ = TileEnd(t0_, it.kvEnd, t_->kvTile);
+      inV_ = false;
+    }
+    void Advance() {
+      if (++pos_ < t1_) return;
+      pos_ = t0_;
+      if (!inV_) {
+        inV_ = true;
+        return;
+      }
+      inV_ = false;
+      const PagedAttentionItem& it = t_->items[size_t(item_)];
+      if (t1_ < it.kvEnd) {
+        t0_ = pos_ = t1_;
+        t1_ = TileEnd(t0_, it.kvEnd, t_->kvTile);
+        return;
+      }
+      ++item_;
+      StartItem();
+    }
+    const PagedAttentionTilingData* t_ = nullptr;
+    const int32_t *bt_ = nullptr, *table_ = nullptr;
+    const char *k_ = nullptr, *v_ = nullptr;
+    int64_t item_ = 0, last_ = 0, issued_ = 0, read_ = 0, lead_ = 0, rowBytes_ = 0, elt_ = 0;
+    int64_t kvHead_ = 0, t0_ = 0, t1_ = 0, pos_ = 0;
+    bool inV_ = false;
+  };
+
+  // Gathered tiles (small cache blocks): the ping-pong half of the copy engine: while
+  // tile i is computed, tile i+1's K/V rows are requested. A one-head item's rows are head_dim * elt bytes (128
   // to 512) every kv_heads * head_dim elements, a pattern the CPU's stream
   // prefetchers do not follow across pages; without this the cube would stall
   // on every row it reads from DRAM.
@@ -203,7 +289,7 @@ class KernelPagedAttention {
     // A decode item of several KV heads (its rows are one token's heads, kvn_ groups of rows_ / kvn_):
     // each key chunk is scored for every KV head in turn, so the chunk's whole cache rows are read once.
     const int64_t hr = rows_ / kvn_;
-    for (const auto& r : runs_) ForKeyChunks(r, r.k, [&](int64_t j, int64_t nj) {
+    for (const auto& r : runs_) ForKeyChunks(r, [&](int64_t j, int64_t nj) {
       for (int64_t h = 0; h < kvn_; ++h)
         MmadNTRows<T>(s + h * hr * tn + r.col + j, q + h * hr * d_, r.k + h * d_ + j * r.ld,
                       {hr, nj, d_, d_, r.ld, tn, false});
@@ -243,7 +329,7 @@ class KernelPagedAttention {
         l[r] += sum;
       }
     }
-    for (const auto& r : runs_) ForKeyChunks(r, r.v, [&](int64_t j, int64_t nj) {
+    for (const auto& r : runs_) ForKeyChunks(r, [&](int64_t j, int64_t nj) {
       for (int64_t h = 0; h < kvn_; ++h)
         MmadNNRows<T>(acc + h * hr * d_, s + h * hr * tn + r.col + j, r.v + h * d_ + j * r.ld,
                       {hr, d_, nj, tn, r.ld, d_, true});
@@ -254,21 +340,18 @@ class KernelPagedAttention {
     }
   }
 
-  // A run's keys in chunks of kKeyChunk, the K (or V) rows kKeyAhead keys on requested before each chunk.
+  // A run's keys in chunks of kKeyChunk, the row stream topped up before each chunk (direct reads).
   // One head's rows are 128-512 bytes every kv_heads * head_dim elements: the hardware prefetcher does not
-  // keep up, and the whole-tile requests of PrefetchKv alone left the score loop stalled on its loads
-  // (bf16 16 x 1024 keys, cache-resident: 85% of MmadNTRows' samples on its two K-row loads). Splitting
-  // keys (the scores' N) or the keys of P x V (its K, accumulated in order) leaves every sum as it was.
+  // keep up, and whole-tile requests alone left the score loop stalled on its loads (bf16 16 x 1024 keys,
+  // cache-resident: 85% of MmadNTRows' samples on its two K-row loads). Splitting keys (the scores' N) or
+  // the keys of P x V (its K, accumulated in order) leaves every sum as it was.
   template <typename Fn>
-  void ForKeyChunks(const KvRun<T>& r, const T* rows, Fn&& fn) {
-    constexpr int64_t kKeyChunk = 24, kKeyAhead = 48;  // 24: a multiple of the 3-key score blocks
-    const int64_t rowBytes = ItemRowBytes(kvn_);
+  void ForKeyChunks(const KvRun<T>& r, Fn&& fn) {
+    constexpr int64_t kKeyChunk = 24;  // a multiple of the 3-key score blocks
     for (int64_t j = 0; j < r.n; j += kKeyChunk) {
-      for (int64_t p = j + kKeyAhead; p < std::min(r.n, j + kKeyAhead + kKeyChunk); ++p) {
-        const char* row = reinterpret_cast<const char*>(rows + p * r.ld);
-        for (int64_t b = 0; b < rowBytes; b += 64) __builtin_prefetch(row + b, 0, 3);
-      }
-      fn(j, std::min(kKeyChunk, r.n - j));
+      int64_t nj = std::min(kKeyChunk, r.n - j);
+      if (!gather_) ahead_.Read(nj);
+      fn(j, nj);
     }
   }
 
@@ -300,6 +383,7 @@ class KernelPagedAttention {
   int64_t lo_[PA_MAX_ROWS], hi_[PA_MAX_ROWS];
   const int32_t* bt_ = nullptr;
   std::vector<KvRun<T>> runs_;
+  RowStream ahead_;
   TPipe pipe_;
   TQue<QuePosition::VECIN, 1> inQ_;
   TQue<QuePosition::VECOUT, 1> outO_;
