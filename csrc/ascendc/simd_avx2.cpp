@@ -585,17 +585,8 @@ inline void ForRowBlocks(int64_t M, Fn&& fn) {
 // lane sums are reduced four at a time by an hadd tree (5 instructions per 4
 // outputs instead of 6 per output), which matters at head_dim 64 where a
 // block's k loop is only 8 steps long.
-#include "simd_hsum4.h"  // HSum4
-
-// Lane i of v; i is a constant after unrolling, so this is one shuffle (none for lane 0).
-inline float LaneOf(__m128 v, int i) {
-  switch (i) {
-    case 0: return _mm_cvtss_f32(v);
-    case 1: return _mm_cvtss_f32(_mm_movehdup_ps(v));
-    case 2: return _mm_cvtss_f32(_mm_movehl_ps(v, v));
-    default: return _mm_cvtss_f32(_mm_shuffle_ps(v, v, 3));
-  }
-}
+#include "simd_hsum4.h"    // HSum4
+#include "simd_lane_of.h"  // LaneOf
 
 template <typename TB, __m256 (*L8)(const TB*), float (*L1)(const TB*), int R, int CN>
 inline void BlockNTRows(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t K,

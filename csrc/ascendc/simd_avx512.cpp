@@ -119,6 +119,7 @@ inline __m128 HSum4(V a, V b, V c, V d) {
   __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(Fold(a), Fold(b)), _mm256_hadd_ps(Fold(c), Fold(d)));
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
+#include "simd_lane_of.h"  // LaneOf
 
 // exp as in the AVX2 table (Cephes range reduction, degree-5 polynomial, the
 // same fma steps), so both tables give the same bits; flushes to 0 below -87.3.
@@ -556,13 +557,15 @@ void BlockNTRows(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B
     __mmask16 m = Tail(K - k);
     step(k, [m](const TB* p) { return L16M(p, m); }, [m](const float* p) { return MaskLoad(m, p); });
   }
-  alignas(16) float sums[kPad];
+  __m128 sums[kPad / 4];
 #pragma GCC unroll 8
-  for (int i = 0; i < kPad; i += 4) _mm_store_ps(sums + i, HSum4(s[i], s[i + 1], s[i + 2], s[i + 3]));
+  for (int i = 0; i < kPad; i += 4) sums[i / 4] = HSum4(s[i], s[i + 1], s[i + 2], s[i + 3]);
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < CN; ++c) {
-      float* out = C + r * ldc + c;
-      *out = acc ? *out + sums[r * CN + c] : sums[r * CN + c];
+#pragma GCC unroll 8
+    for (int c = 0; c < CN; ++c) {  // out of the registers (simd_lane_of.h)
+      float v = LaneOf(sums[(r * CN + c) / 4], (r * CN + c) % 4), *out = C + r * ldc + c;
+      *out = acc ? *out + v : v;
     }
 }
 
@@ -764,13 +767,15 @@ void BlockDpBf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const ui
     int64_t n = K - k;
     step(k, [n](const uint16_t* p) { return LoadBhTail(p, n); });
   }
-  alignas(16) float sums[kPad];
+  __m128 sums[kPad / 4];
 #pragma GCC unroll 8
-  for (int i = 0; i < kPad; i += 4) _mm_store_ps(sums + i, HSum4(s[i], s[i + 1], s[i + 2], s[i + 3]));
+  for (int i = 0; i < kPad; i += 4) sums[i / 4] = HSum4(s[i], s[i + 1], s[i + 2], s[i + 3]);
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < CN; ++c) {
-      float* out = C + r * ldc + c;
-      *out = acc ? *out + sums[r * CN + c] : sums[r * CN + c];
+#pragma GCC unroll 8
+    for (int c = 0; c < CN; ++c) {  // out of the registers (simd_lane_of.h)
+      float v = LaneOf(sums[(r * CN + c) / 4], (r * CN + c) % 4), *out = C + r * ldc + c;
+      *out = acc ? *out + v : v;
     }
 }
 
