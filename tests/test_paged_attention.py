@@ -95,12 +95,14 @@ def test_decode_window(window):
 
 def test_batch_one_long_context_splits_over_every_core():
     # Flash-decoding: one sequence, 2 KV heads; the key range is cut into 256-key chunks that the
-    # cores share, and the merge stage combines their partials.
+    # cores share, and the merge stage combines their partials. 20 chunks are enough items for the
+    # cores, so each item holds both KV heads (whole cache rows) and one merge group covers them.
     kc, vc, bt, ctx = _paged_cache([5000], 128, 2, 128, torch.float32)
     soc = atb.get_soc("Ascend910B4")
     t = _C.paged_attention_tiling(1, 8, 2, 128, kc.shape[0], 128, bt.shape[1], ctx.data_ptr(), 0, 1, 0,
                                   DTYPE_CODES[torch.float32], soc)
-    assert t["num_items"] == 2 * 20 and t["num_merge_groups"] == 2 and t["block_dim"] == soc.cube_core_num
+    assert t["num_items"] == 20 and t["num_merge_groups"] == 1 and t["block_dim"] == soc.cube_core_num
+    assert {i[3] for i in t["items"]} == {8}  # all 8 query heads of the token in every item
     assert t["ub_bytes"] <= 192 * 1024 and not t["gather"]
     q = torch.randn(1, 8, 128)
     out = _check(q, kc, vc, bt, ctx, torch.float32, soc_type="Ascend910B4")

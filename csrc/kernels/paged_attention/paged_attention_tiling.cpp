@@ -131,16 +131,26 @@ PagedAttentionTilingData PagedAttentionTiling(int64_t batch, int64_t numHeads, i
   // all heads) come in whole pages and cache lines instead of one head's
   // 128..512-byte slice per page, which would cost a TLB walk per row.
   //
-  // Decode batches (one query per sequence, at least as many sequences as cores): an item takes every KV
-  // head of its chunk (kvn = kvHeads, its rows the token's heads in order) when they fit one q tile, and
-  // scores each 24-key run for every head in turn, so its cache rows are read whole, front to back,
-  // instead of one head's slice of each row per item. Each row's sums are those of the one-head items.
-  // Zen 3, 2 threads, SmolLM2 shapes (bf16, 9 heads, 3 KV heads), 30 layers' caches with 16 MiB read
-  // between calls, interleaved medians, us per layer: batch 16 at 160 keys 408-423 -> 332-358, at 600
-  // keys 2065 -> 1585; batch 2 at 160 keys 81 -> 51; batch 16 with warm caches 191 -> 167.
-  bool wholeRows = !gather && t.headsPerTile == t.groupSize && numHeads <= m &&
-                   batch >= std::max<int64_t>(2, soc.cube_core_num);
-  for (int64_t b = 0; wholeRows && b < batch; ++b) wholeRows = t.qLens[b] <= 1;
+  // Decode batches (one query per sequence, at least as many key chunks in all as cores): an item takes
+  // every KV head of its chunk (kvn = kvHeads, its rows the token's heads in order) when they fit one q
+  // tile, and scores each 24-key run for every head in turn, so its cache rows are read whole, front to
+  // back, instead of one head's slice of each row per item. Each row's sums are those of the one-head
+  // items. Zen 3, 2 threads, SmolLM2 shapes (bf16, 9 heads, 3 KV heads), 30 layers' caches with 16 MiB
+  // read between calls, interleaved medians, us per layer: batch 16 at 160 keys 408-423 -> 332-358, at
+  // 600 keys 2065 -> 1585; batch 2 at 160 keys 81 -> 51; batch 16 with warm caches 191 -> 167. Counting
+  // chunks rather than sequences brings one long sequence in too (128-token blocks, 64 MiB read between
+  // steps, medians of 3 interleaved runs): batch 1 at 400 keys 83 -> 65, at 1024 keys 203 -> 145, at
+  // 2048 keys 395 -> 263. One sequence of one chunk keeps one item per KV head, so both cores work.
+  bool wholeRows = !gather && t.headsPerTile == t.groupSize && numHeads <= m;
+  int64_t decodeChunks = 0;  // the items whole-row decode would make: at least one per core
+  for (int64_t b = 0; wholeRows && b < batch; ++b) {
+    wholeRows = t.qLens[b] <= 1;
+    if (t.qLens[b] == 1) {
+      int64_t p = t.contextLens[b] - 1, lo = t.window ? std::max<int64_t>(0, p - t.window + 1) : 0;
+      decodeChunks += p / kChunk - lo / kChunk + 1;
+    }
+  }
+  wholeRows = wholeRows && decodeChunks >= std::max<int64_t>(2, soc.cube_core_num);
   const int64_t kvn = wholeRows ? kvHeads : 1;
   int64_t ws = 0, kvBytes = 0, mergeBytes = 0;
   for (int64_t b = 0; b < batch; ++b) {
