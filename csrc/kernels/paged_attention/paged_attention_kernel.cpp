@@ -126,7 +126,7 @@ class KernelPagedAttention {
   // K/V rows of key positions [t0, t1), block by block through the block table.
   void CopyInKv(const PagedAttentionItem& it, int64_t t0, int64_t t1) {
     runs_.clear();
-    const int64_t bs = t_->blockSize, kh = t_->kvHeads;
+    const int64_t bs = t_->blockSize;
     const int32_t* table = bt_ + int64_t(it.batch) * t_->maxBlocks;
     LocalTensor<T> k, v;
     if (gather_) {
@@ -134,13 +134,12 @@ class KernelPagedAttention {
       v = inV_.AllocTensor<T>();
     }
     for (int64_t pos = t0; pos < t1;) {
-      int64_t blk = table[pos / bs], off = pos % bs, n = std::min(bs - off, t1 - pos);
-      int64_t base = ((blk * bs + off) * kh + it.kvHead) * d_;
+      int64_t n = std::min(bs - pos % bs, t1 - pos), base = CacheRowOffset(*t_, table, pos, it.kvHead);
       if (gather_) {
         GatherRows(k[(pos - t0) * d_], kGm_[base], n);
         GatherRows(v[(pos - t0) * d_], vGm_[base], n);
       } else {
-        runs_.push_back({kGm_.GetPhyAddr(base), vGm_.GetPhyAddr(base), kh * d_, pos - t0, n});
+        runs_.push_back({kGm_.GetPhyAddr(base), vGm_.GetPhyAddr(base), t_->kvHeads * d_, pos - t0, n});
       }
       pos += n;
     }
@@ -175,7 +174,6 @@ class KernelPagedAttention {
       bt_ = blockTables;
       k_ = static_cast<const char*>(keyCache);
       v_ = static_cast<const char*>(valueCache);
-      elt_ = AscendC::DataTypeSize(TilingKeyDtype(t.tilingKey));
       item_ = first;
       last_ = last;
       issued_ = read_ = 0;
@@ -184,9 +182,7 @@ class KernelPagedAttention {
     // Called before reading the next n rows: requests up to kLeadBytes past them.
     void Read(int64_t n) {
       while (item_ < last_ && issued_ < read_ + n + lead_) {
-        int64_t base = ((int64_t(table_[pos_ / t_->blockSize]) * t_->blockSize + pos_ % t_->blockSize) * t_->kvHeads +
-                        kvHead_) * t_->headDim * elt_;
-        const char* row = (inV_ ? v_ : k_) + base;
+        const char* row = (inV_ ? v_ : k_) + CacheRowOffset(*t_, table_, pos_, kvHead_) * int64_t(sizeof(T));
         const char* end = row + rowBytes_;
         for (const char* p = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(row) & ~uintptr_t(63)); p < end;
              p += 64)
@@ -203,7 +199,7 @@ class KernelPagedAttention {
       if (item_ >= last_) return;
       const PagedAttentionItem& it = t_->items[size_t(item_)];
       table_ = bt_ + int64_t(it.batch) * t_->maxBlocks;
-      rowBytes_ = ItemKvHeads(it, t_->groupSize) * t_->headDim * elt_;
+      rowBytes_ = ItemKvHeads(it, t_->groupSize) * t_->headDim * int64_t(sizeof(T));
       lead_ = std::max<int64_t>(1, kLeadBytes / rowBytes_);
       kvHead_ = it.kvHead;
       t0_ = pos_ = it.kvStart;
@@ -230,7 +226,7 @@ class KernelPagedAttention {
     const PagedAttentionTilingData* t_ = nullptr;
     const int32_t *bt_ = nullptr, *table_ = nullptr;
     const char *k_ = nullptr, *v_ = nullptr;
-    int64_t item_ = 0, last_ = 0, issued_ = 0, read_ = 0, lead_ = 0, rowBytes_ = 0, elt_ = 0;
+    int64_t item_ = 0, last_ = 0, issued_ = 0, read_ = 0, lead_ = 0, rowBytes_ = 0;
     int64_t kvHead_ = 0, t0_ = 0, t1_ = 0, pos_ = 0;
     bool inV_ = false;
   };
@@ -241,10 +237,10 @@ class KernelPagedAttention {
   // prefetchers do not follow across pages; without this the cube would stall
   // on every row it reads from DRAM.
   void PrefetchKv(const PagedAttentionItem& it, int64_t t0, int64_t t1) {
-    const int64_t bs = t_->blockSize, kh = t_->kvHeads, rowBytes = ItemRowBytes(ItemKvHeads(it, t_->groupSize));
+    const int64_t rowBytes = ItemRowBytes(ItemKvHeads(it, t_->groupSize));
     const int32_t* table = bt_ + int64_t(it.batch) * t_->maxBlocks;
     for (int64_t pos = t0; pos < t1; ++pos) {
-      int64_t base = ((int64_t(table[pos / bs]) * bs + pos % bs) * kh + it.kvHead) * d_;
+      int64_t base = CacheRowOffset(*t_, table, pos, it.kvHead);
       const char* k = reinterpret_cast<const char*>(kGm_.GetPhyAddr(base));
       const char* v = reinterpret_cast<const char*>(vGm_.GetPhyAddr(base));
       for (int64_t b = 0; b < rowBytes; b += 64) {

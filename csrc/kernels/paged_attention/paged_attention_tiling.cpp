@@ -32,6 +32,15 @@ constexpr int64_t kChunk = 256;
 // layer, 3 blocks on 2 cores 38-39 us; at 40 and 300 keys unchanged (1 and 3 blocks either way).
 constexpr int64_t kMinBytesPerHostCore = 16 * 1024;
 
+// The keys [lo, hi) that query positions pFirst..pLast see (causal, sliding window) and the chunks
+// [c0, c1] of the fixed grid they span.
+struct VisibleKeys {
+  int64_t lo, hi, c0, c1;
+  VisibleKeys(int64_t pFirst, int64_t pLast, int64_t window)
+      : lo(window ? std::max<int64_t>(0, pFirst - window + 1) : 0), hi(pLast + 1), c0(lo / kChunk),
+        c1((hi - 1) / kChunk) {}
+};
+
 int64_t AttentionUb(int64_t m, int64_t tn, int64_t d, int64_t elt, bool gather) {
   int64_t ub = 2 * UbSlot(m * d * elt)         // q in, out (storage type)
                + 2 * UbSlot(m * d * 4)         // scaled q, acc (fp32)
@@ -146,8 +155,8 @@ PagedAttentionTilingData PagedAttentionTiling(int64_t batch, int64_t numHeads, i
   for (int64_t b = 0; wholeRows && b < batch; ++b) {
     wholeRows = t.qLens[b] <= 1;
     if (t.qLens[b] == 1) {
-      int64_t p = t.contextLens[b] - 1, lo = t.window ? std::max<int64_t>(0, p - t.window + 1) : 0;
-      decodeChunks += p / kChunk - lo / kChunk + 1;
+      VisibleKeys keys(t.contextLens[b] - 1, t.contextLens[b] - 1, t.window);
+      decodeChunks += keys.c1 - keys.c0 + 1;
     }
   }
   wholeRows = wholeRows && decodeChunks >= std::max<int64_t>(2, soc.cube_core_num);
@@ -161,8 +170,8 @@ PagedAttentionTilingData PagedAttentionTiling(int64_t batch, int64_t numHeads, i
       for (int64_t q0 = 0; q0 < ql; q0 += qp) {
         int64_t qn = std::min(qp, ql - q0);
         int64_t pFirst = ctx - ql + q0, pLast = pFirst + qn - 1;
-        int64_t lo = t.window ? std::max<int64_t>(0, pFirst - t.window + 1) : 0, hi = pLast + 1;
-        int64_t c0 = lo / kChunk, c1 = (hi - 1) / kChunk, splits = c1 - c0 + 1;
+        const VisibleKeys keys(pFirst, pLast, t.window);
+        const int64_t lo = keys.lo, hi = keys.hi, c0 = keys.c0, c1 = keys.c1, splits = c1 - c0 + 1;
         const int64_t units = kvHeads / kvn, heads = kvn * gn;  // items per chunk, query heads per item
         int64_t partialFloats = qn * heads * (headDim + 2);
         kvBytes += kvHeads * (hi - lo) * 2 * headDim * elt;

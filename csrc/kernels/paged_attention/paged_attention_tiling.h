@@ -79,6 +79,12 @@ PagedAttentionTilingData PagedAttentionTiling(int64_t batch, int64_t numHeads, i
 // entries) must lie in [0, numBlocks); entries past that are never read.
 void CheckBlockTables(const int32_t* blockTables, const PagedAttentionTilingData& t);
 
+// Element offset of key position pos's row for KV head kvHead in a [blocks, block_size, kv_heads,
+// head_dim] cache, through one sequence's block table row.
+inline int64_t CacheRowOffset(const PagedAttentionTilingData& t, const int32_t* table, int64_t pos, int64_t kvHead) {
+  return ((int64_t(table[pos / t.blockSize]) * t.blockSize + pos % t.blockSize) * t.kvHeads + kvHead) * t.headDim;
+}
+
 // Launches a validated plan (PagedAttentionTiling + CheckBlockTables) over
 // these tensors: the attention stage and, when a sequence's key range was
 // split over cores, the merge stage. A decode graph plans once per step (per
