@@ -101,8 +101,9 @@ class TransformerInfer(Engine):
             the engine reads the model's own parameter tensors.
         graph_mode: run each decode step as one native call (``atb.graph.DecodeGraph``,
             exposed as ``infer.decode_graph``); False runs the same kernels from Python.
-        max_prefill_tokens: prompt tokens admitted into the running batch per step (a longer prompt
-            is admitted alone), so arrivals do not stall running decodes for long.
+        max_prefill_tokens: prompt tokens prefilled per step; a prompt that does not fit is split into
+            chunks over the following steps (chunked prefill), so arrivals do not stall running decodes
+            for long.
         quantize: weight-only quantization of every projection, the embedding and the LM head:
             ``"w8a16"``, ``"w4a16"`` (``"-g64"`` / ``"-g128"`` suffix for the group size; the embedding /
             LM head stay 8-bit), ``"native"`` (the GGUF file the model was loaded from, at its own

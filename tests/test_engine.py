@@ -130,12 +130,44 @@ def test_prefill_budget_lets_running_decodes_continue(model):
     for _ in range(3):
         infer.add_request([2] * 6, SamplingParams(max_new_tokens=4, ignore_eos=True))
     outs = {o.request_id for o in infer.step()}
-    # One 6-token prompt fits in the budget per step; the running request decoded anyway.
-    assert first in outs and infer.stats()["waiting"] == 2 and infer.stats()["running"] == 2
-    # A prompt longer than the whole budget is admitted alone.
-    big = infer.add_request(list(range(20)), SamplingParams(max_new_tokens=2, ignore_eos=True))
+    # 8 prompt tokens per step: one whole 6-token prompt and 2 tokens of the next; the running request
+    # decoded anyway, and the split prompt holds a batch slot without a token yet.
+    s = infer.stats()
+    assert first in outs and "req-2" not in outs and (s["waiting"], s["prefilling"], s["running"]) == (1, 1, 3)
     drain(infer)
-    assert big not in infer.scheduler.requests and idle(infer)
+    assert idle(infer)
+
+
+@pytest.mark.parametrize("graph_mode", [True, False])
+def test_chunked_prefill_gives_the_unchunked_tokens_and_decodes_every_step(model, graph_mode):
+    """A prompt longer than the budget is prefilled over several steps, each chunk attending to the K/V of the
+    ones before it (across block boundaries: block_size 4), while a running request decodes every step."""
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    long = [(7 * i + 3) % 120 + 1 for i in range(23)]
+    infer = engine(model, max_prefill_tokens=5, graph_mode=graph_mode)
+    run = infer.add_request([1, 2, 3], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    infer.step()
+    big = infer.add_request(long, params)
+    steps = 0
+    while big in infer.scheduler.requests and not infer.scheduler.requests[big].out:
+        outs = {o.request_id: o for o in infer.step()}
+        assert run in outs, "the running request decodes while the long prompt is prefilled"
+        steps += 1
+    assert steps == 5  # ceil(23 / 5) chunks; the last one also gives the first token
+    out = drain(infer)
+    assert out[big].output_token_ids == solo(model, long, params, graph_mode=graph_mode)
+    assert idle(infer)
+
+
+def test_abort_while_prefilling_frees_the_blocks(model):
+    infer = engine(model, max_prefill_tokens=4)
+    rid = infer.add_request(list(range(1, 15)), SamplingParams(max_new_tokens=3))
+    infer.step()
+    assert infer.stats()["prefilling"] == 1 and infer.stats()["kv_blocks_used"] > 0
+    assert infer.abort(rid)
+    out = drain(infer)
+    assert out[rid].finish_reason == "abort" and out[rid].output_token_ids == []
+    assert idle(infer)
 
 
 def test_requests_do_not_depend_on_batch_mates(model):

@@ -214,6 +214,34 @@ def test_shared_prefix_same_tokens_as_off(tiny, together):
     released(infer)
 
 
+@pytest.mark.parametrize("budget", [40, 77])
+def test_chunked_prefill_keys_a_block_only_when_its_chunk_writes_it(tiny, budget):
+    """Prompts of a 300-token shared prefix, prefilled budget tokens per step: a later request admitted while
+    an earlier one is halfway through the prefix shares only the blocks already written (or written in that
+    step), computes the rest itself, and every request gets the tokens of an unchunked run with caching off."""
+    prompts = shared_prompts(n=4)
+    ref = run(engine(tiny, False), prompts, GREEDY)
+    infer = engine(tiny, True, max_prefill_tokens=budget)
+    assert run(infer, prompts, GREEDY) == ref
+    released(infer)
+    assert infer.stats()["prefix_cache_hits"] > 0
+
+
+def test_a_prompt_aborted_mid_prefill_caches_only_the_blocks_it_wrote(tiny):
+    prompt = shared_prompts(n=1)[0]
+    ref = run(engine(tiny, False), [prompt], GREEDY)
+    infer = engine(tiny, True, max_prefill_tokens=40)
+    infer.add_request(prompt, GREEDY, request_id="cut")
+    for _ in range(3):   # 120 of 303 prompt tokens: 7 full blocks written
+        checked_step(infer)
+    infer.abort("cut")
+    infer.step()
+    released(infer)
+    assert infer.stats()["kv_blocks_cached"] == 7
+    assert run(infer, [prompt], GREEDY) == ref
+    assert infer.stats()["prefix_cache_hits"] == 7 * 16
+
+
 def test_sampling_and_penalties_same_as_off(tiny):
     prompts = shared_prompts(4, 40, seed=3)
     params = [SamplingParams(max_new_tokens=8, do_sample=True, temperature=1.2, top_p=0.9, seed=5, ignore_eos=True),

@@ -1,7 +1,8 @@
 """`atb serve` under load: throughput and latency through HTTP at several concurrencies.
 
     python -m atb.bench.serve [--dtype bfloat16] [--concurrency 1,4,16,32] [--requests-per-client 2]
-                              [--prompt 128] [--new 128] [--threads N] [--json PATH]
+                              [--prompt 128] [--new 128] [--threads N] [--max-prefill-tokens N]
+                              [--json PATH]
 
 Starts ``python -m atb serve`` as a subprocess on 127.0.0.1 (the load
 generator here shares no interpreter lock with the engine), then, for each
@@ -60,6 +61,8 @@ def start_server(args, port: int) -> subprocess.Popen:
            "--log-level", "warning"]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    if args.max_prefill_tokens:
+        cmd += ["--max-prefill-tokens", str(args.max_prefill_tokens)]
     proc = subprocess.Popen(cmd)
     import httpx
 
@@ -158,6 +161,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     p.add_argument("--new", type=int, default=128, help="output tokens per request")
     p.add_argument("--threads", type=int, default=0, help="atb threads in the server (default: torch's)")
+    p.add_argument("--max-prefill-tokens", type=int, default=0,
+                   help="the server's per-step prefill budget (default: the server's own)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]

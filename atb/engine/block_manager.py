@@ -117,14 +117,16 @@ class BlockManager(PagedKVCache):
         return out
 
     # ---- allocation ---------------------------------------------------------
-    def allocate_prompt(self, seq_id, prompt: list[int], keys: list[bytes], num_tokens: int) -> tuple[list[int], int]:
+    def allocate_prompt(self, seq_id, prompt: list[int], keys: list[bytes], num_tokens: int,
+                        key_upto: int | None = None) -> tuple[list[int], int]:
         """Creates the table of a new sequence whose first tokens are ``prompt`` (``keys``: its
         :meth:`block_keys`) with room for ``num_tokens`` tokens; returns ``(table, cached_tokens)``.
 
-        The cached prefix is shared (references taken); the prompt's other full blocks are keyed, pending until
-        :meth:`commit`. ``cached_tokens`` may equal ``len(prompt)`` (a prompt of whole blocks, all cached): the
-        caller must then recompute the last token without writing its K/V. All or nothing: CacheFullError leaves
-        every block as it was.
+        The cached prefix is shared (references taken); the prompt's other full blocks up to ``key_upto``
+        (all of them by default) are keyed, pending until :meth:`commit` (a chunked prefill keys the rest with
+        :meth:`key_prompt_blocks` as its chunks reach them). ``cached_tokens`` may equal ``len(prompt)`` (a
+        prompt of whole blocks, all cached): the caller must then recompute the last token without writing its
+        K/V. All or nothing: CacheFullError leaves every block as it was.
         """
         if seq_id in self._tables:
             raise ValueError(f"BlockManager.allocate_prompt: sequence {seq_id!r} already has blocks")
@@ -144,15 +146,23 @@ class BlockManager(PagedKVCache):
         table = hit + self._take(need, seq_id)
         self._tables[seq_id] = table
         if self.enable_prefix_caching:
-            for i in range(len(hit), len(keys)):
-                # A key already present belongs to a block cut off from its parent's chain (the parent was
-                # evicted first): this block stays private and unkeyed rather than replace it.
-                if keys[i] not in self._block_of:
-                    self._key(table[i], keys[i])
-                    self._pending.append((table[i], keys[i]))
+            self.key_prompt_blocks(seq_id, keys, len(hit), len(keys) if key_upto is None else key_upto)
             self.query_tokens += len(prompt)
             self.hit_tokens += len(hit) * self.block_size
         return table, len(hit) * self.block_size
+
+    def key_prompt_blocks(self, seq_id, keys: list[bytes], lo: int, hi: int) -> None:
+        """Keys prompt blocks ``[lo, hi)`` of a sequence (``keys``: the prompt's :meth:`block_keys`) for the
+        prefill about to write them, pending until :meth:`commit`."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._table(seq_id, "key_prompt_blocks")
+        for i in range(lo, hi):
+            # A key already present belongs to a block cut off from its parent's chain (the parent was
+            # evicted first): this block stays private and unkeyed rather than replace it.
+            if keys[i] not in self._block_of:
+                self._key(table[i], keys[i])
+                self._pending.append((table[i], keys[i]))
 
     def key_block(self, seq_id, index: int, key: bytes) -> bool:
         """Keys block ``index`` of a sequence whose K/V is now entirely written (decode filled it): from now on

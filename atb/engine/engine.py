@@ -5,11 +5,13 @@ A `Scheduler` (requests, queues, block manager) plus a `ModelRunner`
 call, so any thread may add or abort requests while another drives ``step``
 (an HTTP server's engine thread does exactly that). Each step:
 
-1. admits waiting requests into the running batch (batch slots, KV blocks, a
-   per-step prefill token budget) and prefills them together, each producing
-   its first token;
-2. runs one decode step of the whole running batch (the just-admitted
-   requests included), one token each;
+1. prefills up to a per-step budget of prompt tokens: the prompts already
+   being prefilled continue, then waiting requests are admitted (batch slots,
+   KV blocks), a prompt that does not fit split into chunks over the next
+   steps (chunked prefill); each request whose prompt completes produces its
+   first token;
+2. runs one decode step of the whole running batch (the requests that just
+   completed their prompt included), one token each;
 3. returns a `RequestOutput` for every request that produced tokens or
    finished, and frees the blocks of finished requests at once.
 
@@ -137,7 +139,8 @@ class Engine:
             return bool(self.scheduler.requests)
 
     def stats(self) -> dict:
-        """``running``, ``waiting`` request counts and KV block accounting (ints).
+        """``running`` (holding a batch slot, ``prefilling`` included), ``prefilling`` (prompt partly computed),
+        ``waiting`` request counts and KV block accounting (ints).
 
         ``kv_blocks_used`` are held by requests, ``kv_blocks_cached`` are held by none but keep a prefix's K/V
         for reuse (evicted when needed, so they are available too), ``kv_blocks_free`` are neither; the three
@@ -146,7 +149,8 @@ class Engine:
         """
         with self._lock:
             s, cache = self.scheduler, self.scheduler.cache
-            return {"running": len(s.running), "waiting": len(s.waiting), "kv_blocks_total": cache.num_blocks,
+            return {"running": len(s.running) + len(s.prefilling), "prefilling": len(s.prefilling),
+                    "waiting": len(s.waiting), "kv_blocks_total": cache.num_blocks,
                     "kv_blocks_used": cache.used_blocks, "kv_blocks_free": cache.free_blocks,
                     "kv_blocks_cached": cache.cached_blocks, "prefix_cache_queries": cache.query_tokens,
                     "prefix_cache_hits": cache.hit_tokens}
@@ -184,23 +188,25 @@ class Engine:
         sched, runner = self.scheduler, self.runner
         touched: dict[int, Request] = {id(r): r for r in sched.done}
         sched.done.clear()
-        admitted = sched.admit()
-        if admitted:
-            # Registered before the forward: if it raises, the requests are running and abort frees them.
-            sched.running.extend(admitted)
-            sched.rows_dirty = True
+        # Admitted requests are registered (prefilling) before the forward: if it raises, abort frees them.
+        chunks = sched.schedule_prefill()
+        if chunks:
             try:
-                logits = self._prefill(admitted)
+                logits = self._prefill(chunks)
             except BaseException:
                 # Blocks keyed for this prefill were never filled: they must not be matched.
                 sched.cache.discard_pending()
                 raise
             sched.cache.commit()
-            toks = self._sample(logits, admitted)
-            for r, t in zip(admitted, toks):
-                touched[id(r)] = r
-                if self._emit(r, t):
-                    sched.finish(r, r.reason)
+            # Requests whose last prompt token was in this step sample their first token from its logits.
+            done = [i for i, (r, _, end) in enumerate(chunks) if sched.prefilled(r, end)]
+            if done:
+                firsts = [chunks[i][0] for i in done]
+                toks = self._sample(logits[done] if len(done) < len(chunks) else logits, firsts)
+                for r, t in zip(firsts, toks):
+                    touched[id(r)] = r
+                    if self._emit(r, t):
+                        sched.finish(r, r.reason)
         running = sched.running
         if running:
             bs, bt = sched.cache.block_size, self._block_tables
@@ -225,22 +231,24 @@ class Engine:
                     sched.finish(r, r.reason)
         return list(touched.values())
 
-    def _prefill(self, reqs: list[Request]) -> torch.Tensor:
-        """Prefills a group of admitted prompts into their blocks; logits of each prompt's last token.
+    def _prefill(self, chunks: list[tuple[Request, int, int]]) -> torch.Tensor:
+        """Prefills prompt chunks ``(request, start, end)`` into their blocks; logits of each chunk's last token.
 
-        Each prompt computes only what is not cached (prefix caching; everything when it is off) and attends to
-        its whole context through the paged cache. A prompt cached entirely (whole blocks) recomputes its last
-        token for the logits but does not write its K/V: that slot is in a shared block, which holds it already.
+        A chunk computes prompt tokens ``[start, end)`` and attends to its whole context ``[0, end)`` through
+        the paged cache: the cached prefix (prefix caching) and the earlier chunks (chunked prefill) are read
+        there. A prompt cached entirely (whole blocks) recomputes its last token for the logits but does not
+        write its K/V: that slot is in a shared block, which holds it already.
         """
         cache = self.scheduler.cache
-        lens = [len(r.prompt) for r in reqs]
-        starts = [min(r.cached, n - 1) for r, n in zip(reqs, lens)]
-        tokens = torch.tensor([t for r, a in zip(reqs, starts) for t in r.prompt[a:]], dtype=torch.int32)
-        positions = torch.cat([torch.arange(a, n, dtype=torch.int32) for a, n in zip(starts, lens)])
+        reqs = [r for r, _, _ in chunks]
+        starts = [a for _, a, _ in chunks]
+        lens = [n for _, _, n in chunks]
+        tokens = torch.tensor([t for r, a, n in chunks for t in r.prompt[a:n]], dtype=torch.int32)
+        positions = torch.cat([torch.arange(a, n, dtype=torch.int32) for _, a, n in chunks])
         slots = cache.slot_mapping(reqs, starts, lens)
-        q_lens = torch.tensor([n - a for a, n in zip(starts, lens)], dtype=torch.int32)
+        q_lens = torch.tensor([n - a for _, a, n in chunks], dtype=torch.int32)
         ends = q_lens.cumsum(0)
-        for r, n, e in zip(reqs, lens, ends.tolist()):
+        for (r, _, n), e in zip(chunks, ends.tolist()):
             if r.cached == n:
                 slots[e - 1] = -1
         paged = (cache.block_tables(reqs), torch.tensor(lens, dtype=torch.int32), q_lens)

@@ -1,16 +1,27 @@
 """The scheduler: requests, the waiting and running queues, and the block manager (the paged KV pool).
 
-vLLM's ``Scheduler``. A request waits until a batch slot, its KV blocks and the
-step's prefill token budget allow it in; it is then prefilled and decoded with
-the running batch until it finishes (or is aborted), when its blocks return to
-the pool at once. A request's blocks are reserved on admission for its longest
-possible length (prompt + ``max_new_tokens``, at most ``max_seq_len``), so a
-running request never has to wait for a block.
+vLLM's ``Scheduler``. A request waits until a batch slot and its KV blocks allow
+it in; it is then prefilled and decoded with the running batch until it
+finishes (or is aborted), when its blocks return to the pool at once. A
+request's blocks are reserved on admission for its longest possible length
+(prompt + ``max_new_tokens``, at most ``max_seq_len``), so a running request
+never has to wait for a block.
+
+Prefill is chunked (vLLM's chunked prefill): each step computes at most
+``max_prefill_tokens`` prompt tokens, first continuing the prompts already being
+prefilled, then starting waiting ones, first come first served. A prompt longer
+than what is left of the budget is split: its first chunk goes in this step and
+the rest in the next ones, each chunk attending to the K/V its earlier chunks
+wrote. So a running decode waits at most one budget's worth of prefill per
+step, however long the arriving prompts are, and a request produces its first
+token in the step that computes its last prompt token.
 
 With prefix caching on, admission first looks the prompt's full blocks up in
 the block manager: the cached run that starts the prompt is shared, only the
 rest is allocated, and only the uncached tokens count against the prefill
-budget (``Request.cached`` tells the engine where its prefill starts). Blocks
+budget (``Request.cached`` tells the engine where its prefill starts). A prompt
+block is keyed in the step whose chunk writes it, never before, so no other
+request can match a block whose K/V is not written yet. Blocks
 that decode fills are keyed as well (:meth:`Scheduler.key_filled_blocks`), so
 a later prompt that repeats a previous answer reuses its K/V.
 """
@@ -29,7 +40,7 @@ class Request:
     """One prompt being generated: its tokens so far, its sampling state and where it stands."""
 
     __slots__ = ("request_id", "prompt", "params", "eos", "out", "table", "seen", "gen", "reason", "reported",
-                 "streamed", "keys", "cached", "keyed")
+                 "streamed", "keys", "cached", "keyed", "prefilled")
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, eos: frozenset,
                  gen: torch.Generator | None):
@@ -49,6 +60,7 @@ class Request:
         self.keys: list[bytes] | None = None
         self.cached = 0              # prompt tokens whose K/V was already cached when it was admitted
         self.keyed = 0               # leading full blocks whose key was offered to the block manager
+        self.prefilled = 0           # prompt tokens whose K/V is in the cache (computed or cached)
 
     @property
     def length(self) -> int:
@@ -79,7 +91,8 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.requests: dict[str, Request] = {}     # every unfinished request by id
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.prefilling: list[Request] = []        # admitted, part of the prompt still to compute (FCFS)
+        self.running: list[Request] = []           # prompt computed: decoded every step
         self.done: list[Request] = []              # finished outside a step (at add or abort), reported next step
         # True when the running batch (its order or a block table) changed since the decode metadata was built.
         self.rows_dirty = True
@@ -101,39 +114,68 @@ class Scheduler:
     def reserve_tokens(self, req: Request) -> int:
         return min(len(req.prompt) + req.params.max_new_tokens, self.max_seq_len)
 
-    def admit(self) -> list[Request]:
-        """Waiting requests that join the batch this step, their blocks allocated.
+    def schedule_prefill(self) -> list[tuple[Request, int, int]]:
+        """This step's prefill chunks ``(request, start, end)``: prompt tokens ``[start, end)`` to compute.
 
-        First come, first served, while there is a batch slot, the blocks, and room in the step's prefill
-        token budget (a prompt longer than the budget is admitted alone), so arrivals do not stall the
-        running decodes for long.
+        Prompts being prefilled continue first, then waiting requests are admitted (their blocks allocated)
+        first come, first served while there is a batch slot, the blocks, and budget left; every chunk but
+        the budget's last is a whole remaining prompt. A newly admitted request starts past its cached prefix
+        (at least its last token is computed, for its logits). Each chunk's full prompt blocks are keyed
+        now, pending until the prefill commits.
         """
-        out: list[Request] = []
+        chunks: list[tuple[Request, int, int]] = []
         budget = self.max_prefill_tokens
         cache = self.cache
+
+        def take(req: Request, start: int) -> None:
+            nonlocal budget
+            end = min(len(req.prompt), start + budget)
+            budget -= end - start
+            self._offer_prompt_keys(req, end)
+            chunks.append((req, start, end))
+
+        for req in self.prefilling:
+            if budget == 0:
+                return chunks
+            take(req, req.prefilled)
         if cache.enable_prefix_caching:
             self.key_filled_blocks(self.running)
-        while self.waiting and len(self.running) + len(out) < self.max_batch_size:
+        while budget and self.waiting and len(self.running) + len(self.prefilling) < self.max_batch_size:
             req = self.waiting[0]
             if req.keys is None:
                 req.keys = cache.block_keys(req.prompt) if cache.enable_prefix_caching else []
-            # Tokens this prefill computes: the uncached suffix, at least the last token.
-            hit = len(cache.cached_prefix(req.keys)) * cache.block_size
-            n = len(req.prompt) - min(hit, len(req.prompt) - 1)
-            if out and n > budget:
-                break
             try:
-                req.table, req.cached = cache.allocate_prompt(req, req.prompt, req.keys, self.reserve_tokens(req))
+                req.table, req.cached = cache.allocate_prompt(req, req.prompt, req.keys, self.reserve_tokens(req),
+                                                              key_upto=0)
             except CacheFullError as e:
-                if not out and not self.running:
+                if not chunks and not self.running:
                     raise CacheFullError(f"TransformerInfer: request {req.request_id!r} does not fit in the KV pool "
                                          f"and nothing is running (blocks held outside the engine?): {e}") from e
                 break
             self.waiting.popleft()
-            req.keyed = len(req.keys)   # allocate_prompt offered the prompt's full blocks
-            out.append(req)
-            budget -= n
-        return out
+            self.prefilling.append(req)
+            req.keyed = req.cached // cache.block_size   # the cached prefix is keyed already
+            req.prefilled = req.cached
+            # Tokens this prefill computes: the uncached suffix, at least the last token.
+            take(req, min(req.cached, len(req.prompt) - 1))
+        return chunks
+
+    def _offer_prompt_keys(self, req: Request, end: int) -> None:
+        """Keys (pending) the prompt blocks that prompt tokens ``[0, end)`` fill entirely."""
+        full = min(end // self.cache.block_size, len(req.keys))
+        if full > req.keyed:
+            self.cache.key_prompt_blocks(req, req.keys, req.keyed, full)
+            req.keyed = full
+
+    def prefilled(self, req: Request, end: int) -> bool:
+        """Records a chunk's prefill; True when it completed the prompt (the request then decodes)."""
+        req.prefilled = max(req.prefilled, end)
+        if end < len(req.prompt):
+            return False
+        self.prefilling.remove(req)
+        self.running.append(req)
+        self.rows_dirty = True
+        return True
 
     def key_filled_blocks(self, reqs) -> None:
         """Keys the blocks that decode filled since the last call, exactly as a prefill keys a prompt's.
@@ -166,11 +208,10 @@ class Scheduler:
             if self.cache.enable_prefix_caching:
                 self.key_filled_blocks((req,))
             self.cache.free(req)
-        try:
+        if req in self.running:
             self.running.remove(req)
             self.rows_dirty = True
-        except ValueError:
-            try:
-                self.waiting.remove(req)
-            except ValueError:
-                pass
+        elif req in self.prefilling:
+            self.prefilling.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)

@@ -23,7 +23,8 @@ def add_parser(sub, model_args) -> None:
     s.add_argument("--max-seq-len", type=int, default=2048, help="prompt + output tokens of one request (default 2048)")
     # Bounds how long running decodes wait for arrivals' prefill in one step (see the README's Serving).
     s.add_argument("--max-prefill-tokens", type=int, default=512,
-                   help="prompt tokens admitted per engine step; a longer prompt is admitted alone (default 512)")
+                   help="prompt tokens prefilled per engine step; longer prompts are split into chunks over "
+                        "the following steps (default 512)")
     # Chat traffic repeats system prompts and history: sharing their KV blocks skips that prefill.
     s.add_argument("--no-prefix-caching", action="store_true",
                    help="turn off automatic prefix caching (on by default: shared prompt prefixes skip prefill)")
