@@ -40,7 +40,10 @@ def _free_socket() -> socket.socket:
 class Served:
     def __init__(self, model, tok):
         self.tok = tok
-        self.infer = atb.TransformerInfer(model, max_seq_len=MAX_SEQ_LEN, max_batch_size=MAX_BATCH)
+        # A small prefill budget, so concurrent prompts are chunked over steps (as the CLI's 512 does with long
+        # prompts) and every test below checks chunked prefill through HTTP too.
+        self.infer = atb.TransformerInfer(model, max_seq_len=MAX_SEQ_LEN, max_batch_size=MAX_BATCH,
+                                          max_prefill_tokens=24)
         self.app = create_app(self.infer, tok, model_name=MODEL, max_waiting=64)
         self.state = self.app.state.atb
         sock = _free_socket()
