@@ -69,7 +69,8 @@ class Served:
         deadline = time.time() + timeout
         while True:
             m = self.metrics()
-            if (m["atb_requests_running"], m["atb_requests_waiting"], m["atb_kv_blocks_used"]) == (0, 0, 0):
+            if (m["atb_requests_running"], m["atb_requests_prefilling"], m["atb_requests_waiting"],
+                    m["atb_kv_blocks_used"]) == (0, 0, 0, 0):
                 assert m["atb_kv_blocks_free"] == m["atb_kv_blocks_total"]
                 return m
             assert time.time() < deadline, f"server not idle: {m}"

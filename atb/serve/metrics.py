@@ -87,6 +87,8 @@ class Metrics:
             lines.extend(f"{PREFIX}{name}{s}" for s in samples)
 
         gauges = (("requests_running", "running", "Requests in the running batch."),
+                  ("requests_prefilling", "prefilling",
+                   "Requests in the running batch whose prompt is still being prefilled in chunks."),
                   ("requests_waiting", "waiting", "Requests waiting to be admitted to the batch."),
                   ("kv_blocks_total", "kv_blocks_total", "KV cache blocks in the pool."),
                   ("kv_blocks_used", "kv_blocks_used", "KV cache blocks held by requests."),
