@@ -199,10 +199,10 @@ class Engine:
                 raise
             sched.cache.commit()
             # Requests whose last prompt token was in this step sample their first token from its logits.
-            done = [i for i, (r, _, end) in enumerate(chunks) if sched.prefilled(r, end)]
+            done = [i for i, (r, _, end) in enumerate(chunks) if sched.finish_chunk(r, end)]
             if done:
                 firsts = [chunks[i][0] for i in done]
-                toks = self._sample(logits[done] if len(done) < len(chunks) else logits, firsts)
+                toks = self._sample(logits[done], firsts)
                 for r, t in zip(firsts, toks):
                     touched[id(r)] = r
                     if self._emit(r, t):

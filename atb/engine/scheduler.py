@@ -167,9 +167,9 @@ class Scheduler:
             self.cache.key_prompt_blocks(req, req.keys, req.keyed, full)
             req.keyed = full
 
-    def prefilled(self, req: Request, end: int) -> bool:
+    def finish_chunk(self, req: Request, end: int) -> bool:
         """Records a chunk's prefill; True when it completed the prompt (the request then decodes)."""
-        req.prefilled = max(req.prefilled, end)
+        req.prefilled = end
         if end < len(req.prompt):
             return False
         self.prefilling.remove(req)

@@ -46,13 +46,12 @@ struct TileScales {
 // The next tile's scales (and mins), requested while this tile's weights stream: they are separate
 // arrays, a quarter of W4 G32's bytes, and the widening above would otherwise wait on each of their lines.
 inline void PrefetchScales(const QuantSegment& q, int64_t i, int64_t n) {
-  int64_t bytes = n * AscendC::DataTypeSize(q.scaleType);
-  const char* s = static_cast<const char*>(q.scale) + i * AscendC::DataTypeSize(q.scaleType);
-  const char* m = static_cast<const char*>(q.min) + i * AscendC::DataTypeSize(q.scaleType);
-  for (int64_t b = 0; b < bytes; b += 64) {
-    __builtin_prefetch(s + b, 0, 2);
-    if (q.bits == 4) __builtin_prefetch(m + b, 0, 2);
-  }
+  const int64_t size = AscendC::DataTypeSize(q.scaleType), bytes = n * size;
+  const char* s = static_cast<const char*>(q.scale) + i * size;
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(s + b, 0, 2);
+  if (q.bits != 4) return;
+  const char* m = static_cast<const char*>(q.min) + i * size;
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(m + b, 0, 2);
 }
 
 inline TileScales LoadScales(const QuantSegment& q, int64_t kPad, int64_t row, int64_t nt, int64_t k0, int64_t kl,
