@@ -106,16 +106,18 @@ def test_linear_matches_reference(dtype, m, fmt, group, isa):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("fmt,group", [("w8a16", 0), ("w4a16", 32), ("w4a16", 128)])
-def test_half_width_x_error_bound(dtype, fmt, group, isa):
+@pytest.mark.parametrize("fmt,group", [("w8a16", 0), ("w8a16", 32), ("w4a16", 32), ("w4a16", 128)])
+@pytest.mark.parametrize("scale_dtype", [None, torch.bfloat16, torch.float32])
+def test_half_width_x_error_bound(dtype, fmt, group, scale_dtype, isa):
     # 16-bit x against the same values as fp32 x (the fp32 route). On AVX2 16-bit x takes the int16 route:
     # per 32-value chunk a power-of-two scale 2^(e-14) (2^e <= the chunk's largest |x| < 2^(e+1)), so a
     # value is off by at most half that, |x|max * 2^-15, and the products are exact. Output n may then
     # differ by sum_k |w(n, k)| * |x|max(chunk of k) * 2^-15, plus one ulp of its own rounding and fp32 sums.
-    # Chunks here mix magnitudes 2^12 apart, so small values really are rounded.
+    # Chunks here mix magnitudes 2^12 apart, so small values really are rounded. The int16 route widens
+    # 16-bit scales itself, row block by row block (tails of 1-3 rows at N = 67); the fp32 route per tile.
     k, n = 577, 67
     x = (torch.randn(5, k) * 2.0 ** torch.randint(-6, 7, (5, k)).float()).to(dtype)
-    q = _qw(n, k, fmt, group)
+    q = _qw(n, k, fmt, group, scale_dtype)
     w = quant_dequant_ref(q).double().abs()
     xpad = torch.nn.functional.pad(x.double().abs(), (0, (-k) % 32))
     chunk_max = xpad.view(5, -1, 32).amax(-1).repeat_interleave(32, -1)[:, :k]

@@ -84,6 +84,21 @@ inline TileScales LoadScales(const QuantSegment& q, int64_t kPad, int64_t row, i
   return {scaleUb, minUb, ldUb, q.group};
 }
 
+// The int16 GEMV routes' scales (QuantScaleRows): grouped fp16/bf16 scales over whole rows as they lie
+// in GM, for the GEMV to widen a row block ahead into scaleUb/minUb ([nt, perRow] fp32 each); any other
+// case as LoadScales gives them (fp32 rows).
+inline QuantScaleRows StoredScales(const QuantSegment& q, int64_t kPad, int64_t row, int64_t nt, int64_t k0,
+                                   int64_t kl, float* scaleUb, float* minUb, int64_t ldUb) {
+  if (q.group != 0 && q.scaleType != AscendC::DataType::FLOAT32 && kl == kPad) {
+    const int64_t perRow = AscendC::CeilDiv(kPad, q.group), size = AscendC::DataTypeSize(q.scaleType);
+    const char* mn = q.bits == 4 ? static_cast<const char*>(q.min) + row * perRow * size : nullptr;
+    PrefetchScales(q, (row + nt) * perRow, nt * perRow);
+    return {static_cast<const char*>(q.scale) + row * perRow * size, mn, perRow, q.scaleType, scaleUb, minUb};
+  }
+  TileScales t = LoadScales(q, kPad, row, nt, k0, kl, scaleUb, minUb, ldUb);
+  return {t.scale, t.min, t.lds, AscendC::DataType::FLOAT32, nullptr, nullptr};
+}
+
 // Dequantized row `row` of segment q over [k0, k0 + kl) into dst (fp32), with that row's scales (and
 // mins) already in fp32: scale/min point at its first group in the chunk.
 inline void DequantRowScaled(const QuantSegment& q, int64_t kPad, int64_t row, int64_t k0, int64_t kl, float* dst,

@@ -98,27 +98,33 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
   // sums (+)= x chunk . dequant(W rows [row, row + nt), chunk)^T for stream st (segment seg).
   void Compute(int st, int seg, int64_t row, int64_t mt, int64_t nt, int64_t k0, int64_t kl) {
     const QuantSegment& q = q_[seg];
-    TileScales sc = LoadScales(q, kPad_, row, nt, k0, kl, scaleBuf_[st].Get<float>().GetPhyAddr(),
-                               minBuf_[st].Get<float>().GetPhyAddr(), kChunks_);
-    const float* x = xBuf_.Get<float>().GetPhyAddr();
-    if (lanes_[seg]) return DequantLanes(st, q, sc, row, mt, nt, k0, kl);
+    float* scaleUb = scaleBuf_[st].Get<float>().GetPhyAddr();
+    float* minUb = minBuf_[st].Get<float>().GetPhyAddr();
     float* y = Stream::Sums(st);
     const float* xs = xsumBuf_.Get<float>().GetPhyAddr();
+    if (int16_ && !lanes_[seg]) {
+      QuantScaleRows sr = StoredScales(q, kPad_, row, nt, k0, kl, scaleUb, minUb, kChunks_);
+      const int64_t group = q.group ? q.group : kl;
+      if (q.bits == 4)
+        return QuantSimd().gemv_w4_i16(y, nt, XInt16(), t_.kTile, XInt16Scales(), kChunks_, xs, kChunks_,
+                                       static_cast<const uint8_t*>(q.data) + row * (kPad_ / 2) + k0 / 2, kPad_ / 2, sr,
+                                       mt, nt, kl, group, k0 > 0);
+      return QuantSimd().gemv_w8_i16(y, nt, XInt16(), t_.kTile, XInt16Scales(), kChunks_,
+                                     static_cast<const int8_t*>(q.data) + row * kPad_ + k0, kPad_, sr, mt, nt, kl,
+                                     group, k0 > 0);
+    }
+    TileScales sc = LoadScales(q, kPad_, row, nt, k0, kl, scaleUb, minUb, kChunks_);
+    const float* x = xBuf_.Get<float>().GetPhyAddr();
+    if (lanes_[seg]) return DequantLanes(st, q, sc, row, mt, nt, k0, kl);
     if (q.bits == 4) {
       const uint8_t* w = static_cast<const uint8_t*>(q.data) + row * (kPad_ / 2) + k0 / 2;
       if (kBf16 && QuantSimd().gemv_w4_bf16)
         return QuantSimd().gemv_w4_bf16(y, nt, xbBuf_.Get<uint16_t>().GetPhyAddr(), t_.kTile, xs, kChunks_, w, kPad_ / 2,
                                         sc.scale, sc.min, sc.lds, mt, nt, kl, sc.group, k0 > 0);
-      if (int16_)
-        return QuantSimd().gemv_w4_i16(y, nt, XInt16(), t_.kTile, XInt16Scales(), kChunks_, xs, kChunks_, w, kPad_ / 2,
-                                       sc.scale, sc.min, sc.lds, mt, nt, kl, sc.group, k0 > 0);
       QuantSimd().gemv_w4(y, nt, x, t_.kTile, xs, kChunks_, w, kPad_ / 2, sc.scale, sc.min, sc.lds, mt, nt, kl, sc.group,
                           k0 > 0);
     } else {
       const int8_t* w = static_cast<const int8_t*>(q.data) + row * kPad_ + k0;
-      if (int16_)
-        return QuantSimd().gemv_w8_i16(y, nt, XInt16(), t_.kTile, XInt16Scales(), kChunks_, w, kPad_, sc.scale, sc.lds,
-                                       mt, nt, kl, sc.group, k0 > 0);
       QuantSimd().gemv_w8(y, nt, x, t_.kTile, w, kPad_, sc.scale, sc.lds, mt, nt, kl, sc.group, k0 > 0);
     }
   }

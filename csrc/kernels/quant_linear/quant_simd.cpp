@@ -17,7 +17,8 @@ bool CpuHas(const std::string& isa) {
   if (isa == "avx512")
     return QuantAvx512Ops() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
-  if (isa == "avx2") return QuantAvx2Ops() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == "avx2") return QuantAvx2Ops() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                           __builtin_cpu_supports("f16c");  // F16C: fp16 scales widen in the GEMV
 #endif
   return isa == "portable";
 }

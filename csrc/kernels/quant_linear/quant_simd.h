@@ -14,13 +14,29 @@
 //       bytes widened to 16 int32 lanes gives values 0..15 (AND 0xF) and
 //       16..31 (>> 4), both in natural x order: no shuffles.
 // Scales (and W4 mins) arrive here as fp32 [N, lds]: the kernels widen a tile's
-// fp16/bf16/fp32 scales into UB first.
+// fp16/bf16/fp32 scales into UB first. The int16 routes (AVX2) take them as stored
+// instead (QuantScaleRows) and widen each row block's while the block before it computes.
 #pragma once
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "ascendc/dtype.h"
+
 namespace atb {
+
+// The group scales (and W4 mins) of a GEMV's N rows as stored: row n at element n * lds of scale/min,
+// of type `type`. Unless fp32, the GEMV widens them into scratch/minScratch (N x lds fp32 each, UB)
+// a row block ahead of its use, so their loads overlap the previous block's arithmetic where a
+// separate widening pass over the tile stalled on them (quant_linear_kernel.cpp).
+struct QuantScaleRows {
+  const void* scale = nullptr;
+  const void* min = nullptr;  // W4 only
+  int64_t lds = 0;
+  AscendC::DataType type = AscendC::DataType::FLOAT32;
+  float* scratch = nullptr;
+  float* minScratch = nullptr;
+};
 
 // Bound on min(M, 4) x kLen / 32 of one gemv_w4 call (its x group sums live on the stack).
 constexpr int64_t kQuantMaxGroupSums = 8192;
@@ -57,12 +73,13 @@ struct QuantSimdOps {
   // t = fma(sum, xscale, t) per chunk and scale * t per group as the fp32 route does. The kernel gives it
   // only 16-bit activations (quantize_x_i16), which int16 with a power-of-two scale represents exactly
   // wherever a value is within 2^7 (bf16) or 2^4 (fp16) of its chunk's largest.
+  // Their scales come as stored (QuantScaleRows).
   void (*gemv_w4_i16)(float* y, int64_t ldy, const int16_t* xq, int64_t ldx, const float* xscale, int64_t ldxc,
-                      const float* xsum, int64_t ldxs, const uint8_t* q, int64_t ldq, const float* scale,
-                      const float* min, int64_t lds, int64_t M, int64_t N, int64_t kLen, int64_t G, bool accumulate);
+                      const float* xsum, int64_t ldxs, const uint8_t* q, int64_t ldq, const QuantScaleRows& scales,
+                      int64_t M, int64_t N, int64_t kLen, int64_t G, bool accumulate);
   void (*gemv_w8_i16)(float* y, int64_t ldy, const int16_t* xq, int64_t ldx, const float* xscale, int64_t ldxc,
-                      const int8_t* q, int64_t ldq, const float* scale, int64_t lds, int64_t M, int64_t N,
-                      int64_t kLen, int64_t G, bool accumulate);
+                      const int8_t* q, int64_t ldq, const QuantScaleRows& scales, int64_t M, int64_t N, int64_t kLen,
+                      int64_t G, bool accumulate);
   // One row, kLen values (a multiple of 32): dst[k] = fma(q(k), scale[k / G], min[k / G]) (W4),
   // q(k) * scale[k / G] (W8); one rounding, as gguf's own dequantization.
   void (*dequant_w4)(float* dst, const uint8_t* q, const float* scale, const float* min, int64_t kLen, int64_t G);
