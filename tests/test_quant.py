@@ -141,6 +141,8 @@ def test_nonfinite_x_reaches_the_output(dtype, fmt, group, isa):
     x[2, 99] = float("inf")
     y = K.linear(x, q)
     assert torch.isfinite(y[0]).all() and not torch.isfinite(y[1]).any() and not torch.isfinite(y[2]).any()
+    for i in range(3):  # one row at a time: the GEMV, where W4 G32 folds x's chunk scales into the group scales
+        assert torch.equal(torch.isfinite(K.linear(x[i:i + 1], q)), torch.isfinite(y[i:i + 1]))
     z = torch.zeros(2, k).to(dtype)   # all-zero chunks: exact zeros (scale 0)
     assert torch.equal(K.linear(z, q), torch.zeros(2, n).to(dtype))
 
