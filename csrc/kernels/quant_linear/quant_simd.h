@@ -26,7 +26,8 @@
 namespace atb {
 
 // The group scales (and W4 mins) of a GEMV's N rows as stored: row n at element n * lds of scale/min,
-// of type `type`. Unless fp32, the GEMV widens them into scratch/minScratch (N x lds fp32 each, UB)
+// of type `type`. Unless fp32 they span whole rows (lds = the row's groups) and the GEMV widens them into
+// scratch/minScratch (N x lds fp32 each, UB)
 // a row block ahead of its use, so their loads overlap the previous block's arithmetic where a
 // separate widening pass over the tile stalled on them (quant_linear_kernel.cpp).
 struct QuantScaleRows {

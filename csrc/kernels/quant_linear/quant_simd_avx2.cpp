@@ -194,18 +194,18 @@ inline void Widen16(float* d, const uint16_t* s, int64_t n, bool bf16, const flo
   }
 }
 
-// Rows [n0, n1) of sc's scales (and W4 mins), ng groups each, widened into its scratch (fp16/bf16 only);
-// with xScale (one group per chunk), each scale times x's scale of its chunk.
-inline void WidenScaleRows(const QuantScaleRows& sc, bool w4, int64_t n0, int64_t n1, int64_t ng,
-                           const float* xScale) {
+// Rows [n0, n1) of sc's 16-bit scales (and W4 mins) widened into its scratch. They span whole rows
+// (StoredScales), so the rows' lds groups lie back to back; with xScale (one group per chunk), each
+// scale is multiplied by x's scale of its chunk, row by row.
+inline void WidenScaleRows(const QuantScaleRows& sc, bool w4, int64_t n0, int64_t n1, const float* xScale) {
   const bool bf16 = sc.type == AscendC::DataType::BFLOAT16;
-  auto widen = [&](float* dst, const void* src, const float* mul) {
-    const auto* s16 = static_cast<const uint16_t*>(src);
-    if (sc.lds == ng && !mul) return Widen16(dst + n0 * ng, s16 + n0 * ng, (n1 - n0) * ng, bf16);
-    for (int64_t r = n0; r < n1; ++r) Widen16(dst + r * sc.lds, s16 + r * sc.lds, ng, bf16, mul);
-  };
-  widen(sc.scratch, sc.scale, xScale);
-  if (w4) widen(sc.minScratch, sc.min, nullptr);
+  const int64_t g = sc.lds;
+  const auto* s16 = static_cast<const uint16_t*>(sc.scale);
+  if (xScale)
+    for (int64_t r = n0; r < n1; ++r) Widen16(sc.scratch + r * g, s16 + r * g, g, bf16, xScale);
+  else
+    Widen16(sc.scratch + n0 * g, s16 + n0 * g, (n1 - n0) * g, bf16);
+  if (w4) Widen16(sc.minScratch + n0 * g, static_cast<const uint16_t*>(sc.min) + n0 * g, (n1 - n0) * g, bf16);
 }
 
 // Blocks of 2 rows of x (4 weight rows at M == 1, 2 otherwise: 16 ymm registers), tails one by one.
@@ -231,12 +231,13 @@ void GemvI16(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const float* 
     constexpr int NR = decltype(nrTag)::value, MB = decltype(mbTag)::value;
     if (widened < N) {
       const int64_t upto = std::min(N, n + NR + ahead);
-      if (upto > widened) WidenScaleRows(sc, Bits == 4, widened, upto, ng, xScaled ? xsc : nullptr);
+      if (upto > widened) WidenScaleRows(sc, Bits == 4, widened, upto, xScaled ? xsc : nullptr);
       widened = std::max(widened, upto);
     }
-    auto block = Bits == 4 && G == 32 ? (xScaled && MB == 1 ? GemvI16Block<Bits, NR, MB, true, MB == 1>
-                                                            : GemvI16Block<Bits, NR, MB, true>)
-                                      : GemvI16Block<Bits, NR, MB, false>;
+    // xScaled implies M == 1, so MB == 1 wherever it holds.
+    auto block = Bits != 4 || G != 32 ? GemvI16Block<Bits, NR, MB, false>
+                 : xScaled            ? GemvI16Block<Bits, NR, MB, true, MB == 1>
+                                      : GemvI16Block<Bits, NR, MB, true>;
     block(y + m * ldy + n, ldy, x + m * ldx, ldx, xsc + m * ldxc, ldxc, xg, ng, q + n * ldq, ldq, scale + n * lds,
           Bits == 4 ? min + n * lds : nullptr, lds, kLen, G, acc);
   };
