@@ -123,6 +123,11 @@ struct SimdOps {
   // decode: twice the multiply-adds per instruction of fp32 FMA, no widening and no packing.
   void (*mmad_nt_dp_bf16)(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
                           int64_t M, int64_t N, int64_t K, bool accumulate);
+  // Where the streaming kernels' software prefetches go (paged attention's K/V rows): true, L2
+  // (prefetcht1); false, L1 (prefetcht0). On Zen 4 (AVX-512) a request into L1 holds one of L1's few
+  // miss buffers until DRAM answers, and L2 measured faster; on Zen 3 (AVX2) only L1 has been measured
+  // (a gain over no prefetch), so the AVX2 and portable tables keep it.
+  bool prefetch_to_l2;
 };
 
 // The active table (selected on first use; never null).

@@ -816,6 +816,7 @@ const SimdOps ATB_AVX512_TABLE = {
     MmadTN, ExpSubAcc, SumLanes8,
     TransposeWiden<float, Widen8, Load1>, TransposeWiden<uint16_t, Widen8H, Load1H>,
     TransposeWiden<uint16_t, Widen8B, Load1B>,
+    /*mmad_nt_dp_bf16=*/nullptr, /*prefetch_to_l2=*/true,
 };
 
 // The table with the AVX512-BF16 entries (SIMDe implements them on any CPU).
