@@ -81,42 +81,88 @@ def start_server(args, port: int) -> subprocess.Popen:
         time.sleep(0.5)
 
 
-async def _one(client, prompt: list[int], new: int) -> dict:
+class _Connection:
+    """One keep-alive HTTP/1.1 connection that streams a completion's server-sent events.
+
+    A load generator on the same 2 cores as the server takes CPU from it: httpx's streaming client cost
+    about a third of a core at 16 streams (~1 ms per chunk), which the server's kernels then lost. This
+    reads the chunked body and its ``data:`` lines straight off an asyncio stream.
+    """
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.reader = self.writer = None
+
+    async def _open(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            await self.writer.wait_closed()
+
+    async def stream(self, path: str, body: dict):
+        """POSTs body as JSON; yields each event's data line (bytes, without ``data: ``) until the body ends."""
+        if self.writer is None:
+            await self._open()
+        payload = json.dumps(body).encode()
+        self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        head = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        status = int(head[0].split()[1])
+        headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in head[1:] if h)}
+        if headers.get("transfer-encoding", "").lower() != "chunked":
+            data = await self.reader.readexactly(int(headers.get("content-length", 0)))
+            raise RuntimeError(f"HTTP {status}: {data[:500]!r}")
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}")
+        pending = b""
+        while True:
+            size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            if size == 0:
+                await self.reader.readuntil(b"\r\n")  # the empty trailer
+                break
+            pending += (await self.reader.readexactly(size + 2))[:-2]
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                if line.startswith(b"data: "):
+                    yield line[6:]
+
+
+async def _one(conn: _Connection, prompt: list[int], new: int) -> dict:
     body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     stamps, tokens = [], 0
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if chunk["choices"] and chunk["choices"][0]["text"]:
-                stamps.append(time.perf_counter())
+    async for data in conn.stream("/v1/completions", body):
+        if data == b"[DONE]":
+            continue
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise RuntimeError(chunk["error"]["message"])
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        if chunk["choices"] and chunk["choices"][0]["text"]:
+            stamps.append(time.perf_counter())
     t1 = time.perf_counter()
     return {"ttft": stamps[0] - t0 if stamps else t1 - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])],
             "tokens": tokens, "seconds": t1 - t0}
 
 
-async def run_level(url: str, prompts: list[list[int]], concurrency: int, per_client: int, new: int) -> dict:
-    import httpx
-
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        await _one(client, prompts[0], 4)  # warm connection and engine
+async def run_level(port: int, prompts: list[list[int]], concurrency: int, per_client: int, new: int) -> dict:
+    conns = [_Connection("127.0.0.1", port) for _ in range(concurrency)]
+    try:
+        await _one(conns[0], prompts[0], 4)  # warm connection and engine
 
         async def worker(w: int) -> list[dict]:
-            return [await _one(client, prompts[(w * per_client + i) % len(prompts)], new) for i in range(per_client)]
+            return [await _one(conns[w], prompts[(w * per_client + i) % len(prompts)], new) for i in range(per_client)]
 
         t0 = time.perf_counter()
         results = [r for rs in await asyncio.gather(*[worker(w) for w in range(concurrency)]) for r in rs]
         wall = time.perf_counter() - t0
+    finally:
+        for c in conns:
+            await c.close()
     itl = [x for r in results for x in r["itl"]]
     ttft = [r["ttft"] for r in results]
     return {"concurrency": concurrency, "requests": len(results), "wall_s": wall,
@@ -175,8 +221,7 @@ def main(argv=None) -> int:
     rows = []
     try:
         for c in args.concurrency:
-            rows.append(asyncio.run(run_level(f"http://127.0.0.1:{port}", prompts, c, args.requests_per_client,
-                                              args.new)))
+            rows.append(asyncio.run(run_level(port, prompts, c, args.requests_per_client, args.new)))
             r = rows[-1]
             print(f"concurrency {c:>3}: {r['requests_per_s']:6.2f} req/s {r['output_tok_s']:8.1f} out tok/s  "
                   f"TTFT p50 {r['ttft_p50_s'] * 1e3:7.1f} ms p99 {r['ttft_p99_s'] * 1e3:7.1f} ms  "

@@ -213,7 +213,12 @@ const OmpApi& Omp() {
 enum class Backend { kAuto, kOpenMp, kPool };
 std::atomic<Backend> gBackend{Backend::kAuto};
 
-bool UseOpenMp() { return gBackend.load(std::memory_order_relaxed) != Backend::kPool && Omp().parallel; }
+thread_local bool tPreferPool = false;  // a PoolLaunchScope is alive on this thread
+
+bool UseOpenMp() {
+  Backend b = gBackend.load(std::memory_order_relaxed);
+  return b != Backend::kPool && !(b == Backend::kAuto && tPreferPool) && Omp().parallel;
+}
 
 // The parallel region's body, run by every team member (the caller included).
 void OmpBody(void* queue) {
@@ -296,8 +301,13 @@ void SetThreading(const std::string& backend) {
   }
 }
 
+PoolLaunchScope::PoolLaunchScope() : saved_(detail::tPreferPool) { detail::tPreferPool = true; }
+PoolLaunchScope::~PoolLaunchScope() { detail::tPreferPool = saved_; }
+
 std::string Threading() {
-  if (detail::UseOpenMp()) return std::string("openmp (") + detail::Omp().library + ", shared with torch)";
+  if (detail::UseOpenMp())
+    return std::string("openmp (") + detail::Omp().library + ", shared with torch" +
+           (detail::gBackend.load() == detail::Backend::kAuto ? "; decode graph steps on the private pool)" : ")");
   return "pool (private threads)";
 }
 void SetNumThreads(int64_t n) {

@@ -25,6 +25,25 @@ void SetNumThreads(int64_t n);
 void SetThreading(const std::string& backend);
 std::string Threading();   // the backend in use, in words
 
+// While one lives, "auto" runs this thread's launches on the private pool, not on the OpenMP team: for a
+// run of launches with no torch op between them (a decode graph step), where nothing else wants the
+// cores and the pool's workers stay awake from one launch to the next. libgomp's team is the better
+// neighbour of torch ops (the patched model), but between a graph step's ~240 launches it costs more,
+// most of all when the caller is not the main thread (the server's engine thread). Zen 4, 2 threads,
+// SmolLM2 bf16 engine decode tok/s, medians of 4 interleaved runs, OpenMP -> pool: batch 1 main thread
+// 100.7 -> 105.8, worker thread 73.7 -> 106.7; batch 16 main 607 -> 641, worker 536 -> 592. The patched
+// model (torch ops between kernels) measured the other way (decode 40.5 -> 36.0), so it stays on OpenMP.
+class PoolLaunchScope {
+ public:
+  PoolLaunchScope();
+  ~PoolLaunchScope();
+  PoolLaunchScope(const PoolLaunchScope&) = delete;
+  PoolLaunchScope& operator=(const PoolLaunchScope&) = delete;
+
+ private:
+  bool saved_;
+};
+
 namespace detail {
 struct UbArena {
   uint8_t* base = nullptr;

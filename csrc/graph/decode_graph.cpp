@@ -171,6 +171,7 @@ void DecodeGraph::Step(const int32_t* tokenIds, const int32_t* positions, const 
                        int64_t maxBlocks, const int32_t* contextLens, const int32_t* slotMapping, int64_t batch,
                        void* logits, int32_t* argmaxOut) {
   Validate(tokenIds, positions, blockTables, maxBlocks, contextLens, slotMapping, batch);
+  const AscendC::PoolLaunchScope onPool;  // no torch op runs inside a step (runtime.h)
   const auto& c = cfg_;
   const DataType dt = c.dtype;
   const int64_t B = batch, elt = AscendC::DataTypeSize(dt), celt = AscendC::DataTypeSize(c.cosDtype);
