@@ -85,6 +85,40 @@ def threading_backend(request):
     atb.set_threading("auto")
 
 
+def _launch_in_child(conn, x, w, want):
+    torch.set_num_threads(1)  # torch's own OpenMP team is not usable after a fork; only atb's pool is tested
+    atb.set_num_threads(2)    # as the fuzz test's children do (with 1): it replaces the pool
+    conn.send(torch.equal(atb.kernels.rms_norm(x, w, soc_type="Ascend910B1"), want))
+
+
+def test_forked_child_launches_after_the_parent_used_the_pool():
+    # The child of a fork has the parent's pool object but none of its threads: replacing that pool
+    # (set_num_threads) joined threads that do not exist, and launching on it waited for them. Under
+    # "auto" a decode graph step creates the pool, and the fuzz test forks its children after such steps.
+    import multiprocessing as mp
+    import time
+
+    atb.set_threading("pool")
+    try:
+        x, w = torch.randn(257, 1000), torch.randn(1000)
+        want = atb.kernels.rms_norm(x, w, soc_type="Ascend910B1")   # the pool exists, its workers spin
+        time.sleep(0.05)                                    # ... then sleep on the condition variable
+        ctx = mp.get_context("fork")
+        recv, send = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_launch_in_child, args=(send, x, w, want), daemon=True)
+        child.start()
+        send.close()
+        answered = recv.poll(60)
+        if not answered:
+            child.kill()
+        child.join(10)
+        assert answered, "a forked child's first launch hung"
+        assert recv.recv() is True
+        assert child.exitcode == 0
+    finally:
+        atb.set_threading("auto")
+
+
 def test_threading_backends_report_and_reject_bad_names():
     assert atb.build_info()["threading"].startswith("openmp")   # torch's OpenMP runtime is loaded
     with pytest.raises(ValueError, match="backend"):

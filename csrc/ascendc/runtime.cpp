@@ -9,6 +9,8 @@
 #include <dlfcn.h>
 #include <exception>
 #include <mutex>
+#include <new>
+#include <pthread.h>
 #include <thread>
 #include <vector>
 
@@ -236,7 +238,19 @@ void LaunchOpenMp(int64_t blockDim, int64_t ubSize, BlockFn fn, void* ctx) {
   queue.RethrowError();
 }
 
+// A forked child has the pool object but none of its threads, and the pool's mutex in whatever state
+// they left it: replacing the pool (SetNumThreads deletes it, joining threads that do not exist) or
+// launching on it waits for ever. So the child forgets the parent's pool (its memory is left as it is)
+// and builds its own at its first launch. The fuzz test's children (set_num_threads after a fork that
+// followed decode graph steps, which run on the pool under "auto") hung without this.
+void ForgetPoolInChild() {
+  gPool = nullptr;
+  new (&gPoolMu) std::mutex();
+}
+
 void LaunchOnPool(int64_t blockDim, int64_t ubSize, BlockFn fn, void* ctx) {
+  static const bool registered = pthread_atfork(nullptr, nullptr, ForgetPoolInChild) == 0;
+  (void)registered;
   std::lock_guard<std::mutex> lk(gPoolMu);  // one launch at a time (uncontended in practice)
   if (!gPool || gPool->Size() != gNumThreads) {
     delete gPool;
