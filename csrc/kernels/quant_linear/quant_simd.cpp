@@ -11,6 +11,16 @@
 namespace atb {
 namespace {
 
+// Every path by name, fastest first (auto takes the first the CPU runs).
+constexpr const char* kIsas[] = {"avx512-i16", "avx512", "avx2", "portable"};
+constexpr const char* kValid = "auto, avx512-i16, avx512, avx2, portable";
+
+bool Known(const std::string& isa) {
+  for (const char* k : kIsas)
+    if (isa == k) return true;
+  return false;
+}
+
 bool CpuHas(const std::string& isa) {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
@@ -52,8 +62,7 @@ const QuantSimdOps* Best() {
   const char* forced = std::getenv("ATB_QUANT_ISA");
   if (forced && *forced && std::string(forced) != "auto") {
     std::string f(forced);
-    ATB_CHECK(f == "avx512-i16" || f == "avx512" || f == "avx2" || f == "portable", "ATB_QUANT_ISA: unknown ISA '",
-              f, "'; valid: auto, avx512-i16, avx512, avx2, portable");
+    ATB_CHECK(Known(f), "ATB_QUANT_ISA: unknown ISA '", f, "'; valid: ", kValid);
     ATB_CHECK(CpuHas(f), "ATB_QUANT_ISA=", f, ": this CPU cannot run it");
     return ByName(f);
   }
@@ -71,7 +80,7 @@ const QuantSimdOps& QuantSimd() {
 
 std::vector<std::string> QuantIsaPaths() {
   std::vector<std::string> paths;
-  for (const char* isa : {"avx512-i16", "avx512", "avx2", "portable"})
+  for (const char* isa : kIsas)
     if (CpuHas(isa)) paths.push_back(isa);
   return paths;
 }
@@ -82,8 +91,7 @@ void SelectQuantSimd(const std::string& isa) {
     QuantSimd();
     return;
   }
-  ATB_CHECK(isa == "avx512-i16" || isa == "avx512" || isa == "avx2" || isa == "portable",
-            "quant set_isa: unknown ISA '", isa, "'; valid: auto, avx512-i16, avx512, avx2, portable");
+  ATB_CHECK(Known(isa), "quant set_isa: unknown ISA '", isa, "'; valid: ", kValid);
   ATB_CHECK(CpuHas(isa), "quant set_isa: this CPU cannot run '", isa, "'");
   gActive = ByName(isa);
 }

@@ -1,7 +1,7 @@
 // The quantized linear's own SIMD micro-kernels: GEMV over int4/int8 weights
 // dequantized in registers, and row dequantization (GEMM packing, embedding
 // rows). One table per ISA (AVX-512 F/BW/VL, AVX2+FMA, portable C++), chosen
-// at first use from CPUID; ATB_QUANT_ISA=avx512|avx2|portable in the
+// at first use from CPUID; ATB_QUANT_ISA=avx512-i16|avx512|avx2|portable in the
 // environment, or SelectQuantSimd, forces one so tests run every path the CPU
 // can execute. Kept apart from the AscendC vector table (ascendc/simd.h) so
 // the two evolve independently.
@@ -98,7 +98,7 @@ const QuantSimdOps& QuantSimd();
 const QuantSimdOps* QuantPortableOps();
 const QuantSimdOps* QuantAvx2Ops();    // null when not compiled in
 const QuantSimdOps* QuantAvx512Ops();  // null when not compiled in
-// "auto", "avx512", "avx2" or "portable"; throws when the CPU cannot run it.
+// "auto", "avx512-i16" (quant_simd.cpp), "avx512", "avx2" or "portable"; throws when the CPU cannot run it.
 void SelectQuantSimd(const std::string& isa);
 // The paths this CPU can run, fastest first (always ends with "portable").
 std::vector<std::string> QuantIsaPaths();
