@@ -152,12 +152,13 @@ def test_gemm_fused_epilogues(dtype):
 
 
 def test_gemm_rows_do_not_depend_on_m():
-    # Each output element is one fma chain over K in order, whatever the M pass, tile or core.
+    # Each output element is one fma chain over K in order, whatever the M pass, tile or core. (bf16 with
+    # vdpbf16ps switches micro-kernel at 128 rows, so each call is compared with one on its side of it.)
     x = torch.randn(700, 300).bfloat16()
     w = torch.randn(90, 300).bfloat16()
-    full = atb.kernels.linear(x, w)
-    for lo, hi in [(0, 32), (5, 53), (333, 700)]:
-        assert torch.equal(atb.kernels.linear(x[lo:hi], w), full[lo:hi])
+    full, first = atb.kernels.linear(x, w), atb.kernels.linear(x[:100], w)
+    for lo, hi in [(0, 32), (5, 53), (333, 700), (100, 300)]:
+        assert torch.equal(atb.kernels.linear(x[lo:hi], w), (first if hi <= 100 else full)[lo:hi])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -228,6 +229,61 @@ def test_gemm_bf16_every_isa(isa, m, k, n):
     r = torch.randn(m, n).bfloat16()
     assert_close(atb.kernels.linear_residual(x, ws[1], r, b), linear_residual_ref(x, ws[1], r, b), scale=_scale(k))
     assert_close(atb.kernels.linear_swiglu(x, ws[1], ws[2]), linear_swiglu_ref(x, ws[1], ws[2]), scale=_scale(k))
+
+
+def _has_dp(isa: str) -> bool:
+    return (isa == "avx512" and "avx512bf16" in _C.cpu_features()) or isa == "avx512-simde"
+
+
+@pytest.mark.parametrize("m,k,n", [(128, 577, 70), (129, 1, 17), (200, 33, 1), (130, 64, 64), (300, 3001, 33)])
+def test_gemm_bf16_packed_every_isa(isa, m, k, n):
+    # bf16 from 128 rows on (and at every M under row_invariant): weight tiles packed in k pairs for vdpbf16ps
+    # where the table has it. Odd K (the last pair half), N off the 16-row panel and the 64-row group, K past
+    # what the UB holds at once (chunks accumulate), every fused epilogue; the same bits whatever rows share
+    # the call, and a row-invariant call of a few rows gives the rows of the big one.
+    host, code = atb.get_soc("host"), DTYPE_CODES[torch.bfloat16]
+    kind = _C.linear_tiling(m, k, [n], 0, code, host)["dp_bf16"]
+    assert kind == ("packed" if _has_dp(isa) else "none")
+    small = _C.linear_tiling(3, k, [n], 0, code, host, row_invariant=True)["dp_bf16"]
+    assert small == kind
+    x = torch.randn(m, k).bfloat16()
+    ws = [torch.randn(n, k).bfloat16() for _ in range(3)]
+    b, r = torch.randn(n).bfloat16(), torch.randn(m, n).bfloat16()
+    K = atb.kernels
+    ops = {"linear": (lambda i, **kw: K.linear(x[i], ws[0], b, **kw), linear_ref(x, ws[0], b)),
+           "residual": (lambda i, **kw: K.linear_residual(x[i], ws[1], r[i], b, **kw),
+                        linear_residual_ref(x, ws[1], r, b)),
+           "swiglu": (lambda i, **kw: K.linear_swiglu(x[i], ws[1], ws[2], **kw), linear_swiglu_ref(x, ws[1], ws[2]))}
+    for name, (op, ref) in ops.items():
+        full = op(slice(0, m))
+        assert_close(full, ref, scale=_scale(k))
+        assert torch.equal(op(slice(0, m), row_invariant=True), full), name
+        for lo, hi in [(0, 1), (5, 12), (m - 7, m)]:
+            assert torch.equal(op(slice(lo, hi), row_invariant=True), full[lo:hi]), (name, lo, hi)
+    outs = K.linear_multi(x, ws, [b, None, b])
+    for out, w, bias in zip(outs, ws, [b, None, b]):
+        assert torch.equal(out, K.linear(x, w, bias))
+
+
+def test_gemm_bf16_packed_splits_k_when_the_ub_is_small():
+    # A modelled SoC's smaller UB splits K into chunks of whole 32-value blocks; the chunks accumulate in fp32
+    # in order, so the bits are the host's (where all of K fits).
+    if "avx512bf16" not in _C.cpu_features():
+        if "avx512-simde" not in atb.available_isas():
+            pytest.skip("no table with vdpbf16ps: neither AVX512-BF16 nor the SIMDe build")
+        atb.set_isa("avx512-simde")
+    try:
+        code = DTYPE_CODES[torch.bfloat16]
+        tilings = {s: _C.linear_tiling(256, 4099, [96], 0, code, atb.get_soc(s)) for s in BF16_SOCS + ["host"]}
+        assert {t["dp_bf16"] for t in tilings.values()} == {"packed"}
+        assert any(t["k_tile"] < 4099 for t in tilings.values())
+        x, w = torch.randn(256, 4099).bfloat16(), torch.randn(96, 4099).bfloat16()
+        host = atb.kernels.linear(x, w, soc_type="host")
+        assert_close(host, linear_ref(x, w), scale=_scale(4099))
+        for soc in BF16_SOCS:
+            assert torch.equal(atb.kernels.linear(x, w, soc_type=soc), host), soc
+    finally:
+        atb.set_isa("auto")
 
 
 @pytest.mark.parametrize("soc", ALL_SOCS)

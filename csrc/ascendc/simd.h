@@ -123,6 +123,18 @@ struct SimdOps {
   // decode: twice the multiply-adds per instruction of fp32 FMA, no widening and no packing.
   void (*mmad_nt_dp_bf16)(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
                           int64_t M, int64_t N, int64_t K, bool accumulate);
+  // The bf16 GEMM over k-pair-packed weights (AVX512-BF16; null elsewhere), prefill's micro-kernel.
+  // pack_bf16_pairs lays W [N, K] (rows ldw apart) out as panels of 16 rows; for every k pair j a panel
+  // holds its 16 rows' (2j, 2j + 1) values side by side: dst[p][j][n][2] = W[16p + n][2j + (0|1)], panel p at
+  // dst + p * 32 * ceil(K/2), rows past N and the odd K's last value zero. vdpbf16ps then multiplies one
+  // broadcast pair of x by 16 output columns at once: an accumulator is 16 elements of C, with no horizontal
+  // sum and no re-read of x per weight row (mmad_nt_dp_bf16 pays both). mmad_dp_bf16_packed:
+  //   C[m][n] (+)= sum_k A[m][k] * W[n][k], A bf16 rows (lda), Bp pack_bf16_pairs(W, N, K),
+  // each element one chain over the k pairs in order (exact pair products, vdpbf16ps' flushes), so the bits
+  // do not depend on M, N or the blocking, and a K split at an even k (accumulate) changes nothing.
+  void (*pack_bf16_pairs)(uint16_t* dst, const uint16_t* W, int64_t ldw, int64_t N, int64_t K);
+  void (*mmad_dp_bf16_packed)(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp,
+                              int64_t M, int64_t N, int64_t K, bool accumulate);
   // Where the streaming kernels' software prefetches go (paged attention's K/V rows): true, L2
   // (prefetcht1); false, L1 (prefetcht0). On Zen 4 (AVX-512) a request into L1 holds one of L1's few
   // miss buffers until DRAM answers, and L2 measured faster; on Zen 3 (AVX2) only L1 has been measured

@@ -16,6 +16,10 @@
 // where they lie, all of K in one call (its per-element contract then makes the
 // result independent of the tiling as well). That call, a [rows, weight rows]
 // tile of bf16 x . W^T into fp32, is the micro-kernel's entry for other GEMMs.
+// From kLinearDpPackedMinRows rows on (and under row invariance) the dp tiling is kDpPacked: per K chunk a
+// unit packs its weight tile in k pairs (pack_bf16_pairs, bf16 into UB, once per M pass) and every mTile
+// rows of x run mmad_dp_bf16_packed against it, accumulating in UB across chunks (a K split at an even k
+// changes no bit), which is what prefill's row counts pay the packing for.
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -39,14 +43,40 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
 
  public:
   void Init(GM_ADDR x, const float* xPacked, const LinearSegment* segs, GM_ADDR residual, const LinearTilingData& t) {
-    dp_ = t.dpBf16 != 0;
-    Gemm::InitGemm(x, xPacked, segs, residual, t, t.k, !dp_);
+    dp_ = t.dpBf16;
+    Gemm::InitGemm(x, xPacked, segs, residual, t, t.k, dp_ == kDpNone);
+    if (dp_ == kDpPacked)
+      for (int st = 0; st < streams_; ++st)
+        this->pipe_.InitBuffer(bBuf_[st], AlignUp(t.nTile, 16) * AlignUp(t.kTile, 2) * sizeof(uint16_t));
   }
 
  private:
   void ProcessUnit(const GemmUnit& u) {
-    if (dp_) return ProcessUnitDp(u);
+    if (dp_ == kDpPacked) return ProcessUnitDpPacked(u);
+    if (dp_ == kDpRows) return ProcessUnitDp(u);
     Gemm::ProcessPackedUnit(u);
+  }
+
+  // k-pair-packed dp: per K chunk, each stream's weight tile packed once (pack_bf16_pairs, into UB), then
+  // every mTile rows of x of the pass against it, accumulating across chunks; then the epilogue.
+  void ProcessUnitDpPacked(const GemmUnit& u) {
+    if constexpr (std::is_same<T, bfloat16_t>::value) {
+      const SimdOps& simd = Simd();
+      for (int64_t k0 = 0; k0 < t_.k; k0 += t_.kTile) {
+        int64_t kl = std::min(t_.kTile, t_.k - k0);
+        for (int st = 0; st < streams_; ++st)
+          simd.pack_bf16_pairs(bBuf_[st].template Get<uint16_t>().GetPhyAddr(),
+                               StorageBits(wGm_[st == 1 ? 1 : u.s].GetPhyAddr(u.row * t_.k + k0)), t_.k, u.nt, kl);
+        for (int64_t mt0 = 0; mt0 < u.mp; mt0 += t_.mTile) {
+          int64_t mt = std::min(t_.mTile, u.mp - mt0);
+          const uint16_t* a = StorageBits(xGm_.GetPhyAddr((u.m0 + mt0) * t_.k + k0));
+          for (int st = 0; st < streams_; ++st)
+            simd.mmad_dp_bf16_packed(cBuf_[st].template Get<float>().GetPhyAddr(mt0 * t_.nTile), t_.nTile, a, t_.k,
+                                     bBuf_[st].template Get<uint16_t>().GetPhyAddr(), mt, u.nt, kl, k0 > 0);
+        }
+      }
+      for (int64_t mt0 = 0; mt0 < u.mp; mt0 += t_.mTile) Gemm::OutputRows(u, mt0, std::min(t_.mTile, u.mp - mt0));
+    }
   }
 
   // dp: per mTile rows, every stream's [mt, nt] sums in one call each (the weight tile, nt x K, stays in
@@ -77,7 +107,7 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
     else Simd().transpose_bf16(b, t_.nTile, StorageBits(w), t_.k, nt, kl);
   }
 
-  bool dp_ = false;
+  int64_t dp_ = kDpNone;
 };
 
 // PackedX blocks [first, last) of x into dst: this core's share.
@@ -120,7 +150,7 @@ const float* PackedX(const void* x, int64_t m, int64_t k, DataType dtype, const 
 
 void LinearGemm(const void* x, const LinearSegment* segs, const void* residual, const LinearTilingData& t,
                 const SocInfo& soc) {
-  const float* xPacked = t.dpBf16 ? nullptr : PackedX(x, t.m, t.k, DataType(t.tilingKey / 10 % 10), soc);
+  const float* xPacked = t.dpBf16 != kDpNone ? nullptr : PackedX(x, t.m, t.k, DataType(t.tilingKey / 10 % 10), soc);
   LaunchLinearKernel<KernelLinearGemm>(t, soc, GmAddr(x), xPacked, segs, GmAddr(residual), t);
 }
 

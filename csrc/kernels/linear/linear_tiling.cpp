@@ -33,25 +33,32 @@ constexpr int64_t kHostMinBytesPerCore = 256 * 1024;
 //   C          fp32 [mPass, nTile]  per stream        (the accumulator, kept across K chunks)
 //   and LinearIo's out (and residual) queues (x is the A operand as fp32 in GM: PackedX)
 // With the dot-product micro-kernel (dp) there is no packed W.
-int64_t GemmUb(int64_t mPass, int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep, bool dp) {
+int64_t GemmUb(int64_t mPass, int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep, int64_t dp) {
   int64_t streams = ep == LINEAR_SWIGLU ? 2 : 1;
-  return streams * ((dp ? 0 : UbSlot(kt * nt * 4)) + UbSlot(mPass * nt * 4)) + LinearIoUb(mt, nt, elt, ep);
+  int64_t b = dp == kDpPacked ? UbSlot(AlignUp(nt, 16) * AlignUp(kt, 2) * 2) : dp ? 0 : UbSlot(kt * nt * 4);
+  return streams * (b + UbSlot(mPass * nt * 4)) + LinearIoUb(mt, nt, elt, ep);
 }
 
 // dp: weight rows per tile, a multiple of the micro-kernel's 3-row panel (its 16-row blocks of 48 keep the
 // tile's weights, 48 x K, in L2 while x's rows pass over them).
 constexpr int64_t kGemmDpNTile = 48;
+// k-pair-packed dp: 64 weight rows, the micro-kernel's 4 panels of 16.
+constexpr int64_t kGemmDpPackedNTile = 64;
 
-void GemmTiling(LinearTilingData& t, int64_t elt, LinearEpilogue ep, const AscendC::SocInfo& soc, bool dp) {
+void GemmTiling(LinearTilingData& t, int64_t elt, LinearEpilogue ep, const AscendC::SocInfo& soc, int64_t dp) {
   t.dpBf16 = dp;
-  if (dp) {
+  if (dp == kDpPacked) {
+    t.nTile = std::min(kGemmDpPackedNTile, MinSegmentRows(t));
+    t.kTile = t.k;
+  } else if (dp) {
     t.nTile = std::min(kGemmDpNTile, MinSegmentRows(t));
     t.kTile = t.k;
   } else {
     GemmPackedTile(t, t.k);
   }
-  // Packed K chunks halve to multiples of 8; dp never splits K.
-  GemmShrinkAndSplit(t, dp ? kKeepKWhole : KHalving{64, 8}, ep, "linear", soc, [&](const LinearTilingData& c) {
+  // Packed K chunks halve to multiples of 8, k-pair-packed ones to multiples of 32; dp never splits K.
+  KHalving halving = dp == kDpPacked ? KHalving{256, 32} : dp ? kKeepKWhole : KHalving{64, 8};
+  GemmShrinkAndSplit(t, halving, ep, "linear", soc, [&](const LinearTilingData& c) {
     return GemmUb(c.mPass, c.mTile, c.nTile, c.kTile, elt, ep, dp);
   });
 }
@@ -121,8 +128,9 @@ LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int6
   int64_t elt = AscendC::DataTypeSize(dtype);
   // The dot-product micro-kernel is the running CPU's (the SIMD table in use), whatever SoC is modelled.
   bool dp = dtype == AscendC::DataType::BFLOAT16 && AscendC::Simd().mmad_nt_dp_bf16 != nullptr;
+  int64_t dpMode = !dp ? kDpNone : (rowInvariant || m >= kLinearDpPackedMinRows) ? kDpPacked : kDpRows;
   if (rowInvariant || m >= kLinearGemmMinRows || (dp && m >= kLinearDpMinRows)) {
-    GemmTiling(t, elt, ep, soc, dp);
+    GemmTiling(t, elt, ep, soc, dpMode);
     t.tilingKey = LINEAR_GEMM * 100 + int64_t(dtype) * 10 + ep;
     return t;
   }

@@ -14,11 +14,13 @@ namespace atb {
 //     tiles are packed to fp32 in UB once per M pass and reused by every row of
 //     it through the 6x16 register-blocked cube tile. fp16/bf16 weights are
 //     widened while packing, so half-precision prefill runs at fp32 FMA speed.
-//     bf16 on AVX512-BF16 instead runs vdpbf16ps on x and W where they lie
-//     (mmad_nt_dp_bf16, twice fp32 FMA's rate), from kLinearDpMinRows rows on.
+//     bf16 on AVX512-BF16 instead runs vdpbf16ps (twice fp32 FMA's rate) from
+//     kLinearDpMinRows rows on: on x and W where they lie (mmad_nt_dp_bf16),
+//     from kLinearDpPackedMinRows rows on over weight tiles packed in k pairs
+//     (mmad_dp_bf16_packed).
 // Each kernel computes a row of y the same way whatever the other rows (M, the
-// row's place in a tile, the core split), but the two kernels differ from each
-// other in the last bits. rowInvariant runs the GEMM kernel at every M, so a
+// row's place in a tile, the core split), but the kernels differ from each
+// other in the last bits. rowInvariant runs the GEMM kernel (bf16 dp: packed) at every M, so a
 // row's bits do not depend on how many rows share the call: a prefill that
 // computes only a prompt's uncached suffix gets the rows a whole-prompt
 // prefill computes (prefix caching).
@@ -43,7 +45,15 @@ constexpr int64_t kLinearGemmMinRows = 32;
 // kernel runs from this many rows on (batch decode), since at 2 bytes of weight per 16+ multiply-adds
 // fp32 FMA, not memory, bounds the stream kernel there.
 constexpr int64_t kLinearDpMinRows = 16;
+// From this many rows on (and at every M under rowInvariant: the engine's prefill) the dp GEMM packs each
+// weight tile in k pairs (mmad_dp_bf16_packed) rather than reading weight rows as they lie
+// (mmad_nt_dp_bf16): the packing pays for itself once enough rows reuse a tile. Zen 4, 2 threads, SmolLM2's
+// projections (q/k/v, gate+up, down+residual, o+residual), us, rows -> packed: M = 16 465 -> 543, 96
+// 2201 -> 2131, 2048 68107 -> 58454 (the LM head, 49152 x 576 from DRAM: M = 16 3107 -> 7655, 96 27454 ->
+// 29328); one core, hot, 144 x 64 x 576: 167 -> 226 GFLOP/s, vdpbf16ps's peak ~218.
+constexpr int64_t kLinearDpPackedMinRows = 128;
 enum LinearMode : int64_t { LINEAR_STREAM = 0, LINEAR_GEMM = 1 };
+enum LinearDpKind : int64_t { kDpNone = 0, kDpRows = 1, kDpPacked = 2 };
 
 struct LinearSegment {
   const void* weight = nullptr;  // [n, K]
@@ -67,8 +77,9 @@ struct LinearTilingData {
   int64_t mPass = 0;        // x rows whose fp32 accumulators stay in UB while one weight tile is packed
   int64_t nTiles = 0;       // row tiles over all segments (each inside one segment)
   int64_t mPasses = 0;
-  int64_t dpBf16 = 0;       // 1: bf16 x and W feed mmad_nt_dp_bf16 as they lie, all of K per call (no packed
-                            // weight tile, kTile = K); 0: weight tiles packed to fp32 for MmadNN
+  int64_t dpBf16 = 0;       // kDpRows: bf16 x and W feed mmad_nt_dp_bf16 as they lie, all of K per call (no
+                            // packed weight tile, kTile = K); kDpPacked: weight tiles k-pair-packed (bf16) for
+                            // mmad_dp_bf16_packed; 0: weight tiles packed to fp32 for MmadNN
   int64_t ubBytes = 0;
   int64_t tilingKey = 0;     // mode * 100 + dtype * 10 + epilogue
 };
