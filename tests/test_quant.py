@@ -364,3 +364,50 @@ def test_gguf_load_native_matches_hf_weights(smollm2_fp32):
             # HF dequantized the same blocks with gguf (and un-permuted q/k rows): equal bit for bit.
             assert torch.equal(q.dequantize(), hf.weight.detach()), (i, name)
     assert torch.equal(w.embed.dequantize(), model.model.embed_tokens.weight.detach())
+
+
+def _dp_tables() -> list[str]:
+    """The float SIMD tables with the vdpbf16ps GEMM: the native AVX-512 one on an AVX512-BF16 CPU, the SIMDe one."""
+    native = ["avx512"] if "avx512bf16" in _C.cpu_features() else []
+    return native + [t for t in ("avx512-simde",) if t in atb.available_isas()]
+
+
+@pytest.mark.parametrize("table", _dp_tables())
+@pytest.mark.parametrize("fmt,group", FORMATS)
+@pytest.mark.parametrize("scale_dtype", [None, torch.float32])
+def test_gemm_bf16_x_on_vdpbf16ps(table, fmt, group, scale_dtype):
+    # bf16 x from 32 rows on, where the float table has vdpbf16ps: the integer values packed in k pairs, each
+    # group's sum of exact x q products times its scale, plus min times x's group sum. Against float64 at odd
+    # K (the last pair and group short), N off the 16-row panel, row tails of the 3-row tile, every epilogue;
+    # a SoC whose UB splits K gives the host's bits.
+    atb.set_isa(table)
+    try:
+        host = atb.get_soc("host")
+        for m, k, n in [(32, 577, 131), (301, 96, 17), (45, 4127, 40)]:
+            x = torch.randn(m, k).bfloat16()
+            q, q2 = _qw(n, k, fmt, group, scale_dtype), _qw(n, k, fmt, group, scale_dtype)
+            b, r = torch.randn(n).bfloat16(), torch.randn(m, n).bfloat16()
+            seg = _seg(n, 4 if fmt == "w4a16" else 8, group)
+            assert _C.quant_linear_tiling(m, k, [seg], 0, DTYPE_CODES[torch.bfloat16], host)["dp_bf16"] == "packed"
+            y = K.linear(x, q, b)
+            assert_close(y, linear_ref(x, quant_dequant_ref(q), b), scale=_scale(k))
+            assert_close(K.linear_residual(x, q, r, b), linear_residual_ref(x, quant_dequant_ref(q), r, b),
+                         scale=_scale(k))
+            assert_close(K.linear_swiglu(x, q, q2), linear_swiglu_ref(x, quant_dequant_ref(q), quant_dequant_ref(q2)),
+                         scale=_scale(k))
+            for soc in ALL_SOCS:
+                if atb.get_soc(soc).supports_bf16:
+                    assert torch.equal(K.linear(x, q, b, soc_type=soc), y), soc
+    finally:
+        atb.set_isa("auto")
+
+
+@pytest.mark.parametrize("soc", [s for s in ALL_SOCS if atb.get_soc(s).supports_bf16])
+def test_gemm_bf16_dp_tiling_fits_ub(soc):
+    info = atb.get_soc(soc)
+    bf16 = DTYPE_CODES[torch.bfloat16]
+    for m, k in [(32, 576), (300, 2048), (64, 70001)]:
+        for ep, segs in ((0, [_seg(576, 4, 128)]), (2, [_seg(1536, 4, 32), _seg(1536, 4, 32)]), (1, [_seg(576, 8, 0)])):
+            t = _C.quant_linear_tiling(m, k, segs, ep, bf16, info)
+            assert t["ub_bytes"] <= info.ub_size
+            assert t["k_tile"] >= t["k_pad"] or t["k_tile"] % 128 == 0

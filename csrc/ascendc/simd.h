@@ -135,6 +135,16 @@ struct SimdOps {
   void (*pack_bf16_pairs)(uint16_t* dst, const uint16_t* W, int64_t ldw, int64_t N, int64_t K);
   void (*mmad_dp_bf16_packed)(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp,
                               int64_t M, int64_t N, int64_t K, bool accumulate);
+  // The quantized weights' form of mmad_dp_bf16_packed: Bp packs integer weight values q (int8 / int4 values,
+  // exact in bf16), and per group of G values of k (G even; the last group may be short) each element adds
+  //   scale[g][n] * (sum over the group of A[m][k] * q[n][k])  (+ min[g][n] * xsum[m][g], min may be null),
+  // so y = x . (q * scale + min)^T with x's products exact. scale/min: per 16-row panel p, [groups][16] fp32 at
+  // p * ldsp; xsum: [M][groups] fp32 (row stride ldx), each row's sum of A over the group. Each element: the
+  // groups in order, within a group one chain over the k pairs, then its fma with the scale, then the min's:
+  // independent of M, N and the blocking.
+  void (*mmad_dp_bf16_grouped)(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp,
+                               int64_t M, int64_t N, int64_t K, int64_t G, const float* scale, const float* min,
+                               int64_t ldsp, const float* xsum, int64_t ldx, bool accumulate);
   // Where the streaming kernels' software prefetches go (paged attention's K/V rows): true, L2
   // (prefetcht1); false, L1 (prefetcht0). On Zen 4 (AVX-512) a request into L1 holds one of L1's few
   // miss buffers until DRAM answers, and L2 measured faster; on Zen 3 (AVX2) only L1 has been measured

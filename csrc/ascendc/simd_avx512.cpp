@@ -938,6 +938,113 @@ void MmadDpBf16Packed(float* C, int64_t ldc, const uint16_t* A, int64_t lda, con
   }
 }
 
+
+// ---- The grouped form (quantized weights) -------------------------------------
+// 3 rows x 4 panels: 12 accumulators and 12 group sums + 4 weight vectors + 1 broadcast; 7 loads per 12
+// vdpbf16ps. At each group's end the group sums fold into the accumulators with the panel's scales (and
+// the min term with the rows' x sums).
+struct DpGroups {
+  int64_t G;
+  const float* scale;
+  const float* min;
+  int64_t ldsp;
+  const float* xsum;
+  int64_t ldx;
+};
+
+template <int R, int NV>
+__attribute__((noinline)) void TileDpGrouped(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp,
+                                             int64_t panelStride, int64_t K, const DpGroups& q, bool acc,
+                                             __mmask16 last) {
+  V c[R][NV];
+  auto mask = [last](int v) { return v == NV - 1 ? last : __mmask16(0xffff); };
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) c[r][v] = acc ? MaskLoad(mask(v), C + r * ldc + 16 * v) : _mm512_setzero_ps();
+  const int64_t groups = (K + q.G - 1) / q.G;
+  for (int64_t g = 0; g < groups; ++g) {
+    V t[R][NV];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) t[r][v] = _mm512_setzero_ps();
+    auto step = [&](int64_t j, auto pairOf) {
+      __m512bh b[NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) b[v] = LoadBh(Bp + v * panelStride + j * 32);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        __m512bh a = AsBh(_mm512_set1_epi32(pairOf(A + r * lda + 2 * j)));
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) t[r][v] = _mm512_dpbf16_ps(t[r][v], a, b[v]);
+      }
+    };
+    const int64_t end = std::min((g + 1) * q.G, K);
+    for (int64_t j = g * q.G / 2; j < end / 2; ++j) step(j, [](const uint16_t* p) {
+        int32_t v;
+        std::memcpy(&v, p, 4);
+        return v;
+      });
+    if (end % 2) step(end / 2, [](const uint16_t* p) { return int32_t(*p); });
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      V s = _mm512_loadu_ps(q.scale + v * q.ldsp + g * 16);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) c[r][v] = _mm512_fmadd_ps(t[r][v], s, c[r][v]);
+      if (q.min) {
+        V m = _mm512_loadu_ps(q.min + v * q.ldsp + g * 16);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) c[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(q.xsum[r * q.ldx + g]), m, c[r][v]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) MaskStore(C + r * ldc + 16 * v, mask(v), c[r][v]);
+}
+
+constexpr int kDpGroupedRows = 3;
+
+template <int NV>
+void RowsDpGrouped(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t panelStride,
+                   int64_t M, int64_t K, DpGroups q, bool acc, __mmask16 last) {
+  for (int64_t m = 0; m < M; m += kDpGroupedRows) {
+    DpGroups rows = q;
+    rows.xsum = q.xsum ? q.xsum + m * q.ldx : nullptr;
+    float* c = C + m * ldc;
+    const uint16_t* a = A + m * lda;
+    switch (std::min<int64_t>(kDpGroupedRows, M - m)) {
+      case 1: TileDpGrouped<1, NV>(c, ldc, a, lda, Bp, panelStride, K, rows, acc, last); break;
+      case 2: TileDpGrouped<2, NV>(c, ldc, a, lda, Bp, panelStride, K, rows, acc, last); break;
+      default: TileDpGrouped<kDpGroupedRows, NV>(c, ldc, a, lda, Bp, panelStride, K, rows, acc, last); break;
+    }
+  }
+}
+
+void MmadDpBf16Grouped(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t M,
+                       int64_t N, int64_t K, int64_t G, const float* scale, const float* min, int64_t ldsp,
+                       const float* xsum, int64_t ldx, bool acc) {
+  const int64_t stride = 32 * ((K + 1) / 2);  // one panel
+  auto at = [&](int64_t n) {  // the groups of the panels from column n on
+    int64_t p = n / kPairPanel;
+    return DpGroups{G, scale + p * ldsp, min ? min + p * ldsp : nullptr, ldsp, xsum, ldx};
+  };
+  int64_t n = 0;
+  for (; n + kDpTilePanels * kPairPanel <= N; n += kDpTilePanels * kPairPanel)
+    RowsDpGrouped<kDpTilePanels>(C + n, ldc, A, lda, Bp + (n / kPairPanel) * stride, stride, M, K, at(n), acc,
+                                 0xffff);
+  const int64_t left = N - n;
+  if (left == 0) return;
+  const __mmask16 last = Tail((left - 1) % kPairPanel + 1);
+  const uint16_t* b = Bp + (n / kPairPanel) * stride;
+  switch ((left + kPairPanel - 1) / kPairPanel) {
+    case 3: return RowsDpGrouped<3>(C + n, ldc, A, lda, b, stride, M, K, at(n), acc, last);
+    case 2: return RowsDpGrouped<2>(C + n, ldc, A, lda, b, stride, M, K, at(n), acc, last);
+    default: return RowsDpGrouped<1>(C + n, ldc, A, lda, b, stride, M, K, at(n), acc, last);
+  }
+}
 #if defined(ATB_AVX512_NATIVE)
 #pragma GCC pop_options
 #endif
@@ -955,6 +1062,7 @@ const SimdOps ATB_AVX512_TABLE = {
     TransposeWiden<float, Widen8, Load1>, TransposeWiden<uint16_t, Widen8H, Load1H>,
     TransposeWiden<uint16_t, Widen8B, Load1B>,
     /*mmad_nt_dp_bf16=*/nullptr, /*pack_bf16_pairs=*/nullptr, /*mmad_dp_bf16_packed=*/nullptr,
+    /*mmad_dp_bf16_grouped=*/nullptr,
     /*prefetch_to_l2=*/true,
 };
 
@@ -965,6 +1073,7 @@ const SimdOps* WithBf16() {
     t.mmad_nt_dp_bf16 = MmadNTDpBf16;
     t.pack_bf16_pairs = PackBf16Pairs;
     t.mmad_dp_bf16_packed = MmadDpBf16Packed;
+    t.mmad_dp_bf16_grouped = MmadDpBf16Grouped;
     return t;
   }();
   return &table;

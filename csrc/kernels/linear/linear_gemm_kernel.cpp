@@ -45,38 +45,14 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
   void Init(GM_ADDR x, const float* xPacked, const LinearSegment* segs, GM_ADDR residual, const LinearTilingData& t) {
     dp_ = t.dpBf16;
     Gemm::InitGemm(x, xPacked, segs, residual, t, t.k, dp_ == kDpNone);
-    if (dp_ == kDpPacked)
-      for (int st = 0; st < streams_; ++st)
-        this->pipe_.InitBuffer(bBuf_[st], AlignUp(t.nTile, 16) * AlignUp(t.kTile, 2) * sizeof(uint16_t));
+    if (dp_ == kDpPacked) Gemm::InitDpPacked();
   }
 
  private:
   void ProcessUnit(const GemmUnit& u) {
-    if (dp_ == kDpPacked) return ProcessUnitDpPacked(u);
+    if (dp_ == kDpPacked) return Gemm::ProcessDpPackedUnit(u);
     if (dp_ == kDpRows) return ProcessUnitDp(u);
     Gemm::ProcessPackedUnit(u);
-  }
-
-  // k-pair-packed dp: per K chunk, each stream's weight tile packed once (pack_bf16_pairs, into UB), then
-  // every mTile rows of x of the pass against it, accumulating across chunks; then the epilogue.
-  void ProcessUnitDpPacked(const GemmUnit& u) {
-    if constexpr (std::is_same<T, bfloat16_t>::value) {
-      const SimdOps& simd = Simd();
-      for (int64_t k0 = 0; k0 < t_.k; k0 += t_.kTile) {
-        int64_t kl = std::min(t_.kTile, t_.k - k0);
-        for (int st = 0; st < streams_; ++st)
-          simd.pack_bf16_pairs(bBuf_[st].template Get<uint16_t>().GetPhyAddr(),
-                               StorageBits(wGm_[st == 1 ? 1 : u.s].GetPhyAddr(u.row * t_.k + k0)), t_.k, u.nt, kl);
-        for (int64_t mt0 = 0; mt0 < u.mp; mt0 += t_.mTile) {
-          int64_t mt = std::min(t_.mTile, u.mp - mt0);
-          const uint16_t* a = StorageBits(xGm_.GetPhyAddr((u.m0 + mt0) * t_.k + k0));
-          for (int st = 0; st < streams_; ++st)
-            simd.mmad_dp_bf16_packed(cBuf_[st].template Get<float>().GetPhyAddr(mt0 * t_.nTile), t_.nTile, a, t_.k,
-                                     bBuf_[st].template Get<uint16_t>().GetPhyAddr(), mt, u.nt, kl, k0 > 0);
-        }
-      }
-      for (int64_t mt0 = 0; mt0 < u.mp; mt0 += t_.mTile) Gemm::OutputRows(u, mt0, std::min(t_.mTile, u.mp - mt0));
-    }
   }
 
   // dp: per mTile rows, every stream's [mt, nt] sums in one call each (the weight tile, nt x K, stays in
@@ -95,6 +71,15 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
         Gemm::OutputRows(u, mt0, mt);
       }
     }
+  }
+
+  // kDpPacked's B operand: the weight rows as they lie, packed in k pairs.
+  void PackPairs(int /*st*/, int seg, int64_t row, int64_t nt, int64_t k0, int64_t kv, uint16_t* dst) {
+    Simd().pack_bf16_pairs(dst, StorageBits(wGm_[seg].GetPhyAddr(row * t_.k + k0)), t_.k, nt, kv);
+  }
+  void DpMmad(int /*st*/, float* c, int64_t ldc, const uint16_t* a, int64_t lda, const uint16_t* bp, int64_t mt,
+              int64_t nt, int64_t kv, bool acc) {
+    Simd().mmad_dp_bf16_packed(c, ldc, a, lda, bp, mt, nt, kv, acc);
   }
 
   // B operand: packed[k][n] = fp32(W[row + n][k0 + k]), n < nt, k < kl (columns nt..nTile unused; float

@@ -213,6 +213,39 @@ class LinearGemmIo : protected LinearIo<T> {
     for (int64_t mt0 = 0; mt0 < u.mp; mt0 += t.mTile) OutputRows(u, mt0, std::min(t.mTile, u.mp - mt0));
   }
 
+  // The bf16 dp GEMM over k-pair-packed weight tiles (tiling kDpPacked): B operands of bf16 pairs, per stream.
+  void InitDpPacked() {
+    const LinearTilingData& t = this->t_;
+    for (int st = 0; st < this->streams_; ++st)
+      this->pipe_.InitBuffer(bBuf_[st], AscendC::AlignUp(t.nTile, 16) * AscendC::AlignUp(t.kTile, 2) * 2);
+  }
+
+  // kDpPacked: per K chunk, each stream's weight tile packed in k pairs into bBuf_ (Kernel's PackPairs(st,
+  // seg, row, nt, k0, kv, dst): W[row + n][k0 + k], n < nt, k < kv, the kv columns that exist in x, as
+  // pack_bf16_pairs lays them out), then every mTile rows of x of the pass against it on x's rows as they lie
+  // (Kernel's DpMmad(st, C, ldc, A, lda, Bp, mt, nt, kv, accumulate): mmad_dp_bf16_packed or its grouped
+  // form), accumulating in UB across chunks (a split at an even k changes no bit); then the epilogue of
+  // every mTile rows.
+  void ProcessDpPackedUnit(const GemmUnit& u) {
+    if constexpr (std::is_same<T, AscendC::bfloat16_t>::value) {
+      const LinearTilingData& t = this->t_;
+      for (int64_t k0 = 0; k0 < kCols_; k0 += t.kTile) {
+        int64_t kv = std::min(t.kTile, t.k - k0);
+        if (kv <= 0) break;  // only padding left (quantized K)
+        for (int st = 0; st < this->streams_; ++st)
+          self().PackPairs(st, st == 1 ? 1 : u.s, u.row, u.nt, k0, kv, bBuf_[st].template Get<uint16_t>().GetPhyAddr());
+        for (int64_t mt0 = 0; mt0 < u.mp; mt0 += t.mTile) {
+          int64_t mt = std::min(t.mTile, u.mp - mt0);
+          const uint16_t* a = AscendC::StorageBits(this->xGm_.GetPhyAddr((u.m0 + mt0) * t.k + k0));
+          for (int st = 0; st < this->streams_; ++st)
+            self().DpMmad(st, cBuf_[st].template Get<float>().GetPhyAddr(mt0 * t.nTile), t.nTile, a, t.k,
+                          bBuf_[st].template Get<uint16_t>().GetPhyAddr(), mt, u.nt, kv, k0 > 0);
+        }
+      }
+      for (int64_t mt0 = 0; mt0 < u.mp; mt0 += t.mTile) OutputRows(u, mt0, std::min(t.mTile, u.mp - mt0));
+    }
+  }
+
   // The epilogue and write of the unit's x rows [m0 + mt0, m0 + mt0 + mt) from the accumulators.
   void OutputRows(const GemmUnit& u, int64_t mt0, int64_t mt) {
     int64_t ld = this->t_.nTile;

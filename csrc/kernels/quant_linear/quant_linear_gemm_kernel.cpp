@@ -9,6 +9,13 @@
 // 6x16 register-blocked cube tile (MmadTN) into fp32 accumulators kept across K
 // chunks. A weight is thus dequantized once per M pass (up to 384 rows of x),
 // so prefill runs at the fp32 cube's speed whatever the weight format.
+//
+// bf16 x where the SIMD table has vdpbf16ps (tiling kDpPacked): the tile's
+// integer values (exact in bf16) are unpacked a row at a time and packed in k
+// pairs (pack_bf16_pairs), its scales (and mins) laid out per 16-row panel,
+// and x's rows run through mmad_dp_bf16_grouped as they lie: x q exact, each
+// group's sum times its scale (plus min times x's group sum), nothing rounded
+// to bf16 but x itself; twice the fp32 cube's rate.
 #include <algorithm>
 #include <type_traits>
 
@@ -29,16 +36,96 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
  public:
   void Init(GM_ADDR x, const float* xPacked, const LinearSegment* ls, const QuantSegment* qs, GM_ADDR residual,
             const QuantLinearTilingData& t) {
-    Gemm::InitGemm(x, xPacked, ls, residual, t.base, t.kPad, true);
+    dp_ = t.base.dpBf16 == kDpPacked;
+    Gemm::InitGemm(x, xPacked, ls, residual, t.base, t.kPad, !dp_);
     q_ = qs;
     kPad_ = t.kPad;
-    pipe_.InitBuffer(rowBuf_, kQuantPackRows * t_.kTile * sizeof(float));
-    pipe_.InitBuffer(scaleBuf_, t.kChunks * sizeof(float));
-    pipe_.InitBuffer(minBuf_, t.kChunks * sizeof(float));
+    if (dp_) {
+      Gemm::InitDpPacked();
+      pipe_.InitBuffer(pairRows_, kPairPanelRows * t_.kTile * sizeof(uint16_t));
+      int64_t groups = t_.kTile / kQuantChunk;  // at most: one per 32 values
+      for (int st = 0; st < this->streams_; ++st) {
+        pipe_.InitBuffer(panelScale_[st], AlignUp(t_.nTile, kPairPanelRows) * groups * sizeof(float));
+        pipe_.InitBuffer(panelMin_[st], AlignUp(t_.nTile, kPairPanelRows) * groups * sizeof(float));
+      }
+      pipe_.InitBuffer(xsum_, t_.mTile * groups * sizeof(float));
+      pipe_.InitBuffer(unitScale_, 2 * groups * sizeof(float));
+      float* u = unitScale_.Get<float>().GetPhyAddr();
+      std::fill(u, u + groups, 1.0f);
+      std::fill(u + groups, u + 2 * groups, 0.0f);
+    }
+    pipe_.InitBuffer(rowBuf_, (dp_ ? 1 : kQuantPackRows) * t_.kTile * sizeof(float));
+    // A row's scales, or (dp) a tile's.
+    pipe_.InitBuffer(scaleBuf_, (dp_ ? t_.nTile : 1) * t.kChunks * sizeof(float));
+    pipe_.InitBuffer(minBuf_, (dp_ ? t_.nTile : 1) * t.kChunks * sizeof(float));
   }
 
  private:
-  void ProcessUnit(const GemmUnit& u) { Gemm::ProcessPackedUnit(u); }
+  void ProcessUnit(const GemmUnit& u) {
+    if (dp_) return Gemm::ProcessDpPackedUnit(u);
+    Gemm::ProcessPackedUnit(u);
+  }
+
+  // kDpPacked's B operand: per panel of 16 rows, each row's integer values (the dequantization with scale 1
+  // and min 0: exact), as bf16 (exact), then the panel packed in k pairs; and the tile's scales (and mins)
+  // per panel, [groups][16], zero past the tile's rows.
+  void PackPairs(int st, int seg, int64_t row, int64_t nt, int64_t k0, int64_t kv, uint16_t* dst) {
+    const SimdOps& simd = Simd();
+    const QuantSegment& q = q_[seg];
+    float* r = rowBuf_.Get<float>().GetPhyAddr();
+    uint16_t* rows = pairRows_.Get<uint16_t>().GetPhyAddr();
+    const int64_t kl = std::min(t_.kTile, kPad_ - k0), pairs = (kv + 1) / 2;
+    const float* ones = unitScale_.Get<float>().GetPhyAddr();
+    const float* zeros = ones + t_.kTile / kQuantChunk;
+    for (int64_t n0 = 0; n0 < nt; n0 += kPairPanelRows) {
+      int64_t nb = std::min(kPairPanelRows, nt - n0);
+      for (int64_t j = 0; j < nb; ++j) {
+        DequantRowScaled(q, kPad_, row + n0 + j, k0, kl, r, ones, zeros, kQuantChunk);
+        simd.f32_to_bf16(rows + j * kv, r, kv);
+      }
+      simd.pack_bf16_pairs(dst + n0 * 2 * pairs, rows, kv, nb, kv);
+    }
+    TileScales s = LoadScales(q, kPad_, row, nt, k0, kl, scaleBuf_.Get<float>().GetPhyAddr(),
+                              minBuf_.Get<float>().GetPhyAddr(), t_.kTile / kQuantChunk);
+    // A per-channel segment's sums fold into the accumulators every kChannelFold values, not once per chunk,
+    // so its bits do not depend on where K is split (chunks are multiples of it).
+    group_[st] = q.group == 0 ? kChannelFold : s.group;
+    hasMin_[st] = q.bits == 4;  // (LoadScales points min at its buffer for W8 too)
+    const int64_t groups = CeilDiv(kv, group_[st]), panels = CeilDiv(nt, kPairPanelRows);
+    ldsp_[st] = groups * kPairPanelRows;
+    float* ps = panelScale_[st].Get<float>().GetPhyAddr();
+    float* pm = panelMin_[st].Get<float>().GetPhyAddr();
+    for (int64_t p = 0; p < panels; ++p)
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t n = 0; n < kPairPanelRows; ++n) {
+          int64_t i = p * kPairPanelRows + n, at = p * ldsp_[st] + g * kPairPanelRows + n;
+          int64_t sg = q.group == 0 ? 0 : g;  // per channel: the row's one scale
+          ps[at] = i < nt ? s.scale[i * s.lds + sg] : 0.0f;
+          if (hasMin_[st]) pm[at] = i < nt ? s.min[i * s.lds + sg] : 0.0f;
+        }
+  }
+
+  // x . (q * scale + min)^T of the packed tile; the min term takes x's sums per group of this chunk
+  // (computed for stream 0, reused by SWIGLU's second: both streams' segments share the group size).
+  void DpMmad(int st, float* c, int64_t ldc, const uint16_t* a, int64_t lda, const uint16_t* bp, int64_t mt,
+              int64_t nt, int64_t kv, bool acc) {
+    const SimdOps& simd = Simd();
+    const int64_t G = group_[st], groups = CeilDiv(kv, G);
+    float* xs = nullptr;
+    if (hasMin_[st]) {
+      xs = xsum_.Get<float>().GetPhyAddr();
+      if (st == 0 || !hasMin_[0] || group_[0] != G) {
+        float* r = rowBuf_.Get<float>().GetPhyAddr();
+        for (int64_t i = 0; i < mt; ++i) {
+          simd.bf16_to_f32(r, a + i * lda, kv);
+          for (int64_t g = 0; g < groups; ++g) xs[i * groups + g] = simd.reduce_sum(r + g * G, std::min(G, kv - g * G));
+        }
+      }
+    }
+    simd.mmad_dp_bf16_grouped(c, ldc, a, lda, bp, mt, nt, kv, G, panelScale_[st].Get<float>().GetPhyAddr(),
+                              hasMin_[st] ? panelMin_[st].Get<float>().GetPhyAddr() : nullptr, ldsp_[st], xs, groups,
+                              acc);
+  }
 
   // B operand: packed[k][n] = dequant(W[row + n][k0 + k]), n < nt, k < kv.
   void PackWeight(int st, int seg, int64_t row, int64_t nt, int64_t k0, int64_t kl, int64_t kv) {
@@ -53,16 +140,23 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
     }
   }
 
+  static constexpr int64_t kPairPanelRows = 16;  // pack_bf16_pairs' panel
+  static constexpr int64_t kChannelFold = 128;   // the K chunks' multiple (kQuantKHalving)
+
   const QuantSegment* q_ = nullptr;
   int64_t kPad_ = 0;
-  TBuf<TPosition::VECCALC> rowBuf_, scaleBuf_, minBuf_;
+  bool dp_ = false;
+  TBuf<TPosition::VECCALC> rowBuf_, scaleBuf_, minBuf_, pairRows_, panelScale_[2], panelMin_[2], xsum_, unitScale_;
+  int64_t group_[2] = {0, 0}, ldsp_[2] = {0, 0};  // this chunk's, per stream (PackPairs)
+  bool hasMin_[2] = {false, false};
 };
 
 }  // namespace
 
 void QuantLinearGemm(const void* x, const QuantSegment* segs, const void* residual, const QuantLinearTilingData& t,
                      const SocInfo& soc) {
-  const float* xPacked = PackedX(x, t.base.m, t.base.k, DataType(t.base.tilingKey / 10 % 10), soc);
+  const float* xPacked =
+      t.base.dpBf16 == kDpPacked ? nullptr : PackedX(x, t.base.m, t.base.k, DataType(t.base.tilingKey / 10 % 10), soc);
   LaunchQuantKernel<KernelQuantLinearGemm>(x, segs, residual, t, soc, xPacked);
 }
 

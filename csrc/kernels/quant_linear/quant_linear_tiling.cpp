@@ -4,6 +4,7 @@
 
 #include "ascendc/error.h"
 #include "kernels/common/tiling_utils.h"
+#include "ascendc/simd.h"
 #include "kernels/linear/linear_tiling_steps.h"
 #include "quant_simd.h"
 
@@ -47,11 +48,24 @@ int64_t StreamUb(int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue
 //   rows       fp32 [kQuantPackRows, kTile]  (weight rows dequantized before their transposed store)
 //   scale, min fp32 [kTile/32]      (that row's group scales)
 //   and LinearIo's out (and residual) queues (x is the A operand as fp32 in GM: PackedX)
-int64_t GemmUb(int64_t mPass, int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep) {
+// kDpPacked instead: packed W bf16 pairs [AlignUp(nTile, 16), kTile] per stream, one row fp32 [kTile] and one
+// panel of integer rows as bf16 [16, kTile] (before their packing)
+int64_t GemmUb(int64_t mPass, int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep, bool dp) {
   int64_t streams = ep == LINEAR_SWIGLU ? 2 : 1;
-  return streams * (UbSlot(kt * nt * 4) + UbSlot(mPass * nt * 4)) + UbSlot(kQuantPackRows * kt * 4) +
-         2 * UbSlot(kt / kQuantChunk * 4) + LinearIoUb(mt, nt, elt, ep);
+  int64_t packed = dp ? UbSlot(AlignUp(nt, 16) * kt * 2) : UbSlot(kt * nt * 4);
+  // + per stream the panels' scales and mins [AlignUp(nTile, 16), kTile/32] fp32, x's group sums [mTile,
+  // kTile/32] fp32 and the unit scale/min [2, kTile/32] the integer unpacking takes.
+  int64_t groups = kt / kQuantChunk;
+  int64_t rows = dp ? UbSlot(kt * 4) + UbSlot(16 * kt * 2) + streams * 2 * UbSlot(AlignUp(nt, 16) * groups * 4) +
+                          UbSlot(mt * groups * 4) + UbSlot(2 * groups * 4)
+                    : UbSlot(kQuantPackRows * kt * 4);
+  // scale, min: one row's (dp: the tile's, [nTile, kTile/32]).
+  return streams * (packed + UbSlot(mPass * nt * 4)) + rows + 2 * UbSlot((dp ? nt : 1) * groups * 4) +
+         LinearIoUb(mt, nt, elt, ep);
 }
+
+// kDpPacked: 64 weight rows per tile, mmad_dp_bf16_packed's group of 4 panels.
+constexpr int64_t kQuantDpNTile = 64;
 
 // K chunks below all of kPad are multiples of the largest group (128), so no group straddles two chunks.
 constexpr KHalving kQuantKHalving{128, 128};
@@ -78,9 +92,16 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
   bool bf16 = dtype == AscendC::DataType::BFLOAT16;
   bool lanesTable = QuantSimd().gemv_w4_i16 != nullptr;  // the AVX2 table (see QuantLanesMinRows)
   if (m >= kLinearGemmMinRows) {
+    // bf16 x on a table with vdpbf16ps: the k-pair-packed dp GEMM (the running CPU's, whatever SoC is modelled).
+    bool dp = bf16 && AscendC::Simd().mmad_dp_bf16_packed != nullptr;
     GemmPackedTile(t, q.kPad);
+    if (dp) {
+      t.dpBf16 = kDpPacked;
+      t.nTile = std::min(kQuantDpNTile, MinSegmentRows(t));
+      t.kTile = q.kPad;
+    }
     GemmShrinkAndSplit(t, kQuantKHalving, ep, "quant_linear", soc, [&](const LinearTilingData& c) {
-      return GemmUb(c.mPass, c.mTile, c.nTile, c.kTile, elt, ep);
+      return GemmUb(c.mPass, c.mTile, c.nTile, c.kTile, elt, ep, dp);
     });
     q.kChunks = t.kTile / kQuantChunk;
     t.tilingKey = LINEAR_GEMM * 100 + int64_t(dtype) * 10 + ep;
