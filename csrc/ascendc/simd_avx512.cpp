@@ -859,6 +859,30 @@ void PackBf16Pairs(uint16_t* dst, const uint16_t* W, int64_t ldw, int64_t N, int
   }
 }
 
+// acc[r][v] += the pairs [j0, j1) of A's R rows (lda apart) against NV panels (panelStride apart), then,
+// if `half`, the lone pair j1 whose second value is past K (not read: the packing's zero takes its place).
+template <int R, int NV>
+inline void DpPairs(V (&acc)[R][NV], const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t panelStride,
+                    int64_t j0, int64_t j1, bool half) {
+  auto step = [&](int64_t j, auto pairOf) {
+    __m512bh b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = LoadBh(Bp + v * panelStride + j * 32);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      __m512bh a = AsBh(_mm512_set1_epi32(pairOf(A + r * lda + 2 * j)));
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
+    }
+  };
+  for (int64_t j = j0; j < j1; ++j) step(j, [](const uint16_t* p) {
+      int32_t v;
+      std::memcpy(&v, p, 4);
+      return v;
+    });
+  if (half) step(j1, [](const uint16_t* p) { return int32_t(*p); });
+}
+
 // R rows of C by NV panels (16 * NV columns, the last panel's stores masked by `last`), over `pairs` k pairs
 // of which the last is half (odd K: its second value is not read, the packing's zero takes its place).
 template <int R, int NV>
@@ -870,24 +894,7 @@ __attribute__((noinline)) void TileDpPacked(float* C, int64_t ldc, const uint16_
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) c[r][v] = acc ? MaskLoad(mask(v), C + r * ldc + 16 * v) : _mm512_setzero_ps();
-  auto step = [&](int64_t j, auto pairOf) {
-    __m512bh b[NV];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) b[v] = LoadBh(Bp + v * panelStride + j * 32);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      __m512bh a = AsBh(_mm512_set1_epi32(pairOf(A + r * lda + 2 * j)));
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) c[r][v] = _mm512_dpbf16_ps(c[r][v], a, b[v]);
-    }
-  };
-  const int64_t whole = K / 2;
-  for (int64_t j = 0; j < whole; ++j) step(j, [](const uint16_t* p) {
-      int32_t v;
-      std::memcpy(&v, p, 4);
-      return v;
-    });
-  if (K % 2) step(whole, [](const uint16_t* p) { return int32_t(*p); });
+  DpPairs<R, NV>(c, A, lda, Bp, panelStride, 0, K / 2, K % 2);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
@@ -969,24 +976,8 @@ __attribute__((noinline)) void TileDpGrouped(float* C, int64_t ldc, const uint16
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) t[r][v] = _mm512_setzero_ps();
-    auto step = [&](int64_t j, auto pairOf) {
-      __m512bh b[NV];
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) b[v] = LoadBh(Bp + v * panelStride + j * 32);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        __m512bh a = AsBh(_mm512_set1_epi32(pairOf(A + r * lda + 2 * j)));
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) t[r][v] = _mm512_dpbf16_ps(t[r][v], a, b[v]);
-      }
-    };
     const int64_t end = std::min((g + 1) * q.G, K);
-    for (int64_t j = g * q.G / 2; j < end / 2; ++j) step(j, [](const uint16_t* p) {
-        int32_t v;
-        std::memcpy(&v, p, 4);
-        return v;
-      });
-    if (end % 2) step(end / 2, [](const uint16_t* p) { return int32_t(*p); });
+    DpPairs<R, NV>(t, A, lda, Bp, panelStride, g * q.G / 2, end / 2, end % 2);
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
       V s = _mm512_loadu_ps(q.scale + v * q.ldsp + g * 16);

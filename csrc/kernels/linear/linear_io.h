@@ -51,20 +51,56 @@ class LinearIo {
     LocalTensor<T> y = outQue_.template AllocTensor<T>();
     for (int64_t i = 0; i < mt; ++i) {
       float* a = sums + i * ld;
+      T* out = y.GetPhyAddr(i * nt);
       AddBias(a, bias_[s], row, nt);
       if (ep_ == LINEAR_SWIGLU) {
         float* u = up + i * ld;
         AddBias(u, bias_[1], row, nt);
-        for (int64_t n = 0; n < nt; ++n) a[n] = RoundTo<T>(a[n]);  // HF: gate = T(linear)
-        Simd().silu(a, a, nt);
-        for (int64_t n = 0; n < nt; ++n) a[n] = RoundTo<T>(a[n]) * RoundTo<T>(u[n]);
+        SwigluRow(out, a, u, nt);
       } else if (ep_ == LINEAR_RESIDUAL) {
-        for (int64_t n = 0; n < nt; ++n) a[n] = RoundTo<T>(a[n]) + ToFloat(r.GetValue(i * nt + n));
+        ResidualRow(out, a, r.GetPhyAddr(i * nt), nt);
+      } else {
+        CastRaw<T, float>(out, a, nt);
       }
-      CastRaw<T, float>(y.GetPhyAddr(i * nt), a, nt);
     }
     if (ep_ == LINEAR_RESIDUAL) resQue_.FreeTensor(r);
     outQue_.EnQue(y);
+  }
+
+  // The epilogues' roundings, as HF's separate ops: y = T(silu(T(gate)) rounded to T, times T(up)) (the SIMD
+  // table's silu_mul on the rounded operands) and y = T(T(sum) + residual), in the table's vector ops a
+  // stack run of kRun values at a time.
+  static constexpr int64_t kRun = 64;
+  static void SwigluRow(T* y, const float* gate, const float* up, int64_t n) {
+    using namespace AscendC;
+    if constexpr (std::is_same<T, float>::value) {
+      SiluMulRaw(y, gate, up, n);
+    } else {
+      T g[kRun], u[kRun];
+      for (int64_t c = 0; c < n; c += kRun) {
+        int64_t len = std::min(kRun, n - c);
+        CastRaw<T, float>(g, gate + c, len);
+        CastRaw<T, float>(u, up + c, len);
+        SiluMulRaw(y + c, g, u, len);
+      }
+    }
+  }
+  static void ResidualRow(T* y, float* sum, const T* residual, int64_t n) {
+    using namespace AscendC;
+    if constexpr (std::is_same<T, float>::value) {
+      Simd().add(y, sum, residual, n);
+    } else {
+      T t[kRun];
+      float r[kRun];
+      for (int64_t c = 0; c < n; c += kRun) {
+        int64_t len = std::min(kRun, n - c);
+        CastRaw<T, float>(t, sum + c, len);
+        CastRaw<float, T>(sum + c, t, len);
+        CastRaw<float, T>(r, residual + c, len);
+        Simd().add(sum + c, sum + c, r, len);
+        CastRaw<T, float>(y + c, sum + c, len);
+      }
+    }
   }
 
   static void AddBias(float* a, const T* bias, int64_t row, int64_t nt) {
