@@ -125,6 +125,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("get_num_threads", &AscendC::GetNumThreads);
   m.def("set_num_threads", &AscendC::SetNumThreads, py::arg("n"));
   m.def("set_threading", &AscendC::SetThreading, py::arg("backend"));
+  m.def("set_thread_prefers_pool", &AscendC::SetThreadPrefersPool, py::arg("prefer"));
   m.def("threading", &AscendC::Threading);
   m.def("isa", [] { return std::string(AscendC::Simd().isa); });
   m.def("set_isa", [](const std::string& isa) { AscendC::SelectSimd(isa.c_str()); }, py::arg("isa"));

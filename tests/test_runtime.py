@@ -185,3 +185,27 @@ def test_launches_from_several_python_threads(threading_backend):
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads), "a launch hung"
     assert not errors
+
+
+def test_engine_steps_off_the_main_thread_launch_on_the_pool_and_restore():
+    import threading
+
+    from atb.runtime import pool_launches_off_main_thread
+    x, w = torch.randn(40, 96), torch.randn(24, 96)
+    want = atb.kernels.linear(x, w)
+    seen = {}
+
+    def worker():
+        with pool_launches_off_main_thread():
+            seen["inside"] = _C.set_thread_prefers_pool(True)  # the scope set it
+            seen["y"] = atb.kernels.linear(x, w)
+        seen["after"] = _C.set_thread_prefers_pool(False)      # and restored it on exit
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(60)
+    assert not t.is_alive()
+    assert seen["inside"] is True and seen["after"] is False
+    assert torch.equal(seen["y"], want)
+    with pool_launches_off_main_thread():  # the main thread stays as it was
+        assert _C.set_thread_prefers_pool(False) is False

@@ -33,6 +33,7 @@ from atb.engine.params import RequestOutput, SamplingParams
 from atb.engine.runner import ModelRunner
 from atb.engine.sampling import generator, select
 from atb.engine.scheduler import Request, Scheduler
+from atb.runtime import pool_launches_off_main_thread
 
 
 class Engine:
@@ -161,7 +162,7 @@ class Engine:
         """One scheduler iteration (admit + prefill, then one decode step); the outputs of every request that
         produced tokens or finished in it."""
         self._not_in_callback("step")
-        with self._lock:
+        with self._lock, pool_launches_off_main_thread():
             return [r.output() for r in self._step_locked()]
 
     def _emit(self, req: Request, tok: int) -> bool:

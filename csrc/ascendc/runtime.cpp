@@ -315,6 +315,12 @@ void SetThreading(const std::string& backend) {
   }
 }
 
+bool SetThreadPrefersPool(bool prefer) {
+  bool saved = detail::tPreferPool;
+  detail::tPreferPool = prefer;
+  return saved;
+}
+
 PoolLaunchScope::PoolLaunchScope() : saved_(detail::tPreferPool) { detail::tPreferPool = true; }
 PoolLaunchScope::~PoolLaunchScope() { detail::tPreferPool = saved_; }
 

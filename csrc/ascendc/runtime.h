@@ -33,6 +33,10 @@ std::string Threading();   // the backend in use, in words
 // SmolLM2 bf16 engine decode tok/s, medians of 4 interleaved runs, OpenMP -> pool: batch 1 main thread
 // 100.7 -> 105.8, worker thread 73.7 -> 106.7; batch 16 main 607 -> 641, worker 536 -> 592. The patched
 // model (torch ops between kernels) measured the other way (decode 40.5 -> 36.0), so it stays on OpenMP.
+// The same preference, set for the calling thread from Python (the engine's steps off the main thread);
+// returns the previous setting.
+bool SetThreadPrefersPool(bool prefer);
+
 class PoolLaunchScope {
  public:
   PoolLaunchScope();
