@@ -91,9 +91,10 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
   int64_t elt = AscendC::DataTypeSize(dtype);
   bool bf16 = dtype == AscendC::DataType::BFLOAT16;
   bool lanesTable = QuantSimd().gemv_w4_i16 != nullptr;  // the AVX2 table (see QuantLanesMinRows)
-  if (m >= kLinearGemmMinRows) {
-    // bf16 x on a table with vdpbf16ps: the k-pair-packed dp GEMM (the running CPU's, whatever SoC is modelled).
-    bool dp = bf16 && AscendC::Simd().mmad_dp_bf16_packed != nullptr;
+  // bf16 x on a table with vdpbf16ps: the k-pair-packed dp GEMM (the running CPU's, whatever SoC is modelled),
+  // from kLinearDpMinRows rows on, as the float linear.
+  bool dp = bf16 && AscendC::Simd().mmad_dp_bf16_grouped != nullptr;
+  if (m >= kLinearGemmMinRows || (dp && m >= kLinearDpMinRows)) {
     GemmPackedTile(t, q.kPad);
     if (dp) {
       t.dpBf16 = kDpPacked;
