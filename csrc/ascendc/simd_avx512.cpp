@@ -473,22 +473,22 @@ __attribute__((noinline)) void LanesBlock(float* lanes, int64_t N, const float* 
     }
 }
 
-template <typename Fn>
-inline void ForRowBlocks(int64_t M, Fn&& fn) {
-  using std::integral_constant;
-  for (int64_t m = 0; m < M; m += 8) {
-    switch (std::min<int64_t>(8, M - m)) {
-      case 1: fn(integral_constant<int, 1>{}, m); break;
-      case 2: fn(integral_constant<int, 2>{}, m); break;
-      case 3: fn(integral_constant<int, 3>{}, m); break;
-      case 4: fn(integral_constant<int, 4>{}, m); break;
-      case 5: fn(integral_constant<int, 5>{}, m); break;
-      case 6: fn(integral_constant<int, 6>{}, m); break;
-      case 7: fn(integral_constant<int, 7>{}, m); break;
-      default: fn(integral_constant<int, 8>{}, m); break;
-    }
+// fn(rows, m) over M in tiles of Max rows, rows a compile-time constant for the last, shorter tile too.
+template <int R, typename Fn>
+inline void RowTail(int64_t left, int64_t m, Fn& fn) {
+  if constexpr (R > 0) {
+    if (left == R) return fn(std::integral_constant<int, R>{}, m);
+    RowTail<R - 1>(left, m, fn);
   }
 }
+template <int Max, typename Fn>
+inline void ForRowTiles(int64_t M, Fn&& fn) {
+  int64_t m = 0;
+  for (; m + Max <= M; m += Max) fn(std::integral_constant<int, Max>{}, m);
+  RowTail<Max - 1>(M - m, m, fn);
+}
+template <typename Fn>
+inline void ForRowBlocks(int64_t M, Fn&& fn) { ForRowTiles<8>(M, fn); }
 
 // Up to 4 rows of A take 4 pairs (8 weight rows, up to 16 + 4 + 1 of the 32
 // zmm registers); more rows take 2 pairs (8 rows: 16 accumulators, 2 weight
@@ -630,28 +630,10 @@ constexpr int kTileRows = 12;
 template <typename TB, V (*L16M)(const TB*, __mmask16), bool TA, int NV>
 void RowsNN(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t K,
             bool acc, __mmask16 last) {
-  auto a = [&](int64_t row) { return TA ? A + row : A + row * lda; };
-  int64_t m = 0;
-  for (; m + kTileRows <= M; m += kTileRows)
-    TileNN<TB, L16M, TA, kTileRows, NV>(C + m * ldc, ldc, a(m), lda, B, ldb, K, acc, last);
-  auto rest = [&](auto rows) {
-    TileNN<TB, L16M, TA, decltype(rows)::value, NV>(C + m * ldc, ldc, a(m), lda, B, ldb, K, acc, last);
-  };
-  using std::integral_constant;
-  switch (M - m) {
-    case 11: return rest(integral_constant<int, 11>{});
-    case 10: return rest(integral_constant<int, 10>{});
-    case 9: return rest(integral_constant<int, 9>{});
-    case 8: return rest(integral_constant<int, 8>{});
-    case 7: return rest(integral_constant<int, 7>{});
-    case 6: return rest(integral_constant<int, 6>{});
-    case 5: return rest(integral_constant<int, 5>{});
-    case 4: return rest(integral_constant<int, 4>{});
-    case 3: return rest(integral_constant<int, 3>{});
-    case 2: return rest(integral_constant<int, 2>{});
-    case 1: return rest(integral_constant<int, 1>{});
-    default: return;
-  }
+  ForRowTiles<kTileRows>(M, [&](auto rows, int64_t m) {
+    TileNN<TB, L16M, TA, decltype(rows)::value, NV>(C + m * ldc, ldc, TA ? A + m : A + m * lda, lda, B, ldb, K, acc,
+                                                    last);
+  });
 }
 
 // Column panels of 32, then 16, then the masked last columns.
@@ -883,22 +865,34 @@ inline void DpPairs(V (&acc)[R][NV], const uint16_t* A, int64_t lda, const uint1
   if (half) step(j1, [](const uint16_t* p) { return int32_t(*p); });
 }
 
+// The R x NV accumulators of a packed-dp tile: C's rows (ldc apart), 16 columns per panel, the last panel's
+// columns masked by `last`; from zero unless accumulating.
+template <int R, int NV>
+struct PanelAcc {
+  static __mmask16 Mask(int v, __mmask16 last) { return v == NV - 1 ? last : __mmask16(0xffff); }
+  static void Load(V (&c)[R][NV], const float* C, int64_t ldc, bool acc, __mmask16 last) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) c[r][v] = acc ? MaskLoad(Mask(v, last), C + r * ldc + 16 * v) : _mm512_setzero_ps();
+  }
+  static void Store(V (&c)[R][NV], float* C, int64_t ldc, __mmask16 last) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) MaskStore(C + r * ldc + 16 * v, Mask(v, last), c[r][v]);
+  }
+};
+
 // R rows of C by NV panels (16 * NV columns, the last panel's stores masked by `last`), over `pairs` k pairs
 // of which the last is half (odd K: its second value is not read, the packing's zero takes its place).
 template <int R, int NV>
 __attribute__((noinline)) void TileDpPacked(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp,
                                             int64_t panelStride, int64_t K, bool acc, __mmask16 last) {
   V c[R][NV];
-  auto mask = [last](int v) { return v == NV - 1 ? last : __mmask16(0xffff); };
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) c[r][v] = acc ? MaskLoad(mask(v), C + r * ldc + 16 * v) : _mm512_setzero_ps();
+  PanelAcc<R, NV>::Load(c, C, ldc, acc, last);
   DpPairs<R, NV>(c, A, lda, Bp, panelStride, 0, K / 2, K % 2);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) MaskStore(C + r * ldc + 16 * v, mask(v), c[r][v]);
+  PanelAcc<R, NV>::Store(c, C, ldc, last);
 }
 
 // 6 rows x 4 panels: 24 accumulators + 4 weight vectors + 1 broadcast of the 32 zmm registers; 10 loads per
@@ -908,21 +902,9 @@ constexpr int kDpTileRows = 6, kDpTilePanels = 4;
 template <int NV>
 void RowsDpPacked(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t panelStride,
                   int64_t M, int64_t K, bool acc, __mmask16 last) {
-  int64_t m = 0;
-  for (; m + kDpTileRows <= M; m += kDpTileRows)
-    TileDpPacked<kDpTileRows, NV>(C + m * ldc, ldc, A + m * lda, lda, Bp, panelStride, K, acc, last);
-  auto rest = [&](auto rows) {
+  ForRowTiles<kDpTileRows>(M, [&](auto rows, int64_t m) {
     TileDpPacked<decltype(rows)::value, NV>(C + m * ldc, ldc, A + m * lda, lda, Bp, panelStride, K, acc, last);
-  };
-  using std::integral_constant;
-  switch (M - m) {
-    case 5: return rest(integral_constant<int, 5>{});
-    case 4: return rest(integral_constant<int, 4>{});
-    case 3: return rest(integral_constant<int, 3>{});
-    case 2: return rest(integral_constant<int, 2>{});
-    case 1: return rest(integral_constant<int, 1>{});
-    default: return;
-  }
+  });
 }
 
 void MmadDpBf16Packed(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t M,
@@ -964,11 +946,7 @@ __attribute__((noinline)) void TileDpGrouped(float* C, int64_t ldc, const uint16
                                              int64_t panelStride, int64_t K, const DpGroups& q, bool acc,
                                              __mmask16 last) {
   V c[R][NV];
-  auto mask = [last](int v) { return v == NV - 1 ? last : __mmask16(0xffff); };
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) c[r][v] = acc ? MaskLoad(mask(v), C + r * ldc + 16 * v) : _mm512_setzero_ps();
+  PanelAcc<R, NV>::Load(c, C, ldc, acc, last);
   const int64_t groups = (K + q.G - 1) / q.G;
   for (int64_t g = 0; g < groups; ++g) {
     V t[R][NV];
@@ -990,10 +968,7 @@ __attribute__((noinline)) void TileDpGrouped(float* C, int64_t ldc, const uint16
       }
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) MaskStore(C + r * ldc + 16 * v, mask(v), c[r][v]);
+  PanelAcc<R, NV>::Store(c, C, ldc, last);
 }
 
 constexpr int kDpGroupedRows = 3;
@@ -1001,17 +976,11 @@ constexpr int kDpGroupedRows = 3;
 template <int NV>
 void RowsDpGrouped(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t panelStride,
                    int64_t M, int64_t K, DpGroups q, bool acc, __mmask16 last) {
-  for (int64_t m = 0; m < M; m += kDpGroupedRows) {
-    DpGroups rows = q;
-    rows.xsum = q.xsum ? q.xsum + m * q.ldx : nullptr;
-    float* c = C + m * ldc;
-    const uint16_t* a = A + m * lda;
-    switch (std::min<int64_t>(kDpGroupedRows, M - m)) {
-      case 1: TileDpGrouped<1, NV>(c, ldc, a, lda, Bp, panelStride, K, rows, acc, last); break;
-      case 2: TileDpGrouped<2, NV>(c, ldc, a, lda, Bp, panelStride, K, rows, acc, last); break;
-      default: TileDpGrouped<kDpGroupedRows, NV>(c, ldc, a, lda, Bp, panelStride, K, rows, acc, last); break;
-    }
-  }
+  ForRowTiles<kDpGroupedRows>(M, [&](auto rows, int64_t m) {
+    DpGroups tile = q;
+    tile.xsum = q.xsum ? q.xsum + m * q.ldx : nullptr;
+    TileDpGrouped<decltype(rows)::value, NV>(C + m * ldc, ldc, A + m * lda, lda, Bp, panelStride, K, tile, acc, last);
+  });
 }
 
 void MmadDpBf16Grouped(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t M,
