@@ -327,7 +327,9 @@ PoolLaunchScope::~PoolLaunchScope() { detail::tPreferPool = saved_; }
 std::string Threading() {
   if (detail::UseOpenMp())
     return std::string("openmp (") + detail::Omp().library + ", shared with torch" +
-           (detail::gBackend.load() == detail::Backend::kAuto ? "; decode graph steps on the private pool)" : ")");
+           (detail::gBackend.load() == detail::Backend::kAuto
+                ? "; decode graph steps and engine steps off the main thread on the private pool)"
+                : ")");
   return "pool (private threads)";
 }
 void SetNumThreads(int64_t n) {
