@@ -413,7 +413,7 @@ def test_smollm2_shared_system_prompt_same_tokens_as_off(smollm2_fp32, smol_prom
 def test_smollm2_bf16_cached_suffix_computes_the_rows_a_whole_prompt_prefill_does(smollm2_bf16):
     # One after another, each later request prefills only its last 3..14 tokens over the cached 256-token
     # prefix, while with caching off every prompt is one prefill of 260+ rows. Each projection's rows went to
-    # the kernel M chose (in bf16 the STREAM kernel below 16 rows, the vdpbf16ps GEMM above), which round
+    # the kernel M chose (in bf16 the STREAM kernel below 6 rows, the vdpbf16ps GEMM above), which round
     # differently, and on SmolLM2's near ties that flipped greedy tokens of two of these prompts; the engine's
     # prefill now runs every projection on the row-invariant GEMM (paged attention's rows are invariant too).
     model, _ = smollm2_bf16

@@ -38,7 +38,8 @@ _ROW_BUCKETS = (("1", 1, 1), ("2-7", 7, 4), ("8-31", 31, 16), ("32-127", 127, 64
 # enough that launch overheads do not decide, small enough for a few ms per run.
 _MEASURE_K = _MEASURE_N = 1024
 # r2: bf16 GEMM on AVX512-BF16 runs vdpbf16ps (from 16 rows on). r3: its k-pair-packed form from 128 rows on.
-_KERNELS_REVISION = 3
+# r4: the vdpbf16ps GEMM from 6 rows on.
+_KERNELS_REVISION = 4
 _routing_mode: str | None = None
 _decisions: dict = {}   # (machine key, bucket, dtype name) -> measurement dict
 _memo: dict = {}        # (isa, threads, rows, dtype) -> bool, the hot path

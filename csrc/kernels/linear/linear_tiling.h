@@ -42,9 +42,13 @@ constexpr int kLinearMaxSegments = 3;
 // most 32 rows in UB per weight pass).
 constexpr int64_t kLinearGemmMinRows = 32;
 // bf16 where the SIMD table has the dot-product micro-kernel (mmad_nt_dp_bf16, AVX512-BF16): the GEMM
-// kernel runs from this many rows on (batch decode), since at 2 bytes of weight per 16+ multiply-adds
-// fp32 FMA, not memory, bounds the stream kernel there.
-constexpr int64_t kLinearDpMinRows = 16;
+// kernel runs from this many rows on (batch decode), since with a few rows per weight row fp32 FMA, not
+// memory, bounds the stream kernel. Zen 4, 2 threads, SmolLM2's gate+up and down+residual over 30 layers'
+// weights (from DRAM), medians of 7 interleaved runs, ms, stream -> dp rows: M = 2 6.85 -> 7.30, 3 6.94 ->
+// 7.71, 4 7.72 -> 6.92, 6 9.68 -> 6.75, 12 17.71 -> 10.32 (gate+up alone at 15: 14.0 -> 8.3). The whole
+// engine decode step (bf16 graph), ms, 16 -> 4 rows: batch 12 32.1-39.9 -> 17.6-21.7, batch 8 20.0-22.4 ->
+// 13.8-15.5, batch 4 11.8-12.3 -> 12.1-13.3 (no gain): so from 6 rows on.
+constexpr int64_t kLinearDpMinRows = 6;
 // From this many rows on (and at every M under rowInvariant: the engine's prefill) the dp GEMM packs each
 // weight tile in k pairs (mmad_dp_bf16_packed) rather than reading weight rows as they lie
 // (mmad_nt_dp_bf16): the packing pays for itself once enough rows reuse a tile. Zen 4, 2 threads, SmolLM2's
