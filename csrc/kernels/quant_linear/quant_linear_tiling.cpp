@@ -94,8 +94,9 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
   bool bf16 = dtype == AscendC::DataType::BFLOAT16;
   bool lanesTable = QuantSimd().gemv_w4_i16 != nullptr;  // the AVX2 table (see QuantLanesMinRows)
   // bf16 x on a table with vdpbf16ps: the k-pair-packed dp GEMM (the running CPU's, whatever SoC is modelled),
-  // from kQuantDpMinRows rows on: it widens and packs every weight tile it reads, which pays for itself later
-  // than the float linear's dp GEMM (Zen 4, hot 5632 x 2048 W8, us: M = 8 stream 1369, M = 16 dp 3093).
+  // from kQuantDpMinRows rows on. It widens and packs every weight tile it reads, so the float linear's lower
+  // threshold does not carry over: hot 5632 x 2048 W8 on Zen 4, us, stream M = 8 1369, M = 15 2634 against
+  // dp M = 16 3093; the engine's batch-16 decode still measured faster on dp (W8 272 -> 325 tok/s).
   bool dp = bf16 && AscendC::Simd().mmad_dp_bf16_grouped != nullptr;
   if (m >= kLinearGemmMinRows || (dp && m >= kQuantDpMinRows)) {
     GemmPackedTile(t, q.kPad);
