@@ -383,7 +383,9 @@ def test_gemm_bf16_x_on_vdpbf16ps(table, fmt, group, scale_dtype):
     atb.set_isa(table)
     try:
         host = atb.get_soc("host")
-        for m, k, n in [(32, 577, 131), (301, 96, 17), (45, 4127, 40)]:
+        # K's last 32-value chunk holding 1, 21 (all of a K below 32) and 31 values: the packing reads only
+        # the bytes of values below K (a W4 byte holds values j and j + 16).
+        for m, k, n in [(32, 577, 131), (301, 96, 17), (45, 4127, 40), (33, 21, 16)]:
             x = torch.randn(m, k).bfloat16()
             q, q2 = _qw(n, k, fmt, group, scale_dtype), _qw(n, k, fmt, group, scale_dtype)
             b, r = torch.randn(n).bfloat16(), torch.randn(m, n).bfloat16()

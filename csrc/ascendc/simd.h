@@ -145,6 +145,14 @@ struct SimdOps {
   void (*mmad_dp_bf16_grouped)(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp,
                                int64_t M, int64_t N, int64_t K, int64_t G, const float* scale, const float* min,
                                int64_t ldsp, const float* xsum, int64_t ldx, bool accumulate);
+  // The quantized weights' B operand for mmad_dp_bf16_grouped (AVX512-BF16 tables; null elsewhere): N rows of
+  // integer weight values (row n at q + n * ldq bytes) as bf16 (exact), laid out as pack_bf16_pairs lays out
+  // a bf16 W [N, K]: dst[p][j][n][2] = q(16p + n, 2j + (0|1)), values past K and rows past N zero. One pass
+  // from the stored bytes, no fp32 row in between. Value layouts: quant_simd.h (W4: byte j of a 32-value
+  // chunk holds value j in its low nibble, j + 16 in its high one, both unsigned; W8: int8). Only bytes that
+  // hold values below K are read.
+  void (*pack_q4_pairs)(uint16_t* dst, const uint8_t* q, int64_t ldq, int64_t N, int64_t K);
+  void (*pack_q8_pairs)(uint16_t* dst, const int8_t* q, int64_t ldq, int64_t N, int64_t K);
   // Where the streaming kernels' software prefetches go (paged attention's K/V rows): true, L2
   // (prefetcht1); false, L1 (prefetcht0). On Zen 4 (AVX-512) a request into L1 holds one of L1's few
   // miss buffers until DRAM answers, and L2 measured faster; on Zen 3 (AVX2) only L1 has been measured

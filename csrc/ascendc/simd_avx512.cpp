@@ -822,23 +822,71 @@ inline void Transpose16x16(__m512i r[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
-void PackBf16Pairs(uint16_t* dst, const uint16_t* W, int64_t ldw, int64_t N, int64_t K) {
+// The k-pair panels of N rows of K values, 32 values of a row at a time: chunk(n, k, kl) gives row n's
+// values [k, k + kl) as 32 bf16 words (zero past kl).
+template <class Chunk>
+void PackPairsOf(uint16_t* dst, int64_t N, int64_t K, Chunk chunk) {
   const int64_t pairs = (K + 1) / 2;
   for (int64_t p = 0; p < N; p += kPairPanel) {
     uint16_t* panel = dst + p * 2 * pairs;
     const int64_t rows = std::min(kPairPanel, N - p);
     for (int64_t k = 0; k < K; k += 32) {  // 16 pairs per step
       const int64_t kl = std::min<int64_t>(32, K - k);
-      const __mmask32 m = kl == 32 ? ~__mmask32(0) : __mmask32((1u << kl) - 1u);
       __m512i r[16];
 #pragma GCC unroll 16
-      for (int n = 0; n < 16; ++n)
-        r[n] = n < rows ? _mm512_maskz_loadu_epi16(m, W + (p + n) * ldw + k) : _mm512_setzero_si512();
+      for (int n = 0; n < 16; ++n) r[n] = n < rows ? chunk(p + n, k, kl) : _mm512_setzero_si512();
       Transpose16x16(r);
       const int64_t js = (kl + 1) / 2;
       for (int64_t j = 0; j < js; ++j) _mm512_storeu_si512(panel + (k / 2 + j) * 32, r[j]);
     }
   }
+}
+
+inline __mmask32 Tail32(int64_t r) { return r >= 32 ? ~__mmask32(0) : __mmask32((1u << r) - 1u); }
+
+void PackBf16Pairs(uint16_t* dst, const uint16_t* W, int64_t ldw, int64_t N, int64_t K) {
+  PackPairsOf(dst, N, K, [&](int64_t n, int64_t k, int64_t kl) {
+    return _mm512_maskz_loadu_epi16(Tail32(kl), W + n * ldw + k);
+  });
+}
+
+// The `bytes` bytes at q, zero-extended to 16 (a row's last chunk: no read past its last value).
+inline __m128i LoadBytes(const void* q, int64_t bytes) {
+  if (bytes >= 16) return _mm_loadu_si128(static_cast<const __m128i*>(q));
+  alignas(16) uint8_t b[16] = {};
+  std::memcpy(b, q, size_t(bytes));
+  return _mm_load_si128(reinterpret_cast<const __m128i*>(b));
+}
+
+// pack_q4_pairs: a chunk's 16 bytes widened to words; [low nibbles | high nibbles] are values [0..15 | 16..31]
+// in k order, and index a table of bf16(0..15) (vpermw takes the low 5 bits: the table twice).
+void PackQ4Pairs(uint16_t* dst, const uint8_t* q, int64_t ldq, int64_t N, int64_t K) {
+  alignas(64) uint16_t table[32];
+  for (int i = 0; i < 32; ++i) table[i] = FromFloat<bfloat16_t>(float(i & 15)).bits;  // exact
+  const __m512i lut = _mm512_load_si512(table);
+  PackPairsOf(dst, N, K, [&](int64_t n, int64_t k, int64_t kl) {
+    __m256i b = _mm256_cvtepu8_epi16(LoadBytes(q + n * ldq + k / 2, std::min<int64_t>(kl, 16)));
+    __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi16(0xF))),
+                                     _mm256_srli_epi16(b, 4), 1);
+    return _mm512_maskz_mov_epi16(Tail32(kl), _mm512_permutexvar_epi16(idx, lut));
+  });
+}
+
+// pack_q8_pairs: int8 -> int32 -> fp32 (exact); an integer of at most 8 significant bits has no bits in the
+// low half of its fp32 form, so its bf16 is that high half: the odd words of the two fp32 vectors.
+void PackQ8Pairs(uint16_t* dst, const int8_t* q, int64_t ldq, int64_t N, int64_t K) {
+  alignas(64) uint16_t odd[32];
+  for (int i = 0; i < 32; ++i) odd[i] = uint16_t(i < 16 ? 2 * i + 1 : 32 + 2 * (i - 16) + 1);
+  const __m512i highWords = _mm512_load_si512(odd);
+  auto widen = [](__m128i b) {  // 16 int8 -> 16 fp32
+    return _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_cvtepi8_epi16(b))));
+  };
+  PackPairsOf(dst, N, K, [&](int64_t n, int64_t k, int64_t kl) {
+    const int8_t* row = q + n * ldq + k;
+    __m512i lo = widen(LoadBytes(row, std::min<int64_t>(kl, 16)));
+    __m512i hi = kl > 16 ? widen(LoadBytes(row + 16, kl - 16)) : _mm512_setzero_si512();
+    return _mm512_permutex2var_epi16(lo, highWords, hi);
+  });
 }
 
 // acc[r][v] += the pairs [j0, j1) of A's R rows (lda apart) against NV panels (panelStride apart), then,
@@ -1022,7 +1070,7 @@ const SimdOps ATB_AVX512_TABLE = {
     TransposeWiden<float, Widen8, Load1>, TransposeWiden<uint16_t, Widen8H, Load1H>,
     TransposeWiden<uint16_t, Widen8B, Load1B>,
     /*mmad_nt_dp_bf16=*/nullptr, /*pack_bf16_pairs=*/nullptr, /*mmad_dp_bf16_packed=*/nullptr,
-    /*mmad_dp_bf16_grouped=*/nullptr,
+    /*mmad_dp_bf16_grouped=*/nullptr, /*pack_q4_pairs=*/nullptr, /*pack_q8_pairs=*/nullptr,
     /*prefetch_to_l2=*/true,
 };
 
@@ -1034,6 +1082,8 @@ const SimdOps* WithBf16() {
     t.pack_bf16_pairs = PackBf16Pairs;
     t.mmad_dp_bf16_packed = MmadDpBf16Packed;
     t.mmad_dp_bf16_grouped = MmadDpBf16Grouped;
+    t.pack_q4_pairs = PackQ4Pairs;
+    t.pack_q8_pairs = PackQ8Pairs;
     return t;
   }();
   return &table;

@@ -11,8 +11,9 @@
 // so prefill runs at the fp32 cube's speed whatever the weight format.
 //
 // bf16 x where the SIMD table has vdpbf16ps (tiling kDpPacked): the tile's
-// integer values (exact in bf16) are unpacked a row at a time and packed in k
-// pairs (pack_bf16_pairs), its scales (and mins) laid out per 16-row panel,
+// integer values (exact in bf16) are unpacked and packed in k pairs in one pass
+// from the stored bytes (pack_q4_pairs / pack_q8_pairs), its scales (and mins)
+// laid out per 16-row panel,
 // and x's rows run through mmad_dp_bf16_grouped as they lie: x q exact, each
 // group's sum times its scale (plus min times x's group sum), nothing rounded
 // to bf16 but x itself; twice the fp32 cube's rate.
@@ -42,17 +43,12 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
     kPad_ = t.kPad;
     if (dp_) {
       Gemm::InitDpPacked();
-      pipe_.InitBuffer(pairRows_, kPairPanelRows * t_.kTile * sizeof(uint16_t));
       int64_t groups = t_.kTile / kQuantChunk;  // at most: one per 32 values
       for (int st = 0; st < this->streams_; ++st) {
         pipe_.InitBuffer(panelScale_[st], AlignUp(t_.nTile, kPairPanelRows) * groups * sizeof(float));
         pipe_.InitBuffer(panelMin_[st], AlignUp(t_.nTile, kPairPanelRows) * groups * sizeof(float));
       }
       pipe_.InitBuffer(xsum_, t_.mTile * groups * sizeof(float));
-      pipe_.InitBuffer(unitScale_, 2 * groups * sizeof(float));
-      float* u = unitScale_.Get<float>().GetPhyAddr();
-      std::fill(u, u + groups, 1.0f);
-      std::fill(u + groups, u + 2 * groups, 0.0f);
     }
     pipe_.InitBuffer(rowBuf_, (dp_ ? 1 : kQuantPackRows) * t_.kTile * sizeof(float));
     // A row's scales, or (dp) a tile's.
@@ -66,25 +62,16 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
     Gemm::ProcessPackedUnit(u);
   }
 
-  // kDpPacked's B operand: per panel of 16 rows, each row's integer values (the dequantization with scale 1
-  // and min 0: exact), as bf16 (exact), then the panel packed in k pairs; and the tile's scales (and mins)
-  // per panel, [groups][16], zero past the tile's rows.
+  // kDpPacked's B operand: the tile's integer values (exact in bf16) packed in k pairs; and its scales (and
+  // mins) per panel, [groups][16], zero past the tile's rows.
   void PackPairs(int st, int seg, int64_t row, int64_t nt, int64_t k0, int64_t kv, uint16_t* dst) {
     const SimdOps& simd = Simd();
     const QuantSegment& q = q_[seg];
-    float* r = rowBuf_.Get<float>().GetPhyAddr();
-    uint16_t* rows = pairRows_.Get<uint16_t>().GetPhyAddr();
-    const int64_t kl = std::min(t_.kTile, kPad_ - k0), pairs = (kv + 1) / 2;
-    const float* ones = unitScale_.Get<float>().GetPhyAddr();
-    const float* zeros = ones + t_.kTile / kQuantChunk;
-    for (int64_t n0 = 0; n0 < nt; n0 += kPairPanelRows) {
-      int64_t nb = std::min(kPairPanelRows, nt - n0);
-      for (int64_t j = 0; j < nb; ++j) {
-        DequantRowScaled(q, kPad_, row + n0 + j, k0, kl, r, ones, zeros, kQuantChunk);
-        simd.f32_to_bf16(rows + j * kv, r, kv);
-      }
-      simd.pack_bf16_pairs(dst + n0 * 2 * pairs, rows, kv, nb, kv);
-    }
+    const int64_t kl = std::min(t_.kTile, kPad_ - k0);
+    if (q.bits == 4)
+      simd.pack_q4_pairs(dst, static_cast<const uint8_t*>(q.data) + row * (kPad_ / 2) + k0 / 2, kPad_ / 2, nt, kv);
+    else
+      simd.pack_q8_pairs(dst, static_cast<const int8_t*>(q.data) + row * kPad_ + k0, kPad_, nt, kv);
     TileScales s = LoadScales(q, kPad_, row, nt, k0, kl, scaleBuf_.Get<float>().GetPhyAddr(),
                               minBuf_.Get<float>().GetPhyAddr(), t_.kTile / kQuantChunk);
     // A per-channel segment's sums fold into the accumulators every kChannelFold values, not once per chunk,
@@ -95,18 +82,34 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
     ldsp_[st] = groups * kPairPanelRows;
     float* ps = panelScale_[st].Get<float>().GetPhyAddr();
     float* pm = panelMin_[st].Get<float>().GetPhyAddr();
-    for (int64_t p = 0; p < panels; ++p)
-      for (int64_t g = 0; g < groups; ++g)
-        for (int64_t n = 0; n < kPairPanelRows; ++n) {
-          int64_t i = p * kPairPanelRows + n, at = p * ldsp_[st] + g * kPairPanelRows + n;
-          int64_t sg = q.group == 0 ? 0 : g;  // per channel: the row's one scale
-          ps[at] = i < nt ? s.scale[i * s.lds + sg] : 0.0f;
-          if (hasMin_[st]) pm[at] = i < nt ? s.min[i * s.lds + sg] : 0.0f;
-        }
+    // Row by row (its scales are contiguous), each to its column of the panel's [groups][16].
+    for (int64_t i = 0; i < panels * kPairPanelRows; ++i) {
+      const int64_t at = i / kPairPanelRows * ldsp_[st] + i % kPairPanelRows;
+      float* sd = ps + at;
+      float* md = pm + at;
+      if (i >= nt) {
+        for (int64_t g = 0; g < groups; ++g) sd[g * kPairPanelRows] = 0.0f;
+        if (hasMin_[st])
+          for (int64_t g = 0; g < groups; ++g) md[g * kPairPanelRows] = 0.0f;
+        continue;
+      }
+      const float* sr = s.scale + i * s.lds;
+      if (q.group == 0) {  // per channel: the row's one scale in every fold
+        for (int64_t g = 0; g < groups; ++g) sd[g * kPairPanelRows] = sr[0];
+      } else {
+        for (int64_t g = 0; g < groups; ++g) sd[g * kPairPanelRows] = sr[g];
+      }
+      if (hasMin_[st]) {
+        const float* mr = s.min + i * s.lds;
+        for (int64_t g = 0; g < groups; ++g) md[g * kPairPanelRows] = mr[g];
+      }
+    }
   }
 
-  // x . (q * scale + min)^T of the packed tile; the min term takes x's sums per group of this chunk
-  // (computed for stream 0, reused by SWIGLU's second: both streams' segments share the group size).
+  // x . (q * scale + min)^T of the packed tile; the min term takes x's sums per group of this chunk. Those
+  // are kept for the next tile of the same x rows (SWIGLU's second stream, and every later row tile when
+  // the pass's rows fit one M tile, as in batch decode): recomputed per tile they cost a seventh of the
+  // GEMM at 16 rows.
   void DpMmad(int st, float* c, int64_t ldc, const uint16_t* a, int64_t lda, const uint16_t* bp, int64_t mt,
               int64_t nt, int64_t kv, bool acc) {
     const SimdOps& simd = Simd();
@@ -114,7 +117,8 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
     float* xs = nullptr;
     if (hasMin_[st]) {
       xs = xsum_.Get<float>().GetPhyAddr();
-      if (st == 0 || !hasMin_[0] || group_[0] != G) {
+      if (a != xsumOf_ || mt != xsumRows_ || kv != xsumK_ || G != xsumG_) {
+        xsumOf_ = a, xsumRows_ = mt, xsumK_ = kv, xsumG_ = G;
         float* r = rowBuf_.Get<float>().GetPhyAddr();
         for (int64_t i = 0; i < mt; ++i) {
           simd.bf16_to_f32(r, a + i * lda, kv);
@@ -146,9 +150,11 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
   const QuantSegment* q_ = nullptr;
   int64_t kPad_ = 0;
   bool dp_ = false;
-  TBuf<TPosition::VECCALC> rowBuf_, scaleBuf_, minBuf_, pairRows_, panelScale_[2], panelMin_[2], xsum_, unitScale_;
+  TBuf<TPosition::VECCALC> rowBuf_, scaleBuf_, minBuf_, panelScale_[2], panelMin_[2], xsum_;
   int64_t group_[2] = {0, 0}, ldsp_[2] = {0, 0};  // this chunk's, per stream (PackPairs)
   bool hasMin_[2] = {false, false};
+  const uint16_t* xsumOf_ = nullptr;  // what xsum_ holds: the group sums of x rows [xsumOf_, + xsumRows_)
+  int64_t xsumRows_ = 0, xsumK_ = 0, xsumG_ = 0;
 };
 
 }  // namespace
