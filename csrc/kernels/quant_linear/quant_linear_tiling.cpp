@@ -65,8 +65,15 @@ int64_t GemmUb(int64_t mPass, int64_t mt, int64_t nt, int64_t kt, int64_t elt, L
 
 // kDpPacked: 64 weight rows per tile, mmad_dp_bf16_packed's group of 4 panels.
 constexpr int64_t kQuantDpNTile = 64;
-// bf16 x on a vdpbf16ps table: the grouped dp GEMM from this many rows on (batch decode from 16 sequences).
-constexpr int64_t kQuantDpMinRows = 16;
+// bf16 x on a vdpbf16ps table: the grouped dp GEMM from this many rows on (a launch with any W8 segment takes
+// W8's). It unpacks and packs every weight tile it reads, which the W4 stream GEMV's unpacking costs as much as
+// from 6 rows on, and W8's int16 stream GEMV (cheaper per value) not before 16. Zen 4, 2 threads, 5632 x 2048
+// from DRAM, us, stream against dp, two runs: W4 G32 M = 6 2457 / 2365 against 1787 / 1955, M = 12 4879 / 4617
+// against 2192 / 2187; W8 M = 8 1436 / 1520 against 2643 / 1933, M = 12 2658 / 2283 against 2746 / 2202.
+// SmolLM2 engine decode, tok/s: W4 G32 batch 8 265-272 -> 304-316, batch 12 280-301 -> 337-403; W8 at batch
+// 12 from 12 rows measured 282 / 343 against 425 / 339, so W8 keeps 16.
+constexpr int64_t kQuantDpMinRowsW4 = 6;
+constexpr int64_t kQuantDpMinRowsW8 = 16;
 
 // K chunks below all of kPad are multiples of the largest group (128), so no group straddles two chunks.
 constexpr KHalving kQuantKHalving{128, 128};
@@ -93,11 +100,12 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
   bool bf16 = dtype == AscendC::DataType::BFLOAT16;
   bool lanesTable = QuantSimd().gemv_w4_i16 != nullptr;  // the AVX2 table (see QuantLanesMinRows)
   // bf16 x on a table with vdpbf16ps: the k-pair-packed dp GEMM (the running CPU's, whatever SoC is modelled),
-  // from kQuantDpMinRows rows on. It widens and packs every weight tile it reads, so the float linear's lower
-  // threshold does not carry over: hot 5632 x 2048 W8 on Zen 4, us, stream M = 8 1369, M = 15 2634 against
-  // dp M = 16 3093; the engine's batch-16 decode still measured faster on dp (W8 272 -> 325 tok/s).
+  // from kQuantDpMinRowsW4 / W8 rows on (see there).
   bool dp = bf16 && AscendC::Simd().mmad_dp_bf16_grouped != nullptr;
-  if (m >= kLinearGemmMinRows || (dp && m >= kQuantDpMinRows)) {
+  int64_t dpMin = kQuantDpMinRowsW4;
+  for (int64_t s = 0; s < numSegments; ++s)
+    if (segs[s].bits == 8) dpMin = kQuantDpMinRowsW8;
+  if (m >= kLinearGemmMinRows || (dp && m >= dpMin)) {
     GemmPackedTile(t, q.kPad);
     if (dp) {
       t.dpBf16 = kDpPacked;
