@@ -112,7 +112,7 @@ def test_avx512_and_avx2_tables_give_the_same_bits(dtype):
         got = run()
     finally:
         atb.set_isa("auto")
-    # bf16 on AVX512-BF16: from 6 rows on the linears and flash attention's scores run vdpbf16ps
+    # bf16 on AVX512-BF16: from 6 rows on the linears, and flash attention's scores and P . V, run vdpbf16ps
     # (mmad_nt_dp_bf16, its own pairwise-sum contract), so only the M = 1 lanes linear keeps AVX2's bits.
     dp = dtype == torch.bfloat16 and "avx512bf16" in atb.build_info()["cpu_features"].split()
     for i, (a, b) in enumerate(zip(got, want)):

@@ -153,6 +153,18 @@ struct SimdOps {
   // hold values below K are read.
   void (*pack_q4_pairs)(uint16_t* dst, const uint8_t* q, int64_t ldq, int64_t N, int64_t K);
   void (*pack_q8_pairs)(uint16_t* dst, const int8_t* q, int64_t ldq, int64_t N, int64_t K);
+  // Attention's P . V on vdpbf16ps (AVX512-BF16 tables; null elsewhere), the operands as attention holds them:
+  // pack_bf16_pairs_kn: pack_bf16_pairs of B^T for B [K][N] (rows ldb apart, N contiguous: a V tile), i.e.
+  //   dst[p][j][n][2] = B[2j + (0|1)][16p + n], values past K and columns past N zero.
+  // pairs_f32_to_bf16: the fp32 matrix S [K][M] (rows lds apart: the P^T tile) as bf16 k pairs of its columns,
+  //   dst[2 * (j * ldd + m) + (0|1)] = bf16(S[2j + (0|1)][m]) (round to nearest even, as f32_to_bf16; past K
+  //   zero), j < ceil(K / 2), m < M. dst may alias src when ldd == lds (each store lands on a row already read).
+  // mmad_dp_bf16_pairs_a: mmad_dp_bf16_packed with A in that pair form, A[m][k] = S[k][m]: the pair (A[m][2j],
+  //   A[m][2j + 1]) at Ap + 2 * (j * ldap + m); the same chains, so the same bits as on A's rows.
+  void (*pack_bf16_pairs_kn)(uint16_t* dst, const uint16_t* B, int64_t ldb, int64_t N, int64_t K);
+  void (*pairs_f32_to_bf16)(uint16_t* dst, int64_t ldd, const float* src, int64_t lds, int64_t M, int64_t K);
+  void (*mmad_dp_bf16_pairs_a)(float* C, int64_t ldc, const uint16_t* Ap, int64_t ldap, const uint16_t* Bp,
+                               int64_t M, int64_t N, int64_t K, bool accumulate);
   // Where the streaming kernels' software prefetches go (paged attention's K/V rows): true, L2
   // (prefetcht1); false, L1 (prefetcht0). On Zen 4 (AVX-512) a request into L1 holds one of L1's few
   // miss buffers until DRAM answers, and L2 measured faster; on Zen 3 (AVX2) only L1 has been measured

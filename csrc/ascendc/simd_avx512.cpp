@@ -891,16 +891,17 @@ void PackQ8Pairs(uint16_t* dst, const int8_t* q, int64_t ldq, int64_t N, int64_t
 
 // acc[r][v] += the pairs [j0, j1) of A's R rows (lda apart) against NV panels (panelStride apart), then,
 // if `half`, the lone pair j1 whose second value is past K (not read: the packing's zero takes its place).
+// A's pair j of row r is at A + r * lda + j * ldp (ldp = 2: rows as they lie).
 template <int R, int NV>
-inline void DpPairs(V (&acc)[R][NV], const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t panelStride,
-                    int64_t j0, int64_t j1, bool half) {
+inline void DpPairs(V (&acc)[R][NV], const uint16_t* A, int64_t lda, int64_t ldp, const uint16_t* Bp,
+                    int64_t panelStride, int64_t j0, int64_t j1, bool half) {
   auto step = [&](int64_t j, auto pairOf) {
     __m512bh b[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) b[v] = LoadBh(Bp + v * panelStride + j * 32);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      __m512bh a = AsBh(_mm512_set1_epi32(pairOf(A + r * lda + 2 * j)));
+      __m512bh a = AsBh(_mm512_set1_epi32(pairOf(A + r * lda + j * ldp)));
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
     }
@@ -935,11 +936,12 @@ struct PanelAcc {
 // R rows of C by NV panels (16 * NV columns, the last panel's stores masked by `last`), over `pairs` k pairs
 // of which the last is half (odd K: its second value is not read, the packing's zero takes its place).
 template <int R, int NV>
-__attribute__((noinline)) void TileDpPacked(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp,
-                                            int64_t panelStride, int64_t K, bool acc, __mmask16 last) {
+__attribute__((noinline)) void TileDpPacked(float* C, int64_t ldc, const uint16_t* A, int64_t lda, int64_t ldp,
+                                            const uint16_t* Bp, int64_t panelStride, int64_t K, bool acc,
+                                            __mmask16 last) {
   V c[R][NV];
   PanelAcc<R, NV>::Load(c, C, ldc, acc, last);
-  DpPairs<R, NV>(c, A, lda, Bp, panelStride, 0, K / 2, K % 2);
+  DpPairs<R, NV>(c, A, lda, ldp, Bp, panelStride, 0, K / 2, K % 2);
   PanelAcc<R, NV>::Store(c, C, ldc, last);
 }
 
@@ -948,33 +950,77 @@ __attribute__((noinline)) void TileDpPacked(float* C, int64_t ldc, const uint16_
 constexpr int kDpTileRows = 6, kDpTilePanels = 4;
 
 template <int NV>
-void RowsDpPacked(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t panelStride,
-                  int64_t M, int64_t K, bool acc, __mmask16 last) {
+void RowsDpPacked(float* C, int64_t ldc, const uint16_t* A, int64_t lda, int64_t ldp, const uint16_t* Bp,
+                  int64_t panelStride, int64_t M, int64_t K, bool acc, __mmask16 last) {
   ForRowTiles<kDpTileRows>(M, [&](auto rows, int64_t m) {
-    TileDpPacked<decltype(rows)::value, NV>(C + m * ldc, ldc, A + m * lda, lda, Bp, panelStride, K, acc, last);
+    TileDpPacked<decltype(rows)::value, NV>(C + m * ldc, ldc, A + m * lda, lda, ldp, Bp, panelStride, K, acc, last);
   });
 }
 
-void MmadDpBf16Packed(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t M,
-                      int64_t N, int64_t K, bool acc) {
+// A's pair j of row m at A + m * lda + j * ldp.
+void MmadDpPacked(float* C, int64_t ldc, const uint16_t* A, int64_t lda, int64_t ldp, const uint16_t* Bp, int64_t M,
+                  int64_t N, int64_t K, bool acc) {
   // All of K per tile: the group's packed rows (64 x K) stream from L2. Chunks of 128 k kept in L1 measured
   // slower (Zen 4, one core, 48 x 64 x 1536: 199 against 228 GFLOP/s): the accumulators' trips through C
   // cost more than L2 reads, which the hardware prefetcher keeps ahead.
   const int64_t stride = 32 * ((K + 1) / 2);  // one panel
   int64_t n = 0;
   for (; n + kDpTilePanels * kPairPanel <= N; n += kDpTilePanels * kPairPanel)
-    RowsDpPacked<kDpTilePanels>(C + n, ldc, A, lda, Bp + (n / kPairPanel) * stride, stride, M, K, acc, 0xffff);
+    RowsDpPacked<kDpTilePanels>(C + n, ldc, A, lda, ldp, Bp + (n / kPairPanel) * stride, stride, M, K, acc, 0xffff);
   const int64_t left = N - n;
   if (left == 0) return;
   const __mmask16 last = Tail((left - 1) % kPairPanel + 1);
   const uint16_t* b = Bp + (n / kPairPanel) * stride;
   switch ((left + kPairPanel - 1) / kPairPanel) {
-    case 3: return RowsDpPacked<3>(C + n, ldc, A, lda, b, stride, M, K, acc, last);
-    case 2: return RowsDpPacked<2>(C + n, ldc, A, lda, b, stride, M, K, acc, last);
-    default: return RowsDpPacked<1>(C + n, ldc, A, lda, b, stride, M, K, acc, last);
+    case 3: return RowsDpPacked<3>(C + n, ldc, A, lda, ldp, b, stride, M, K, acc, last);
+    case 2: return RowsDpPacked<2>(C + n, ldc, A, lda, ldp, b, stride, M, K, acc, last);
+    default: return RowsDpPacked<1>(C + n, ldc, A, lda, ldp, b, stride, M, K, acc, last);
   }
 }
 
+void MmadDpBf16Packed(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t M,
+                      int64_t N, int64_t K, bool acc) {
+  MmadDpPacked(C, ldc, A, lda, 2, Bp, M, N, K, acc);
+}
+
+void MmadDpBf16PairsA(float* C, int64_t ldc, const uint16_t* Ap, int64_t ldap, const uint16_t* Bp, int64_t M,
+                      int64_t N, int64_t K, bool acc) {
+  MmadDpPacked(C, ldc, Ap, 2, 2 * ldap, Bp, M, N, K, acc);
+}
+
+// pack_bf16_pairs_kn: keys 2j and 2j + 1 of a 16-column panel, word-interleaved.
+void PackBf16PairsKN(uint16_t* dst, const uint16_t* B, int64_t ldb, int64_t N, int64_t K) {
+  alignas(64) uint16_t zip[32];
+  for (int i = 0; i < 32; ++i) zip[i] = uint16_t(i % 2 == 0 ? i / 2 : 32 + i / 2);
+  const __m512i interleave = _mm512_load_si512(zip);
+  const int64_t pairs = (K + 1) / 2;
+  for (int64_t p = 0; p < N; p += kPairPanel) {
+    uint16_t* panel = dst + p * 2 * pairs;
+    const __mmask16 cols = Tail(std::min(kPairPanel, N - p));
+    for (int64_t j = 0; j < pairs; ++j) {
+      __m256i a = _mm256_maskz_loadu_epi16(cols, B + 2 * j * ldb + p);
+      __m256i b = 2 * j + 1 < K ? _mm256_maskz_loadu_epi16(cols, B + (2 * j + 1) * ldb + p) : _mm256_setzero_si256();
+      _mm512_storeu_si512(panel + j * 32, _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), interleave,
+                                                                    _mm512_castsi256_si512(b)));
+    }
+  }
+}
+
+// pairs_f32_to_bf16: both rows of pair j rounded (Bf16Bits), the second into the high half of each 32-bit
+// lane. The chunk's two source rows are read before its store, which lands on row j's same columns
+// (already consumed when j > 0): in place is safe.
+void PairsF32ToBf16(uint16_t* dst, int64_t ldd, const float* src, int64_t lds, int64_t M, int64_t K) {
+  for (int64_t j = 0; j < (K + 1) / 2; ++j) {
+    const float* a = src + 2 * j * lds;
+    const bool second = 2 * j + 1 < K;
+    for (int64_t m = 0; m < M; m += 16) {
+      const __mmask16 t = Tail(std::min<int64_t>(16, M - m));
+      __m512i lo = Bf16Bits(_mm512_maskz_loadu_ps(t, a + m));
+      __m512i hi = second ? Bf16Bits(_mm512_maskz_loadu_ps(t, a + lds + m)) : _mm512_setzero_si512();
+      _mm512_mask_storeu_epi32(dst + 2 * (j * ldd + m), t, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+}
 
 // ---- The grouped form (quantized weights) -------------------------------------
 // 3 rows x 4 panels: 12 accumulators and 12 group sums + 4 weight vectors + 1 broadcast; 7 loads per 12
@@ -1003,7 +1049,7 @@ __attribute__((noinline)) void TileDpGrouped(float* C, int64_t ldc, const uint16
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) t[r][v] = _mm512_setzero_ps();
     const int64_t end = std::min((g + 1) * q.G, K);
-    DpPairs<R, NV>(t, A, lda, Bp, panelStride, g * q.G / 2, end / 2, end % 2);
+    DpPairs<R, NV>(t, A, lda, 2, Bp, panelStride, g * q.G / 2, end / 2, end % 2);
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
       V s = _mm512_loadu_ps(q.scale + v * q.ldsp + g * 16);
@@ -1071,6 +1117,7 @@ const SimdOps ATB_AVX512_TABLE = {
     TransposeWiden<uint16_t, Widen8B, Load1B>,
     /*mmad_nt_dp_bf16=*/nullptr, /*pack_bf16_pairs=*/nullptr, /*mmad_dp_bf16_packed=*/nullptr,
     /*mmad_dp_bf16_grouped=*/nullptr, /*pack_q4_pairs=*/nullptr, /*pack_q8_pairs=*/nullptr,
+    /*pack_bf16_pairs_kn=*/nullptr, /*pairs_f32_to_bf16=*/nullptr, /*mmad_dp_bf16_pairs_a=*/nullptr,
     /*prefetch_to_l2=*/true,
 };
 
@@ -1084,6 +1131,9 @@ const SimdOps* WithBf16() {
     t.mmad_dp_bf16_grouped = MmadDpBf16Grouped;
     t.pack_q4_pairs = PackQ4Pairs;
     t.pack_q8_pairs = PackQ8Pairs;
+    t.pack_bf16_pairs_kn = PackBf16PairsKN;
+    t.pairs_f32_to_bf16 = PairsF32ToBf16;
+    t.mmad_dp_bf16_pairs_a = MmadDpBf16PairsA;
     return t;
   }();
   return &table;

@@ -16,11 +16,15 @@
 //   CopyOut    out = acc / l, cast to T.
 // Only the tiles are ever in memory: UB use is O(rows x (D + blockKv)).
 //
-// bf16 where the SIMD table has the vdpbf16ps micro-kernel (mmad_nt_dp_bf16,
-// AVX512-BF16): Scores reads the K tile and the Q rows as copied in, bf16, sums
-// in fp32 and scales the sums (as SDPA does: bf16 GEMM, then x scale in fp32);
-// qT and the widened K tile are then unused. Half the multiply-adds at twice
-// the rate.
+// bf16 where the SIMD table has the vdpbf16ps micro-kernels (AVX512-BF16):
+// Scores reads the K tile and the Q rows as copied in, bf16, sums in fp32 and
+// scales the sums (as SDPA does: bf16 GEMM, then x scale in fp32); PV rounds P
+// to bf16, as SDPA's CPU flash attention does for its second GEMM (the row sums
+// l stay those of the fp32 P), in place in the P^T tile as k pairs of its
+// columns (pairs_f32_to_bf16), packs the V tile in k pairs (pack_bf16_pairs_kn,
+// into the UB the widened V would take) and accumulates P . V on vdpbf16ps
+// (mmad_dp_bf16_pairs_a). qT and the widened K and V tiles are then unused.
+// Twice the multiply-adds per instruction of the fp32 cube in both products.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -49,7 +53,8 @@ class KernelFlashAttention {
     kGm_.SetGlobalBuffer(reinterpret_cast<T*>(k));
     vGm_.SetGlobalBuffer(reinterpret_cast<T*>(v));
     int64_t rows = t.maxRows, d = t.headDim, ld = t.ubRowElems, bk = t.blockKv;
-    if constexpr (std::is_same<T, bfloat16_t>::value) dp_ = Simd().mmad_nt_dp_bf16;
+    if constexpr (std::is_same<T, bfloat16_t>::value)
+      if (Simd().mmad_dp_bf16_pairs_a) dp_ = Simd().mmad_nt_dp_bf16;
     // One slot per K/V queue: on the CPU the copy engine is this same thread,
     // so a ping-pong slot would overlap nothing; its UB goes to taller units.
     pipe_.InitBuffer(qT_, rows * d * sizeof(float));
@@ -151,7 +156,8 @@ class KernelFlashAttention {
       int64_t ld = t_->ubRowElems, d = t_->headDim;
       LocalTensor<float> k32 = kF_.Get<float>(), v32 = vF_.Get<float>();
       for (int64_t n = 0; n < nk; ++n) {
-        if (!dp_) Cast(k32[n * ld], kIn_[n * ld], RoundMode::CAST_NONE, d);
+        if (dp_) break;
+        Cast(k32[n * ld], kIn_[n * ld], RoundMode::CAST_NONE, d);
         Cast(v32[n * ld], vIn_[n * ld], RoundMode::CAST_NONE, d);
       }
       *kf = k32.GetPhyAddr();
@@ -252,6 +258,19 @@ class KernelFlashAttention {
 
   // acc[m][d] += sum_n P^T[n][m] * V[n][d].
   void PV(const float* vf, int64_t nk) {
+    if constexpr (std::is_same<T, bfloat16_t>::value) {
+      if (dp_) {
+        const SimdOps& simd = Simd();
+        const int64_t d = t_->headDim;
+        uint16_t* vp = vF_.Get<uint16_t>().GetPhyAddr();
+        simd.pack_bf16_pairs_kn(vp, StorageBits(vIn_.GetPhyAddr()), t_->ubRowElems, d, nk);
+        float* pt = s_.Get<float>().GetPhyAddr();
+        uint16_t* pp = reinterpret_cast<uint16_t*>(pt);
+        simd.pairs_f32_to_bf16(pp, rows_, pt, rows_, rows_, nk);
+        simd.mmad_dp_bf16_pairs_a(acc_.Get<float>().GetPhyAddr(), d, pp, rows_, vp, rows_, d, nk, true);
+        return;
+      }
+    }
     MmadParams p{rows_, t_->headDim, nk, rows_, t_->ubRowElems, t_->headDim, true};
     MmadTN(acc_.Get<float>().GetPhyAddr(), s_.Get<float>().GetPhyAddr(), vf, p);
   }
@@ -273,7 +292,7 @@ class KernelFlashAttention {
   FlashAttentionStrides st_{};
   const int32_t* cu_ = nullptr;
   int64_t rows_ = 0, firstHead_ = 0;
-  decltype(SimdOps::mmad_nt_dp_bf16) dp_ = nullptr;  // bf16 Scores on vdpbf16ps (null: fp32 Mmad)
+  decltype(SimdOps::mmad_nt_dp_bf16) dp_ = nullptr;  // bf16 Scores and PV on vdpbf16ps (null: fp32 Mmad)
   TPipe pipe_;
   TQue<QuePosition::VECIN, 1> inK_, inV_;
   LocalTensor<T> kIn_, vIn_;
