@@ -235,10 +235,12 @@ def _has_dp(isa: str) -> bool:
     return (isa == "avx512" and "avx512bf16" in _C.cpu_features()) or isa == "avx512-simde"
 
 
-@pytest.mark.parametrize("m,k,n", [(128, 577, 70), (129, 1, 17), (200, 33, 1), (130, 64, 64), (300, 3001, 33)])
+@pytest.mark.parametrize("m,k,n", [(128, 577, 70), (129, 1, 17), (200, 33, 1), (130, 64, 64), (300, 3001, 33),
+                                   (128, 96, 60), (131, 40, 124)])
 def test_gemm_bf16_packed_every_isa(isa, m, k, n):
     # bf16 from 128 rows on (and at every M under row_invariant): weight tiles packed in k pairs for vdpbf16ps
-    # where the table has it. Odd K (the last pair half), N off the 16-row panel and the 64-row group, K past
+    # where the table has it. Odd K (the last pair half), N off the 16-row panel and the 64-row group (1 to 4
+    # panels after the last whole group: 60 and 124 once came out wrong), K past
     # what the UB holds at once (chunks accumulate), every fused epilogue; the same bits whatever rows share
     # the call, and a row-invariant call of a few rows gives the rows of the big one.
     host, code = atb.get_soc("host"), DTYPE_CODES[torch.bfloat16]

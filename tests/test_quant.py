@@ -385,7 +385,8 @@ def test_gemm_bf16_x_on_vdpbf16ps(table, fmt, group, scale_dtype):
         host = atb.get_soc("host")
         # K's last 32-value chunk holding 1, 21 (all of a K below 32) and 31 values: the packing reads only
         # the bytes of values below K (a W4 byte holds values j and j + 16).
-        for m, k, n in [(32, 577, 131), (301, 96, 17), (45, 4127, 40), (33, 21, 16)]:
+        # N = 124: 4 panels after the last 64-row group.
+        for m, k, n in [(32, 577, 131), (301, 96, 17), (45, 4127, 40), (33, 21, 16), (130, 96, 124)]:
             x = torch.randn(m, k).bfloat16()
             q, q2 = _qw(n, k, fmt, group, scale_dtype), _qw(n, k, fmt, group, scale_dtype)
             b, r = torch.randn(n).bfloat16(), torch.randn(m, n).bfloat16()

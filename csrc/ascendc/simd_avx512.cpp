@@ -969,9 +969,10 @@ void MmadDpPacked(float* C, int64_t ldc, const uint16_t* A, int64_t lda, int64_t
     RowsDpPacked<kDpTilePanels>(C + n, ldc, A, lda, ldp, Bp + (n / kPairPanel) * stride, stride, M, K, acc, 0xffff);
   const int64_t left = N - n;
   if (left == 0) return;
-  const __mmask16 last = Tail((left - 1) % kPairPanel + 1);
+  const __mmask16 last = Tail((left - 1) % kPairPanel + 1);  // 1 to 63 columns left: 1 to 4 panels
   const uint16_t* b = Bp + (n / kPairPanel) * stride;
   switch ((left + kPairPanel - 1) / kPairPanel) {
+    case 4: return RowsDpPacked<4>(C + n, ldc, A, lda, ldp, b, stride, M, K, acc, last);
     case 3: return RowsDpPacked<3>(C + n, ldc, A, lda, ldp, b, stride, M, K, acc, last);
     case 2: return RowsDpPacked<2>(C + n, ldc, A, lda, ldp, b, stride, M, K, acc, last);
     default: return RowsDpPacked<1>(C + n, ldc, A, lda, ldp, b, stride, M, K, acc, last);
@@ -1091,9 +1092,10 @@ void MmadDpBf16Grouped(float* C, int64_t ldc, const uint16_t* A, int64_t lda, co
                                  0xffff);
   const int64_t left = N - n;
   if (left == 0) return;
-  const __mmask16 last = Tail((left - 1) % kPairPanel + 1);
+  const __mmask16 last = Tail((left - 1) % kPairPanel + 1);  // 1 to 63 columns left: 1 to 4 panels
   const uint16_t* b = Bp + (n / kPairPanel) * stride;
   switch ((left + kPairPanel - 1) / kPairPanel) {
+    case 4: return RowsDpGrouped<4>(C + n, ldc, A, lda, b, stride, M, K, at(n), acc, last);
     case 3: return RowsDpGrouped<3>(C + n, ldc, A, lda, b, stride, M, K, at(n), acc, last);
     case 2: return RowsDpGrouped<2>(C + n, ldc, A, lda, b, stride, M, K, at(n), acc, last);
     default: return RowsDpGrouped<1>(C + n, ldc, A, lda, b, stride, M, K, at(n), acc, last);
