@@ -17,8 +17,9 @@
 // Only the tiles are ever in memory: UB use is O(rows x (D + blockKv)).
 //
 // bf16 where the SIMD table has the vdpbf16ps micro-kernels (AVX512-BF16):
-// Scores reads the K tile and the Q rows as copied in, bf16, sums in fp32 and
-// scales the sums (as SDPA does: bf16 GEMM, then x scale in fp32); PV rounds P
+// Scores reads the K tile as copied in against the unit's Q rows, packed in k
+// pairs once per unit where that fits qT's UB (else as copied in), bf16, sums
+// in fp32 and scales the sums (as SDPA does: bf16 GEMM, then x scale in fp32); PV rounds P
 // to bf16, as SDPA's CPU flash attention does for its second GEMM (the row sums
 // l stay those of the fp32 P), in place in the P^T tile as k pairs of its
 // columns (pairs_f32_to_bf16), packs the V tile in k pairs (pack_bf16_pairs_kn,
@@ -55,6 +56,8 @@ class KernelFlashAttention {
     int64_t rows = t.maxRows, d = t.headDim, ld = t.ubRowElems, bk = t.blockKv;
     if constexpr (std::is_same<T, bfloat16_t>::value)
       if (Simd().mmad_dp_bf16_pairs_a) dp_ = Simd().mmad_nt_dp_bf16;
+    // Q packed in k pairs (pack_bf16_pairs, 16-row panels) where that fits the UB of the fp32 qT it replaces.
+    qPacked_ = dp_ && AlignUp(rows, 16) * AlignUp(d, 2) * 2 <= rows * d * int64_t(sizeof(float));
     // One slot per K/V queue: on the CPU the copy engine is this same thread,
     // so a ping-pong slot would overlap nothing; its UB goes to taller units.
     pipe_.InitBuffer(qT_, rows * d * sizeof(float));
@@ -82,6 +85,10 @@ class KernelFlashAttention {
     firstHead_ = u.kvHead * t_->groupSize + u.headOffset;
     CopyInQ(seqStart + u.qStart);
     if (!dp_) ComputeQ();
+    if constexpr (std::is_same<T, bfloat16_t>::value)
+      if (qPacked_)
+        Simd().pack_bf16_pairs(qT_.Get<uint16_t>().GetPhyAddr(), StorageBits(io_.Get<T>().GetPhyAddr()),
+                               t_->ubRowElems, rows_, t_->headDim);
     Duplicate(stats_.Get<float>(), kNegInf, rows_);              // m
     Duplicate(stats_.Get<float>()[4 * rows_], 0.0f, rows_);      // l
     Duplicate(acc_.Get<float>(), 0.0f, rows_ * t_->headDim);
@@ -171,8 +178,12 @@ class KernelFlashAttention {
     if constexpr (std::is_same<T, bfloat16_t>::value) {
       if (dp_) {
         int64_t ld = t_->ubRowElems;
-        dp_(st, rows_, StorageBits(kIn_.GetPhyAddr()), ld, StorageBits(io_.Get<T>().GetPhyAddr()), ld, nk, rows_,
-            t_->headDim, false);
+        if (qPacked_)
+          Simd().mmad_dp_bf16_packed(st, rows_, StorageBits(kIn_.GetPhyAddr()), ld, qT_.Get<uint16_t>().GetPhyAddr(),
+                                     nk, rows_, t_->headDim, false);
+        else
+          dp_(st, rows_, StorageBits(kIn_.GetPhyAddr()), ld, StorageBits(io_.Get<T>().GetPhyAddr()), ld, nk, rows_,
+              t_->headDim, false);
         Simd().muls(st, st, t_->scale, nk * rows_);
         return;
       }
@@ -293,6 +304,7 @@ class KernelFlashAttention {
   const int32_t* cu_ = nullptr;
   int64_t rows_ = 0, firstHead_ = 0;
   decltype(SimdOps::mmad_nt_dp_bf16) dp_ = nullptr;  // bf16 Scores and PV on vdpbf16ps (null: fp32 Mmad)
+  bool qPacked_ = false;  // dp Scores over Q packed in k pairs once per unit (mmad_dp_bf16_packed)
   TPipe pipe_;
   TQue<QuePosition::VECIN, 1> inK_, inV_;
   LocalTensor<T> kIn_, vIn_;
