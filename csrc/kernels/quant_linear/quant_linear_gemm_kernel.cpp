@@ -48,7 +48,7 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
         pipe_.InitBuffer(panelScale_[st], AlignUp(t_.nTile, kPairPanelRows) * groups * sizeof(float));
         pipe_.InitBuffer(panelMin_[st], AlignUp(t_.nTile, kPairPanelRows) * groups * sizeof(float));
       }
-      pipe_.InitBuffer(xsum_, t_.mTile * groups * sizeof(float));
+      pipe_.InitBuffer(xsum_, t_.mPass * groups * sizeof(float));
     }
     pipe_.InitBuffer(rowBuf_, (dp_ ? 1 : kQuantPackRows) * t_.kTile * sizeof(float));
     // A row's scales, or (dp) a tile's.
@@ -106,25 +106,28 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
     }
   }
 
-  // x . (q * scale + min)^T of the packed tile; the min term takes x's sums per group of this chunk. Those
-  // are kept for the next tile of the same x rows (SWIGLU's second stream, and every later row tile when
-  // the pass's rows fit one M tile, as in batch decode): recomputed per tile they cost a seventh of the
-  // GEMM at 16 rows.
+  // x . (q * scale + min)^T of the packed tile; the min term takes x's sums per group of this chunk. They are
+  // kept for the whole M pass ([mPass][groups]), filled as its M tiles first come, and reused by every later
+  // row tile of the pass (and SWIGLU's second stream): recomputed per tile they cost a seventh of the GEMM
+  // at 16 rows and a fifth at 128.
   void DpMmad(int st, float* c, int64_t ldc, const uint16_t* a, int64_t lda, const uint16_t* bp, int64_t mt,
               int64_t nt, int64_t kv, bool acc) {
     const SimdOps& simd = Simd();
     const int64_t G = group_[st], groups = CeilDiv(kv, G);
     float* xs = nullptr;
     if (hasMin_[st]) {
+      // The tile's first row within the pass, from where its accumulators lie (ProcessDpPackedUnit).
+      const int64_t mt0 = (c - this->cBuf_[st].template Get<float>().GetPhyAddr()) / ldc;
+      const uint16_t* pass = a - mt0 * lda;
+      if (pass != xsumOf_ || kv != xsumK_ || G != xsumG_) xsumOf_ = pass, xsumK_ = kv, xsumG_ = G, xsumRows_ = 0;
       xs = xsum_.Get<float>().GetPhyAddr();
-      if (a != xsumOf_ || mt != xsumRows_ || kv != xsumK_ || G != xsumG_) {
-        xsumOf_ = a, xsumRows_ = mt, xsumK_ = kv, xsumG_ = G;
-        float* r = rowBuf_.Get<float>().GetPhyAddr();
-        for (int64_t i = 0; i < mt; ++i) {
-          simd.bf16_to_f32(r, a + i * lda, kv);
-          for (int64_t g = 0; g < groups; ++g) xs[i * groups + g] = simd.reduce_sum(r + g * G, std::min(G, kv - g * G));
-        }
+      float* r = rowBuf_.Get<float>().GetPhyAddr();
+      for (int64_t i = xsumRows_; i < mt0 + mt; ++i) {
+        simd.bf16_to_f32(r, pass + i * lda, kv);
+        for (int64_t g = 0; g < groups; ++g) xs[i * groups + g] = simd.reduce_sum(r + g * G, std::min(G, kv - g * G));
       }
+      xsumRows_ = std::max(xsumRows_, mt0 + mt);
+      xs += mt0 * groups;
     }
     simd.mmad_dp_bf16_grouped(c, ldc, a, lda, bp, mt, nt, kv, G, panelScale_[st].Get<float>().GetPhyAddr(),
                               hasMin_[st] ? panelMin_[st].Get<float>().GetPhyAddr() : nullptr, ldsp_[st], xs, groups,
@@ -153,7 +156,7 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
   TBuf<TPosition::VECCALC> rowBuf_, scaleBuf_, minBuf_, panelScale_[2], panelMin_[2], xsum_;
   int64_t group_[2] = {0, 0}, ldsp_[2] = {0, 0};  // this chunk's, per stream (PackPairs)
   bool hasMin_[2] = {false, false};
-  const uint16_t* xsumOf_ = nullptr;  // what xsum_ holds: the group sums of x rows [xsumOf_, + xsumRows_)
+  const uint16_t* xsumOf_ = nullptr;  // xsum_ holds the group sums of the pass's rows [0, xsumRows_) from here
   int64_t xsumRows_ = 0, xsumK_ = 0, xsumG_ = 0;
 };
 
