@@ -73,6 +73,12 @@ template <> inline half FromFloat<half>(float f) {
 template <typename T> inline float RoundTo(float v) { return ToFloat(FromFloat<T>(v)); }
 template <> inline float RoundTo<float>(float v) { return v; }
 
+// bf16 bits of the integers 0..15, twice: a vpermw table turning 4-bit values into bf16 (vpermw indexes its
+// 32 words by the low 5 bits of each index). Exact: small integers have no low mantissa bits.
+inline void NibbleBf16Table(uint16_t t[32]) {
+  for (int i = 0; i < 32; ++i) t[i] = FromFloat<bfloat16_t>(float(i & 15)).bits;
+}
+
 template <typename T> struct DataTypeOf;
 template <> struct DataTypeOf<float> { static constexpr DataType value = DataType::FLOAT32; };
 template <> struct DataTypeOf<half> { static constexpr DataType value = DataType::FLOAT16; };

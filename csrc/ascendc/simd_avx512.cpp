@@ -862,7 +862,7 @@ inline __m128i LoadBytes(const void* q, int64_t bytes) {
 // in k order, and index a table of bf16(0..15) (vpermw takes the low 5 bits: the table twice).
 void PackQ4Pairs(uint16_t* dst, const uint8_t* q, int64_t ldq, int64_t N, int64_t K) {
   alignas(64) uint16_t table[32];
-  for (int i = 0; i < 32; ++i) table[i] = FromFloat<bfloat16_t>(float(i & 15)).bits;  // exact
+  NibbleBf16Table(table);
   const __m512i lut = _mm512_load_si512(table);
   PackPairsOf(dst, N, K, [&](int64_t n, int64_t k, int64_t kl) {
     __m256i b = _mm256_cvtepu8_epi16(LoadBytes(q + n * ldq + k / 2, std::min<int64_t>(kl, 16)));

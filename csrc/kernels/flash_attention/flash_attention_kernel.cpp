@@ -54,8 +54,7 @@ class KernelFlashAttention {
     kGm_.SetGlobalBuffer(reinterpret_cast<T*>(k));
     vGm_.SetGlobalBuffer(reinterpret_cast<T*>(v));
     int64_t rows = t.maxRows, d = t.headDim, ld = t.ubRowElems, bk = t.blockKv;
-    if constexpr (std::is_same<T, bfloat16_t>::value)
-      if (Simd().mmad_dp_bf16_pairs_a) dp_ = Simd().mmad_nt_dp_bf16;
+    if constexpr (std::is_same<T, bfloat16_t>::value) dp_ = Simd().mmad_dp_bf16_pairs_a != nullptr;
     // Q packed in k pairs (pack_bf16_pairs, 16-row panels) where that fits the UB of the fp32 qT it replaces.
     qPacked_ = dp_ && AlignUp(rows, 16) * AlignUp(d, 2) * 2 <= rows * d * int64_t(sizeof(float));
     // One slot per K/V queue: on the CPU the copy engine is this same thread,
@@ -162,8 +161,7 @@ class KernelFlashAttention {
     } else {
       int64_t ld = t_->ubRowElems, d = t_->headDim;
       LocalTensor<float> k32 = kF_.Get<float>(), v32 = vF_.Get<float>();
-      for (int64_t n = 0; n < nk; ++n) {
-        if (dp_) break;
+      for (int64_t n = 0; n < nk && !dp_; ++n) {  // (dp: the products read the tiles as copied in)
         Cast(k32[n * ld], kIn_[n * ld], RoundMode::CAST_NONE, d);
         Cast(v32[n * ld], vIn_[n * ld], RoundMode::CAST_NONE, d);
       }
@@ -182,8 +180,8 @@ class KernelFlashAttention {
           Simd().mmad_dp_bf16_packed(st, rows_, StorageBits(kIn_.GetPhyAddr()), ld, qT_.Get<uint16_t>().GetPhyAddr(),
                                      nk, rows_, t_->headDim, false);
         else
-          dp_(st, rows_, StorageBits(kIn_.GetPhyAddr()), ld, StorageBits(io_.Get<T>().GetPhyAddr()), ld, nk, rows_,
-              t_->headDim, false);
+          Simd().mmad_nt_dp_bf16(st, rows_, StorageBits(kIn_.GetPhyAddr()), ld, StorageBits(io_.Get<T>().GetPhyAddr()),
+                                 ld, nk, rows_, t_->headDim, false);
         Simd().muls(st, st, t_->scale, nk * rows_);
         return;
       }
@@ -303,7 +301,7 @@ class KernelFlashAttention {
   FlashAttentionStrides st_{};
   const int32_t* cu_ = nullptr;
   int64_t rows_ = 0, firstHead_ = 0;
-  decltype(SimdOps::mmad_nt_dp_bf16) dp_ = nullptr;  // bf16 Scores and PV on vdpbf16ps (null: fp32 Mmad)
+  bool dp_ = false;       // bf16 Scores and PV on vdpbf16ps (else the fp32 Mmads)
   bool qPacked_ = false;  // dp Scores over Q packed in k pairs once per unit (mmad_dp_bf16_packed)
   TPipe pipe_;
   TQue<QuePosition::VECIN, 1> inK_, inV_;

@@ -110,14 +110,12 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
   // kept for the whole M pass ([mPass][groups]), filled as its M tiles first come, and reused by every later
   // row tile of the pass (and SWIGLU's second stream): recomputed per tile they cost a seventh of the GEMM
   // at 16 rows and a fifth at 128.
-  void DpMmad(int st, float* c, int64_t ldc, const uint16_t* a, int64_t lda, const uint16_t* bp, int64_t mt,
+  void DpMmad(int st, int64_t mt0, float* c, int64_t ldc, const uint16_t* a, int64_t lda, const uint16_t* bp, int64_t mt,
               int64_t nt, int64_t kv, bool acc) {
     const SimdOps& simd = Simd();
     const int64_t G = group_[st], groups = CeilDiv(kv, G);
     float* xs = nullptr;
     if (hasMin_[st]) {
-      // The tile's first row within the pass, from where its accumulators lie (ProcessDpPackedUnit).
-      const int64_t mt0 = (c - this->cBuf_[st].template Get<float>().GetPhyAddr()) / ldc;
       const uint16_t* pass = a - mt0 * lda;
       if (pass != xsumOf_ || kv != xsumK_ || G != xsumG_) xsumOf_ = pass, xsumK_ = kv, xsumG_ = G, xsumRows_ = 0;
       xs = xsum_.Get<float>().GetPhyAddr();

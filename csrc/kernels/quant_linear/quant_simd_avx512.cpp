@@ -11,7 +11,6 @@
 // is handed out only when CPUID reports the extension.
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 
 #include "quant_simd.h"
 
@@ -56,15 +55,9 @@ struct V512 {
 
 #include "quant_simd_impl.h"
 
-// bf16 bit patterns of the integers 0..15 (twice: vpermw indexes 32 words by their low 5 bits).
 __m512i NibbleToBf16Table() {
   alignas(64) uint16_t t[32];
-  for (int i = 0; i < 32; ++i) {
-    float f = float(i & 15);
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    t[i] = uint16_t(u >> 16);  // exact: small integers have no low mantissa bits
-  }
+  ::AscendC::NibbleBf16Table(t);
   return _mm512_load_si512(t);
 }
 
