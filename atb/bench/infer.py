@@ -19,10 +19,12 @@ counted as 2 x the layers' linear parameters x tokens). Medians over ``--repeats
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 
-from atb.bench.roofline import (add_table_or_json_args, apply_threads, json_results, median_seconds,
+from atb.bench.roofline import (add_table_or_json_args, apply_threads, json_results,
                                 print_table_head, stream_read_gbps)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -73,16 +75,30 @@ def bench_one(model, prompts, new: int, repeats: int, modes: list[str]) -> dict:
 
     runners["hf"] = hf
     res = {"batch": batch, "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
-    for name, fn in runners.items():
+
+    def timed(name, fn, n):
         if name == "patched":
             atb.patch_hf_model(model)
         try:
-            fn(2)  # warm-up: kernels, allocator, first touch of the KV pool
-            t_prefill = median_seconds(lambda: fn(1), repeats)
-            t_total = median_seconds(lambda: fn(new), repeats)
+            t0 = time.perf_counter()
+            fn(n)
+            return time.perf_counter() - t0
         finally:
             if name == "patched":
                 atb.unpatch_hf_model(model)
+
+    for name, fn in runners.items():
+        timed(name, fn, 2)  # warm-up: kernels, allocator, first touch of the KV pool
+    # The paths take turns, repeat by repeat: the machine is shared and its speed drifts over minutes, so
+    # each path's median then covers the same stretch of time as the others' and the ratios hold.
+    prefill = {name: [] for name in runners}
+    total = {name: [] for name in runners}
+    for _ in range(repeats):
+        for name, fn in runners.items():
+            prefill[name].append(timed(name, fn, 1))
+            total[name].append(timed(name, fn, new))
+    for name in runners:
+        t_prefill, t_total = statistics.median(prefill[name]), statistics.median(total[name])
         # Under noise a short decode can time below its own prefill: say so (NaN) rather than print nonsense.
         decode_s = t_total - t_prefill if t_total > 1.05 * t_prefill else float("nan")
         res[name] = {
