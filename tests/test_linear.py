@@ -210,10 +210,12 @@ def test_stream_rows_do_not_depend_on_m(isa, dtype):
 
 
 @pytest.mark.parametrize("m,k,n", [(16, 577, 49), (17, 31, 2), (31, 33, 1), (33, 1, 50), (100, 1030, 97),
-                                   (16, 64, 3), (6, 577, 49), (7, 64, 5), (13, 1030, 97)])
+                                   (16, 64, 3), (6, 577, 49), (7, 64, 5), (13, 1030, 97), (9, 40, 50),
+                                   (12, 96, 2)])
 def test_gemm_bf16_every_isa(isa, m, k, n):
     # bf16 from 6 rows on: the vdpbf16ps micro-kernel where the table has it (AVX512-BF16, and the SIMDe
-    # table), odd M, N and K (tails of the 8-row, 3-column and 32-deep blocks), every fused epilogue.
+    # table), odd M, N and K (tails of the 8-row, 3-column and 32-deep blocks; 9 to 16 rows walk the weight
+    # panels first, with 1 or 2 columns left over), every fused epilogue.
     dp = (isa == "avx512" and "avx512bf16" in _C.cpu_features()) or isa == "avx512-simde"
     x = torch.randn(m, k).bfloat16()
     ws = [torch.randn(n, k).bfloat16() for _ in range(3)]
