@@ -119,6 +119,10 @@ PYBIND11_MODULE(_C, m) {
       .value("PLAIN", atb::LINEAR_PLAIN)
       .value("RESIDUAL", atb::LINEAR_RESIDUAL)
       .value("SWIGLU", atb::LINEAR_SWIGLU);
+  // Up to this many rows a float linear runs the STREAM kernel on every SIMD table (AVX512-BF16's dp GEMM takes
+  // over at kLinearDpMinRows, the others' GEMM at kLinearGemmMinRows), which computes a row the same way at
+  // any such M.
+  m.attr("LINEAR_STREAM_MAX_ROWS") = py::int_(std::min(atb::kLinearDpMinRows, atb::kLinearGemmMinRows) - 1);
   py::enum_<atb::RopeStyle>(m, "RopeStyle").value("NEOX", atb::ROPE_NEOX).value("INTERLEAVE", atb::ROPE_INTERLEAVE);
   m.def("get_soc", &AscendC::GetSocInfo, py::arg("name"));
   m.def("soc_names", &AscendC::SocNames);

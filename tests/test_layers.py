@@ -197,3 +197,26 @@ def test_executor_attention_over_the_paged_cache_matches_hf(family):
                 outs[i].append(got[i:i + 1])
     for i in range(2):
         assert_close(torch.cat(outs[i]), expect[i].double(), torch.float32, scale=4.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 4, 5, 6, 11, 17])
+def test_row_invariant_lm_head_rows_do_not_depend_on_their_mates(rows, dtype):
+    # The engine prefill's LM head (one row per prompt) runs several rows per native call: each row must come
+    # out exactly as alone, and close to the float64 product.
+    from atb.layers.decoder import lm_head
+    from atb.layers.linear import ROUTE_ROW_INVARIANT
+    from atb import kernels as K
+    from atb.quant import quantize_weight
+
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    norm = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    head = (0.1 * torch.randn(333, 96, generator=g)).to(dtype)
+    for w in (head, quantize_weight(head, "w8a16")):
+        out = lm_head(x, norm, w, 1e-5, route=ROUTE_ROW_INVARIANT)
+        alone = torch.cat([lm_head(x[i:i + 1], norm, w, 1e-5, route=ROUTE_ROW_INVARIANT) for i in range(rows)])
+        assert out.shape == (rows, 333) and torch.equal(out, alone)
+    h = K.rms_norm(x, norm, 1e-5)
+    assert_close(lm_head(x, norm, head, 1e-5, route=ROUTE_ROW_INVARIANT), (h.double() @ head.double().T).to(dtype),
+                 dtype)

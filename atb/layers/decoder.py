@@ -19,8 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from atb import _C
 from atb import kernels as K
 from atb.layers.linear import ROUTE_POLICY, ROUTE_ROW_INVARIANT, linear, linear_multi, swiglu
+from atb.quant.formats import QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -94,9 +96,12 @@ def lm_head(x: torch.Tensor, final_norm: torch.Tensor, head, eps: float, *, soc_
     """Final RMSNorm and the LM head projection: logits ``[T, vocab]``."""
     h = K.rms_norm(x, final_norm, eps, soc_type=soc_type)
     if route == ROUTE_ROW_INVARIANT and h.shape[0]:
-        # The engine prefill's LM head sees one row per prompt. Those rows one at a time through the native
-        # STREAM kernel (M = 1, float or quantized) are as row-invariant as the GEMM kernel at any M, and far
-        # cheaper: for a few rows the GEMM kernel packs the whole vocabulary's weights (fp32 SmolLM2: ~50 ms,
-        # against ~4 ms a row).
-        return torch.cat([K.linear(h[i:i + 1], head, soc_type=soc_type) for i in range(h.shape[0])])
+        # The engine prefill's LM head sees one row per prompt. Those rows through the native STREAM kernel
+        # are as row-invariant as the GEMM kernel at any M, and far cheaper: for a few rows the GEMM kernel
+        # packs the whole vocabulary's weights (fp32 SmolLM2: ~50 ms, against ~4 ms a row). The STREAM
+        # kernel computes a row the same way at every M it takes, so float heads go a few rows per call
+        # (one weight pass for them all: bf16 SmolLM2, 16 rows 34 -> ~11 ms); quantized ones one at a time
+        # (their STREAM kernel switches micro-kernels by M on some tables).
+        step = 1 if isinstance(head, QuantizedWeight) else _C.LINEAR_STREAM_MAX_ROWS
+        return torch.cat([K.linear(h[i:i + step], head, soc_type=soc_type) for i in range(0, h.shape[0], step)])
     return linear(h, head, soc_type=soc_type, route=route)
