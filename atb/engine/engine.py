@@ -17,9 +17,7 @@ call, so any thread may add or abort requests while another drives ``step``
 
 A request's prefill does not depend on its batch mates (or on how much of its
 prompt was cached): the prefill projections run the row-invariant GEMM and
-paged attention computes each query row on its own (with prefix caching off, an
-unchunked prompt attends through flash attention, which also sees only its own
-sequence). Decode picks each linear's
+paged attention computes each query row on its own. Decode picks each linear's
 kernel by the batch size (the few-row kernel below 16 rows in bf16 with
 AVX512-BF16, 32 otherwise), so a decode row may round differently once the
 batch crosses that size. Each request samples from its own generator.
