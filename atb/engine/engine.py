@@ -252,13 +252,5 @@ class Engine:
         for (r, _, n), e in zip(chunks, ends.tolist()):
             if r.cached == n:
                 slots[e - 1] = -1
-        if not cache.enable_prefix_caching and all(a == 0 and n == len(r.prompt) for r, a, n in chunks):
-            # Whole prompts, none cached or cut into chunks: each attends to itself alone, and flash attention
-            # does that at 3.1 ms a layer where paged attention's per-row tiles take 5.4 (SmolLM2 bf16, 16 x
-            # 128-token prompts, Zen 4). Either computes a prompt's rows whatever its batch mates; only a
-            # prompt that is chunked or partly cached needs paged attention's rounding, so that a suffix over
-            # a prefix gets the rows a whole prefill would: with prefix caching on, every prompt takes it.
-            cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int32), ends.to(torch.int32)])
-            return self.runner.prefill(tokens, positions, cu_seqlens, slots, (ends - 1).long())
         paged = (cache.block_tables(reqs), torch.tensor(lens, dtype=torch.int32), q_lens)
         return self.runner.prefill(tokens, positions, None, slots, (ends - 1).long(), paged=paged)

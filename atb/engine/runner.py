@@ -164,12 +164,11 @@ class ModelRunner:
         rows are the last ``q_lens[b]`` tokens of a context of ``context_lens[b]``, their K/V are written at
         ``slot_mapping`` (a negative slot is not written) and they attend to the whole context through paged
         attention, so a prompt whose first blocks are already cached (prefix caching) computes only its
-        suffix: paged attention computes a query's row the same way whatever the other rows of the call, so a
-        suffix prefilled over a cached prefix gets the attention a cold prefill of the whole prompt would
-        (flash attention tiles differently; in bf16 the two paths can pick different greedy tokens on near
-        ties). Whole prompts that no cache can share (the engine decides) take ``cu_seqlens`` and flash
-        attention with ``slot_mapping`` instead. Every engine prefill (``slot_mapping`` given) runs its
-        projections on the row-invariant route (the native GEMM kernel at every row count, ``atb.layers.linear``): the
+        suffix. Every prompt takes this path, cached prefix or not: paged attention computes a query's row the
+        same way whatever the other rows of the call, so a suffix prefilled over a cached prefix gets the
+        attention a cold prefill of the whole prompt would (flash attention tiles differently; in bf16 the
+        two paths can pick different greedy tokens on near ties). For the same reason its projections run
+        the row-invariant route (the native GEMM kernel at every row count, ``atb.layers.linear``): the
         routing policy would send a 1000-row prompt and its 30-row suffix to kernels that round differently.
         Every layer writes the step's K/V before any attention reads it, so a sequence may read blocks that
         another sequence of the same call fills.
@@ -190,8 +189,7 @@ class ModelRunner:
                                          soc_type=soc)
             return attend
 
-        # An engine prefill (it writes the cache) runs the row-invariant route, flash or paged attention alike.
-        route = ROUTE_POLICY if slot_mapping is None else ROUTE_ROW_INVARIANT
+        route = ROUTE_POLICY if paged is None else ROUTE_ROW_INVARIANT
         x = self._layers(tokens, positions, attend_for, route)
         if last is not None:
             x = x.index_select(0, last)
