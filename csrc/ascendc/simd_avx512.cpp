@@ -114,12 +114,66 @@ inline float HSum8(__m256 v) {
 }
 inline __m256 Fold(V v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
 inline float HSum(V v) { return HSum8(Fold(v)); }
-// Four 16-lane sums at once (upper halves folded, then an hadd tree).
-inline __m128 HSum4(V a, V b, V c, V d) {
-  __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(Fold(a), Fold(b)), _mm256_hadd_ps(Fold(c), Fold(d)));
-  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+
+// The lane sums of up to 16 accumulators at once, in the AVX2 table's HSum4 tree (simd_hsum4.h, after lane i
+// + lane i + 8: neighbours, then neighbours twice more), transposed as it goes: 45 shuffles and adds for 16
+// sums, where four HSum4 (upper halves folded, then an hadd tree) took ~76 and each sum then its own
+// extract and store. Lane j of the result holds the sum of a[kHSum16Order[j]] (accumulators past N count as
+// zero). Same bits as HSum4, sum by sum: the few-row kernels' outputs did not change in any bit (63 outputs
+// of the linears, paged and flash attention, against the build before).
+constexpr int kHSum16Order[16] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15};
+template <int N>
+inline V HSum16(const V* a) {
+  auto at = [&](int i) { return i < N ? a[i] : _mm512_setzero_ps(); };
+  // [lanes 0..7 + 8..15 of a[2j] | the same of a[2j + 1]]
+  V f[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j)
+    f[j] = _mm512_add_ps(_mm512_shuffle_f32x4(at(2 * j), at(2 * j + 1), _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(at(2 * j), at(2 * j + 1), _MM_SHUFFLE(3, 2, 3, 2)));
+  // Neighbouring lanes of two vectors, added: [x0 + x1, x2 + x3, y0 + y1, y2 + y3] per 128-bit block.
+  auto pairs = [](V x, V y) {
+    return _mm512_add_ps(_mm512_shuffle_ps(x, y, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  V g[4], h[2];
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) g[j] = pairs(f[2 * j], f[2 * j + 1]);
+  h[0] = pairs(g[0], g[1]);
+  h[1] = pairs(g[2], g[3]);
+  // Each accumulator's two halves sit in blocks 0 and 1 (or 2 and 3) of h at the same position.
+  return _mm512_add_ps(_mm512_shuffle_f32x4(h[0], h[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(h[0], h[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
-#include "simd_lane_of.h"  // LaneOf
+
+// Row r of a [R, CN] block of outputs, C[r * ldc + c] (+)= the lane sums of s[r * CN + c] (R * CN <= 32): the
+// sums by HSum16, then one permute and one masked store per row instead of an extract and a store per sum.
+template <int R, int CN>
+inline void StoreLaneSums(float* C, int64_t ldc, const V* s, bool acc) {
+  constexpr int kOut = R * CN;
+  static_assert(kOut <= 32, "two HSum16 at most");
+  struct Index {
+    alignas(64) int32_t v[R][16];
+  };
+  static constexpr Index kIdx = [] {
+    Index x{};
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 16; ++c) {
+        int e = r * CN + (c < CN ? c : 0), pos = 0;
+        while (kHSum16Order[pos] != e % 16) ++pos;
+        x.v[r][c] = 16 * (e / 16) + pos;
+      }
+    return x;
+  }();
+  const V lo = HSum16<(kOut < 16 ? kOut : 16)>(s);
+  const V hi = kOut > 16 ? HSum16<(kOut > 16 ? kOut - 16 : 1)>(s + 16) : _mm512_setzero_ps();
+  const __mmask16 m = Tail(CN);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    V v = _mm512_permutex2var_ps(lo, _mm512_load_si512(kIdx.v[r]), hi);
+    if (acc) v = _mm512_add_ps(MaskLoad(m, C + r * ldc), v);
+    MaskStore(C + r * ldc, m, v);
+  }
+}
 
 // exp as in the AVX2 table (Cephes range reduction, degree-5 polynomial, the
 // same fma steps), so both tables give the same bits; flushes to 0 below -87.3.
@@ -556,10 +610,10 @@ template <int R> constexpr int kPanelsForRows = R <= 2 ? 8 : R <= 4 ? 5 : R <= 6
 
 template <typename TB, V (*L16)(const TB*), V (*L16M)(const TB*, __mmask16), int R, int CN>
 void BlockNTRows(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t K, bool acc) {
-  constexpr int kOut = R * CN, kPad = (kOut + 3) / 4 * 4;
-  V s[kPad];
+  constexpr int kOut = R * CN;
+  V s[kOut];
 #pragma GCC unroll 32
-  for (int i = 0; i < kPad; ++i) s[i] = _mm512_setzero_ps();
+  for (int i = 0; i < kOut; ++i) s[i] = _mm512_setzero_ps();
   auto step = [&](int64_t k, auto loadB, auto loadA) {
     V b[CN];
 #pragma GCC unroll 8
@@ -577,16 +631,7 @@ void BlockNTRows(float* C, int64_t ldc, const float* A, int64_t lda, const TB* B
     __mmask16 m = Tail(K - k);
     step(k, [m](const TB* p) { return L16M(p, m); }, [m](const float* p) { return MaskLoad(m, p); });
   }
-  __m128 sums[kPad / 4];
-#pragma GCC unroll 8
-  for (int i = 0; i < kPad; i += 4) sums[i / 4] = HSum4(s[i], s[i + 1], s[i + 2], s[i + 3]);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < CN; ++c) {  // out of the registers (simd_lane_of.h)
-      float v = LaneOf(sums[(r * CN + c) / 4], (r * CN + c) % 4), *out = C + r * ldc + c;
-      *out = acc ? *out + v : v;
-    }
+  StoreLaneSums<R, CN>(C, ldc, s, acc);
 }
 
 template <typename TB, V (*L16)(const TB*), V (*L16M)(const TB*, __mmask16)>
@@ -717,7 +762,7 @@ void SumLanes8(float* d, const float* l, int64_t n) {
 // R (<= 8) rows of A against CN (<= 3) rows of B per block: R*CN accumulators,
 // R + CN loads per R*CN vdpbf16ps (32 multiply-adds each), x and the weights
 // read where they lie in their storage type. Each element: 16 lanes over k in
-// steps of 32, the tail zero-padded, then HSum4's fixed tree.
+// steps of 32, the tail zero-padded, then HSum4's fixed tree (HSum16).
 #if defined(ATB_AVX512_NATIVE)
 #pragma GCC push_options
 #pragma GCC target("avx512bf16")
@@ -739,10 +784,10 @@ constexpr int kDpCols = 3;
 template <int R, int CN>
 void BlockDpBf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, int64_t K,
                  bool acc) {
-  constexpr int kOut = R * CN, kPad = (kOut + 3) / 4 * 4;
-  V s[kPad];
+  constexpr int kOut = R * CN;
+  V s[kOut];
 #pragma GCC unroll 32
-  for (int i = 0; i < kPad; ++i) s[i] = _mm512_setzero_ps();
+  for (int i = 0; i < kOut; ++i) s[i] = _mm512_setzero_ps();
   auto step = [&](int64_t k, auto load) {
     __m512bh b[CN];
 #pragma GCC unroll 4
@@ -774,16 +819,7 @@ void BlockDpBf16(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const ui
     int64_t n = K - k;
     step(k, [n](const uint16_t* p) { return LoadBhTail(p, n); });
   }
-  __m128 sums[kPad / 4];
-#pragma GCC unroll 8
-  for (int i = 0; i < kPad; i += 4) sums[i / 4] = HSum4(s[i], s[i + 1], s[i + 2], s[i + 3]);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < CN; ++c) {  // out of the registers (simd_lane_of.h)
-      float v = LaneOf(sums[(r * CN + c) / 4], (r * CN + c) % 4), *out = C + r * ldc + c;
-      *out = acc ? *out + v : v;
-    }
+  StoreLaneSums<R, CN>(C, ldc, s, acc);
 }
 
 // Per block of 8 A rows (kept in L1), every panel of kDpCols B rows, then the

@@ -1,6 +1,6 @@
 // One float out of an SSE register, for the few-row NT Mmads' sums (HSum4 leaves four per register). Reading
 // them back from a vector store instead made each scalar read wait on the store (ascendc/simd_avx2.cpp,
-// BlockNTRows). Included by the AVX2 and AVX-512 tables inside their namespace and target pragmas, as
+// BlockNTRows). Included by the AVX2 tables inside their namespace and target pragmas, as
 // simd_hsum4.h is.
 #pragma once
 
