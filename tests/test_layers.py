@@ -7,7 +7,11 @@ import torch
 from transformers import AutoConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from atb import kernels as K
+from atb.layers.decoder import lm_head
+from atb.layers.linear import ROUTE_ROW_INVARIANT
 from atb.layers.rotary import RotaryEmbedding
+from atb.quant import quantize_weight
 from conftest import family_model, family_names
 from reference import assert_close
 
@@ -204,11 +208,6 @@ def test_executor_attention_over_the_paged_cache_matches_hf(family):
 def test_row_invariant_lm_head_rows_do_not_depend_on_their_mates(rows, dtype):
     # The engine prefill's LM head (one row per prompt) runs several rows per native call: each row must come
     # out exactly as alone, and close to the float64 product.
-    from atb.layers.decoder import lm_head
-    from atb.layers.linear import ROUTE_ROW_INVARIANT
-    from atb import kernels as K
-    from atb.quant import quantize_weight
-
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 96, generator=g).to(dtype)
     norm = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)

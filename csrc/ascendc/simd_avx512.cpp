@@ -164,8 +164,9 @@ inline void StoreLaneSums(float* C, int64_t ldc, const V* s, bool acc) {
       }
     return x;
   }();
-  const V lo = HSum16<(kOut < 16 ? kOut : 16)>(s);
-  const V hi = kOut > 16 ? HSum16<(kOut > 16 ? kOut - 16 : 1)>(s + 16) : _mm512_setzero_ps();
+  const V lo = HSum16<std::min(kOut, 16)>(s);
+  V hi = _mm512_setzero_ps();
+  if constexpr (kOut > 16) hi = HSum16<kOut - 16>(s + 16);
   const __mmask16 m = Tail(CN);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
