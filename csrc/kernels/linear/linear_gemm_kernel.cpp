@@ -77,7 +77,7 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
   void PackPairs(int /*st*/, int seg, int64_t row, int64_t nt, int64_t k0, int64_t kv, uint16_t* dst) {
     Simd().pack_bf16_pairs(dst, StorageBits(wGm_[seg].GetPhyAddr(row * t_.k + k0)), t_.k, nt, kv);
   }
-  void DpMmad(int /*st*/, int64_t /*mt0*/, float* c, int64_t ldc, const uint16_t* a, int64_t lda, const uint16_t* bp, int64_t mt,
+  void DpMmad(int /*st*/, int64_t /*m0*/, int64_t /*k0*/, float* c, int64_t ldc, const uint16_t* a, int64_t lda, const uint16_t* bp, int64_t mt,
               int64_t nt, int64_t kv, bool acc) {
     Simd().mmad_dp_bf16_packed(c, ldc, a, lda, bp, mt, nt, kv, acc);
   }

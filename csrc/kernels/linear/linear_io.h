@@ -259,8 +259,8 @@ class LinearGemmIo : protected LinearIo<T> {
   // kDpPacked: per K chunk, each stream's weight tile packed in k pairs into bBuf_ (Kernel's PackPairs(st,
   // seg, row, nt, k0, kv, dst): W[row + n][k0 + k], n < nt, k < kv, the kv columns that exist in x, as
   // pack_bf16_pairs lays them out), then every mTile rows of x of the pass against it on x's rows as they lie
-  // (Kernel's DpMmad(st, mt0, C, ldc, A, lda, Bp, mt, nt, kv, accumulate), mt0 the rows' first within the
-  // pass: mmad_dp_bf16_packed or its grouped form), accumulating in UB across chunks (a split at an even k changes no bit); then the epilogue of
+  // (Kernel's DpMmad(st, m0, k0, C, ldc, A, lda, Bp, mt, nt, kv, accumulate): A = x[m0 :, k0 :], mt rows,
+  // kv columns; mmad_dp_bf16_packed or its grouped form), accumulating in UB across chunks (a split at an even k changes no bit); then the epilogue of
   // every mTile rows.
   void ProcessDpPackedUnit(const GemmUnit& u) {
     if constexpr (std::is_same<T, AscendC::bfloat16_t>::value) {
@@ -274,7 +274,7 @@ class LinearGemmIo : protected LinearIo<T> {
           int64_t mt = std::min(t.mTile, u.mp - mt0);
           const uint16_t* a = AscendC::StorageBits(this->xGm_.GetPhyAddr((u.m0 + mt0) * t.k + k0));
           for (int st = 0; st < this->streams_; ++st)
-            self().DpMmad(st, mt0, cBuf_[st].template Get<float>().GetPhyAddr(mt0 * t.nTile), t.nTile, a, t.k,
+            self().DpMmad(st, u.m0 + mt0, k0, cBuf_[st].template Get<float>().GetPhyAddr(mt0 * t.nTile), t.nTile, a, t.k,
                           bBuf_[st].template Get<uint16_t>().GetPhyAddr(), mt, u.nt, kv, k0 > 0);
         }
       }

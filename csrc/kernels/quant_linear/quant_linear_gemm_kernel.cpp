@@ -16,9 +16,11 @@
 // laid out per 16-row panel,
 // and x's rows run through mmad_dp_bf16_grouped as they lie: x q exact, each
 // group's sum times its scale (plus min times x's group sum), nothing rounded
-// to bf16 but x itself; twice the fp32 cube's rate.
+// to bf16 but x itself; twice the fp32 cube's rate. x's group sums (the W4 min
+// term) are computed once per call before the launch (GroupSums).
 #include <algorithm>
 #include <type_traits>
+#include <vector>
 
 #include "quant_linear_io.h"
 
@@ -35,8 +37,8 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
   using Gemm::t_, Gemm::pipe_, Gemm::bBuf_;
 
  public:
-  void Init(GM_ADDR x, const float* xPacked, const LinearSegment* ls, const QuantSegment* qs, GM_ADDR residual,
-            const QuantLinearTilingData& t) {
+  void Init(GM_ADDR x, const float* xPacked, const float* const* xsums, const LinearSegment* ls,
+            const QuantSegment* qs, GM_ADDR residual, const QuantLinearTilingData& t) {
     dp_ = t.base.dpBf16 == kDpPacked;
     Gemm::InitGemm(x, xPacked, ls, residual, t.base, t.kPad, !dp_);
     q_ = qs;
@@ -48,9 +50,9 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
         pipe_.InitBuffer(panelScale_[st], AlignUp(t_.nTile, kPairPanelRows) * groups * sizeof(float));
         pipe_.InitBuffer(panelMin_[st], AlignUp(t_.nTile, kPairPanelRows) * groups * sizeof(float));
       }
-      pipe_.InitBuffer(xsum_, t_.mPass * groups * sizeof(float));
+      for (int64_t s = 0; s < t.base.numSegments; ++s) xsums_[s] = xsums[s];
     }
-    pipe_.InitBuffer(rowBuf_, (dp_ ? 1 : kQuantPackRows) * t_.kTile * sizeof(float));
+    if (!dp_) pipe_.InitBuffer(rowBuf_, kQuantPackRows * t_.kTile * sizeof(float));  // PackWeight's rows
     // A row's scales, or (dp) a tile's.
     pipe_.InitBuffer(scaleBuf_, (dp_ ? t_.nTile : 1) * t.kChunks * sizeof(float));
     pipe_.InitBuffer(minBuf_, (dp_ ? t_.nTile : 1) * t.kChunks * sizeof(float));
@@ -77,6 +79,7 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
     // A per-channel segment's sums fold into the accumulators every kChannelFold values, not once per chunk,
     // so its bits do not depend on where K is split (chunks are multiples of it).
     group_[st] = q.group == 0 ? kChannelFold : s.group;
+    seg_[st] = seg;
     hasMin_[st] = q.bits == 4;  // (LoadScales points min at its buffer for W8 too)
     const int64_t groups = CeilDiv(kv, group_[st]), panels = CeilDiv(nt, kPairPanelRows);
     ldsp_[st] = groups * kPairPanelRows;
@@ -106,30 +109,15 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
     }
   }
 
-  // x . (q * scale + min)^T of the packed tile; the min term takes x's sums per group of this chunk. They are
-  // kept for the whole M pass ([mPass][groups]), filled as its M tiles first come, and reused by every later
-  // row tile of the pass (and SWIGLU's second stream): recomputed per tile they cost a seventh of the GEMM
-  // at 16 rows and a fifth at 128.
-  void DpMmad(int st, int64_t mt0, float* c, int64_t ldc, const uint16_t* a, int64_t lda, const uint16_t* bp, int64_t mt,
-              int64_t nt, int64_t kv, bool acc) {
-    const SimdOps& simd = Simd();
-    const int64_t G = group_[st], groups = CeilDiv(kv, G);
-    float* xs = nullptr;
-    if (hasMin_[st]) {
-      const uint16_t* pass = a - mt0 * lda;
-      if (pass != xsumOf_ || kv != xsumK_ || G != xsumG_) xsumOf_ = pass, xsumK_ = kv, xsumG_ = G, xsumRows_ = 0;
-      xs = xsum_.Get<float>().GetPhyAddr();
-      float* r = rowBuf_.Get<float>().GetPhyAddr();
-      for (int64_t i = xsumRows_; i < mt0 + mt; ++i) {
-        simd.bf16_to_f32(r, pass + i * lda, kv);
-        for (int64_t g = 0; g < groups; ++g) xs[i * groups + g] = simd.reduce_sum(r + g * G, std::min(G, kv - g * G));
-      }
-      xsumRows_ = std::max(xsumRows_, mt0 + mt);
-      xs += mt0 * groups;
-    }
-    simd.mmad_dp_bf16_grouped(c, ldc, a, lda, bp, mt, nt, kv, G, panelScale_[st].Get<float>().GetPhyAddr(),
-                              hasMin_[st] ? panelMin_[st].Get<float>().GetPhyAddr() : nullptr, ldsp_[st], xs, groups,
-                              acc);
+  // x . (q * scale + min)^T of the packed tile, x = x[m0 :, k0 :]; the min term takes x's group sums.
+  void DpMmad(int st, int64_t m0, int64_t k0, float* c, int64_t ldc, const uint16_t* a, int64_t lda,
+              const uint16_t* bp, int64_t mt, int64_t nt, int64_t kv, bool acc) {
+    const int64_t G = group_[st], groups = CeilDiv(t_.k, G);
+    // K chunks are multiples of every group size, so the chunk's groups are x's groups from k0 / G.
+    const float* xs = hasMin_[st] ? xsums_[seg_[st]] + m0 * groups + k0 / G : nullptr;
+    Simd().mmad_dp_bf16_grouped(c, ldc, a, lda, bp, mt, nt, kv, G, panelScale_[st].Get<float>().GetPhyAddr(),
+                                hasMin_[st] ? panelMin_[st].Get<float>().GetPhyAddr() : nullptr, ldsp_[st], xs,
+                                groups, acc);
   }
 
   // B operand: packed[k][n] = dequant(W[row + n][k0 + k]), n < nt, k < kv.
@@ -151,20 +139,51 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
   const QuantSegment* q_ = nullptr;
   int64_t kPad_ = 0;
   bool dp_ = false;
-  TBuf<TPosition::VECCALC> rowBuf_, scaleBuf_, minBuf_, panelScale_[2], panelMin_[2], xsum_;
-  int64_t group_[2] = {0, 0}, ldsp_[2] = {0, 0};  // this chunk's, per stream (PackPairs)
+  TBuf<TPosition::VECCALC> rowBuf_, scaleBuf_, minBuf_, panelScale_[2], panelMin_[2];
+  int64_t group_[2] = {0, 0}, ldsp_[2] = {0, 0}, seg_[2] = {0, 0};  // this chunk's, per stream (PackPairs)
   bool hasMin_[2] = {false, false};
-  const uint16_t* xsumOf_ = nullptr;  // xsum_ holds the group sums of the pass's rows [0, xsumRows_) from here
-  int64_t xsumRows_ = 0, xsumK_ = 0, xsumG_ = 0;
+  const float* xsums_[kLinearMaxSegments] = {nullptr, nullptr, nullptr};  // per segment: GroupSums, or null
 };
+
+// x's sums per group of G values ([m][ceil(k / G)] fp32, each group's values widened, then reduce_sum) for the
+// W4 min term. Once per call, the rows split over the cores: the GEMM's units take a weight tile's M passes in
+// turn, so sums kept per unit were recomputed for every unit, a fifth of a 2048-row W4 g32 GEMM's time.
+// The calling thread keeps the workspace (slot `slot`, one per segment) for its next call.
+const float* GroupSums(int slot, const void* x, int64_t m, int64_t k, int64_t G, const SocInfo& soc) {
+  thread_local std::vector<float> workspace[kLinearMaxSegments];
+  const int64_t groups = CeilDiv(k, G);
+  std::vector<float>& ws = workspace[slot];
+  if (int64_t(ws.size()) < m * groups) ws.resize(size_t(m * groups));
+  float* dst = ws.data();
+  const uint16_t* src = static_cast<const uint16_t*>(x);
+  int64_t cores = std::max<int64_t>(1, std::min(soc.vector_core_num, CeilDiv(m, 64)));
+  KernelLaunch(cores, soc.ub_size, [&]() {
+    const int64_t per = CeilDiv(m, GetBlockNum()), first = GetBlockIdx() * per, last = std::min(m, first + per);
+    std::vector<float> row(static_cast<size_t>(k));
+    for (int64_t i = first; i < last; ++i) {
+      Simd().bf16_to_f32(row.data(), src + i * k, k);
+      for (int64_t g = 0; g < groups; ++g)
+        dst[i * groups + g] = Simd().reduce_sum(row.data() + g * G, std::min(G, k - g * G));
+    }
+  });
+  return dst;
+}
 
 }  // namespace
 
 void QuantLinearGemm(const void* x, const QuantSegment* segs, const void* residual, const QuantLinearTilingData& t,
                      const SocInfo& soc) {
-  const float* xPacked =
-      t.base.dpBf16 == kDpPacked ? nullptr : PackedX(x, t.base.m, t.base.k, DataType(t.base.tilingKey / 10 % 10), soc);
-  LaunchQuantKernel<KernelQuantLinearGemm>(x, segs, residual, t, soc, xPacked);
+  const bool dp = t.base.dpBf16 == kDpPacked;
+  const float* xPacked = dp ? nullptr : PackedX(x, t.base.m, t.base.k, DataType(t.base.tilingKey / 10 % 10), soc);
+  const float* xsums[kLinearMaxSegments] = {nullptr, nullptr, nullptr};
+  for (int64_t s = 0; dp && s < t.base.numSegments; ++s) {
+    if (segs[s].bits != 4) continue;
+    for (int64_t p = 0; p < s && !xsums[s]; ++p)  // segments of one group size share one computation
+      if (segs[p].bits == 4 && segs[p].group == segs[s].group) xsums[s] = xsums[p];
+    if (!xsums[s]) xsums[s] = GroupSums(int(s), x, t.base.m, t.base.k, segs[s].group, soc);
+  }
+  const float* const* sums = xsums;
+  LaunchQuantKernel<KernelQuantLinearGemm>(x, segs, residual, t, soc, xPacked, sums);
 }
 
 }  // namespace atb
