@@ -183,6 +183,25 @@ def test_linear_swiglu(dtype, m, fmt, group, isa):
     assert_close(K.linear_swiglu(x, g, u), linear_swiglu_ref(x, quant_dequant_ref(g), quant_dequant_ref(u)))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("soc", ["host", "Ascend910B1"])
+def test_gemm_many_passes_and_k_chunks(dtype, soc, isa):
+    # Rows past one M pass of the prefill GEMM and a K its tiling cuts into chunks (Ascend910B1's UB), W4
+    # segments of two group sizes and a W8 one in one launch: each pass's rows take x's group sums (the W4
+    # min term) at their own rows, and each K chunk's groups at the chunk's offset.
+    m, k = 777, 4133
+    segs = [(40, "w4a16", 32), (24, "w8a16", 0), (33, "w4a16", 128)]
+    t = _C.quant_linear_tiling(m, k, [_seg(n, 4 if f == "w4a16" else 8, g) for n, f, g in segs], 0,
+                               DTYPE_CODES[dtype], atb.get_soc(soc))
+    assert t["gemm"] and t["m_pass"] < m
+    if soc != "host":
+        assert t["k_tile"] < t["k_pad"]
+    x = torch.randn(m, k).to(dtype)
+    ws = [_qw(n, k, f, g) for n, f, g in segs]
+    for y, w in zip(K.linear_multi(x, ws, soc_type=soc), ws):
+        assert_close(y, linear_ref(x, quant_dequant_ref(w)), scale=_scale(k))
+
+
 @pytest.mark.parametrize("m", [1, 5, 40])
 def test_long_k_is_chunked(m, isa):
     # K large enough that the STREAM tiling splits K (chunks of a multiple of 128), odd tail.

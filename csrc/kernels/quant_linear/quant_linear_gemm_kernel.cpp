@@ -148,12 +148,16 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
 // x's sums per group of G values ([m][ceil(k / G)] fp32, each group's values widened, then reduce_sum) for the
 // W4 min term. Once per call, the rows split over the cores: the GEMM's units take a weight tile's M passes in
 // turn, so sums kept per unit were recomputed for every unit, a fifth of a 2048-row W4 g32 GEMM's time.
-// The calling thread keeps the workspace (slot `slot`, one per segment) for its next call.
+// The calling thread keeps the workspace (slot `slot`, one per segment) for its next call, up to
+// kWidenKeepBytes as PackedX's.
 const float* GroupSums(int slot, const void* x, int64_t m, int64_t k, int64_t G, const SocInfo& soc) {
   thread_local std::vector<float> workspace[kLinearMaxSegments];
   const int64_t groups = CeilDiv(k, G);
   std::vector<float>& ws = workspace[slot];
-  if (int64_t(ws.size()) < m * groups) ws.resize(size_t(m * groups));
+  const size_t need = size_t(m * groups);
+  if (ws.capacity() * sizeof(float) > size_t(kWidenKeepBytes) && need * sizeof(float) <= size_t(kWidenKeepBytes))
+    std::vector<float>().swap(ws);
+  if (ws.size() < need) ws.resize(need);
   float* dst = ws.data();
   const uint16_t* src = static_cast<const uint16_t*>(x);
   int64_t cores = std::max<int64_t>(1, std::min(soc.vector_core_num, CeilDiv(m, 64)));
