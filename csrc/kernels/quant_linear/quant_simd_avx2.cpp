@@ -93,6 +93,8 @@ __attribute__((always_inline)) inline void AddMinLanes(__m256 (&a)[NR][MB], cons
 // scale (GemvI16 folds them while widening 16-bit scales), one vmulps fewer per row and chunk: the same
 // product, rounded once as before (x's scale is a power of two). Zen 3, 2 threads, 3072x576 and
 // 8192x576, M = 1, median per-round ratio over 31-41 interleaved rounds: 0.974-0.986.
+constexpr int64_t kI16FarBytes = 16 * 1024;
+
 template <int Bits, int NR, int MB, bool kGroupPerChunk, bool kXScaled = false>
 void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const float* xsc, int64_t ldxc,
                   const float* xg, int64_t ldxg, const uint8_t* q, int64_t ldq, const float* scale, const float* min,
@@ -102,8 +104,15 @@ void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const fl
   __m256 a[NR][MB], t[NR][MB];
   for (int r = 0; r < NR; ++r)
     for (int mb = 0; mb < MB; ++mb) a[r][mb] = t[r][mb] = _mm256_setzero_ps();
-  // Rows are a few hundred bytes: fetch the next block while this one is used (ascendc/block_prefetch.h).
+  // Rows are a few hundred bytes: fetch the next block while this one is used (ascendc/block_prefetch.h),
+  // and, into L2, the block kI16FarBytes ahead: one block ahead is ~70 ns of this loop, less than a DRAM
+  // round trip, so on its own each block still waited on memory (the W4 decode GEMV took about its
+  // arithmetic plus its bytes' transfer time). Zen 4, 2 threads, SmolLM2 decode graph step, medians of
+  // per-round ratios over 7-15 interleaved rounds, near only -> near + far at 8 / 16 KiB: W8A16 0.86-0.97
+  // / 0.95, W4A16 G32 0.95-1.00 / 0.93-0.99 (the gain largest while the machine's read rate was low).
   const AscendC::BlockPrefetch<NR> prefetch(q, ldq, kLen * Bits / 8);
+  const AscendC::BlockPrefetch<NR, 2> farPrefetch(q, ldq, kLen * Bits / 8,
+                                                  int(std::max<int64_t>(1, kI16FarBytes / (NR * ldq))));
   // Chunk c of every row into t (or, one group per chunk, into a at the group's scale).
   auto chunk = [&](int64_t c) __attribute__((always_inline)) {
     __m256i xv[MB][2];
@@ -143,6 +152,7 @@ void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const fl
     int64_t c = 0;
     for (; c + kStepChunks <= nc; c += kStepChunks) {
       prefetch.At(c * kChunkBytes);
+      farPrefetch.At(c * kChunkBytes);
 #pragma GCC unroll 4
       for (int i = 0; i < kStepChunks; ++i) chunk(c + i);
     }
@@ -151,7 +161,10 @@ void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const fl
     const int64_t cpg = G / 32;
     for (int64_t c = 0, g = 0; c < nc; ++g) {
       for (const int64_t end = std::min(nc, c + cpg); c < end; ++c) {
-        if (c % kStepChunks == 0) prefetch.At(c * kChunkBytes);
+        if (c % kStepChunks == 0) {
+          prefetch.At(c * kChunkBytes);
+          farPrefetch.At(c * kChunkBytes);
+        }
         chunk(c);
       }
       for (int r = 0; r < NR; ++r) {
