@@ -99,8 +99,11 @@ def _weight_bytes(infer) -> int:
 def bench_e2e(models=("smollm2", "tinyllama"), batches=(1, 16), prompt_len: int = 128, new_tokens: int = 33,
               repeats: int = 3, hf: bool = True) -> list[dict]:
     """Whole-model prefill and decode tok/s per format; decode = (new_tokens - 1) steps over the time a
-    generate of new_tokens takes beyond one of a single token (the prefill)."""
-    bw = stream_read_gbps()
+    generate of new_tokens takes beyond one of a single token (the prefill).
+
+    The roofline's streaming read is the median of one read per repeat round, taken among the runs (as
+    ``bench.infer``'s): this machine's read rate drifts by half between minutes, so one read before the
+    runs can be far from the rate the decode steps met."""
     rows = []
     for name in models:
         model = _e2e_model(name)
@@ -130,6 +133,7 @@ def bench_e2e(models=("smollm2", "tinyllama"), batches=(1, 16), prompt_len: int 
             for fn in runs.values():  # warm-up: routing measurements, first-touch of the caches
                 fn(2)
             pre, dec = {k: [] for k in runs}, {k: [] for k in runs}
+            reads = []
             for _ in range(repeats):  # formats interleaved repeat by repeat: load changes hit all alike
                 for label, fn in runs.items():
                     t0 = time.perf_counter()
@@ -139,6 +143,8 @@ def bench_e2e(models=("smollm2", "tinyllama"), batches=(1, 16), prompt_len: int 
                     tn = time.perf_counter() - t1
                     pre[label].append(b * prompt_len / (t1 - t0))
                     dec[label].append(b * (new_tokens - 1) / max(tn - (t1 - t0), 1e-9))
+                reads.append(stream_read_gbps(repeat=3))
+            bw = statistics.median(reads)
             kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * b * (prompt_len + new_tokens // 2)
             for label in runs:
                 step = wbytes[label] + kv
@@ -177,8 +183,9 @@ def main(argv=None) -> None:
           f"(paths {', '.join(atb.quant.isa_paths())}); CPU features: {info['cpu_features']}")
     if a.e2e:
         rows = bench_e2e(a.models, tuple(a.batches), repeats=a.repeats, hf=not a.no_hf)
-        print(f"# streaming read: {rows[0]['bandwidth']:.1f} GB/s; 128-token prompt, 32 decode steps; roofline = "
-              f"decode tok/s / (batch x bandwidth / bytes per step)")
+        reads = ", ".join(f"{r['model']} batch {r['batch']} {r['bandwidth']:.1f}" for r in rows if r["format"] == "bf16")
+        print(f"# streaming read (GB/s, median of one read per round among the runs): {reads}; 128-token prompt, "
+              f"32 decode steps; roofline = decode tok/s / (batch x bandwidth / bytes per step)")
         print(format_e2e(rows))
         return
     rows = bench_quant(a.models, tuple(a.m), repeats=3 if a.quick else 7, quick=a.quick)
