@@ -2,30 +2,36 @@
 
     python -m atb.bench.serve [--dtype bfloat16] [--concurrency 1,4,16,32] [--requests-per-client 2]
                               [--prompt 128] [--new 128] [--threads N] [--max-prefill-tokens N]
-                              [--json PATH]
+                              [--rounds 3] [--overhead-rounds 3] [--json PATH]
 
 Starts ``python -m atb serve`` as a subprocess on 127.0.0.1 (the load
 generator here shares no interpreter lock with the engine), then, for each
 concurrency C, runs C clients that each send ``--requests-per-client``
 streaming completions back to back: random ``--prompt``-token prompts (token
 ids, so every prompt has exactly that length), ``--new`` output tokens with
-EOS ignored. Reported per level: requests/s and output tok/s over the level's
-wall time, time to first token (request sent -> first text chunk) and
-inter-token latency (gaps between chunks) at p50/p99.
+EOS ignored. The levels take turns for ``--rounds`` rounds. Reported per level,
+as medians over the rounds: requests/s and output tok/s over the level's wall
+time, time to first token (request sent -> first text chunk) and inter-token
+latency (gaps between chunks) at p50/p99; the scaling from concurrency 1 to 16
+is the median of the rounds' ratios.
 
-Finally the server is stopped and the same prompt runs in this process
-through ``TransformerInfer.generate`` (batch 1, same dtype and lengths): the
-ratio of HTTP tok/s at concurrency 1 to that is the HTTP overhead. The machine
-is shared, so read the ratios, not the absolute numbers.
+Finally (when concurrency 1 is among the levels), with the server still up but
+idle, the same prompt runs in turns through one HTTP request and through
+``TransformerInfer.generate`` in this process (batch 1, same dtype and
+lengths), ``--overhead-rounds`` times: one minus the median of the per-round
+ratios of their tok/s is the HTTP overhead. The machine is shared and its
+speed drifts, so read the ratios, not the absolute numbers.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -149,6 +155,12 @@ async def _one(conn: _Connection, prompt: list[int], new: int) -> dict:
             "tokens": tokens, "seconds": t1 - t0}
 
 
+def _median_level(runs: list[dict]) -> dict:
+    """One level's rounds as one row: the median of each measure over the rounds."""
+    return {k: (statistics.median(r[k] for r in runs) if k.endswith(("_s", "_per_s")) else runs[0][k])
+            for k in runs[0]} | {"rounds": len(runs)}
+
+
 async def run_level(port: int, prompts: list[list[int]], concurrency: int, per_client: int, new: int) -> dict:
     conns = [_Connection("127.0.0.1", port) for _ in range(concurrency)]
     try:
@@ -171,32 +183,56 @@ async def run_level(port: int, prompts: list[list[int]], concurrency: int, per_c
             "itl_p50_s": _pct(itl, 50), "itl_p99_s": _pct(itl, 99)}
 
 
-def in_process_tok_s(args, prompt: list[int]) -> float:
-    """Output tok/s of ``generate`` on one prompt, prefill included (as an HTTP request's time includes it)."""
-    import atb
-    from atb.checkpoints import load_model
+class InProcess:
+    """``TransformerInfer.generate`` in this process on one prompt (batch 1), for the HTTP overhead.
 
-    model, _ = load_model(dtype=_DTYPES[args.dtype])
-    if args.threads:
-        atb.set_num_threads(args.threads)
-    infer = atb.TransformerInfer(model, max_seq_len=args.prompt + args.new, max_batch_size=1)
-    rates = []
+    Every call runs on one worker thread, as the server's engine thread runs, so that the ratio to HTTP
+    isolates the HTTP path. (On the 2-core host of 2026-11-30 under a load average of ~14, generate from
+    the main thread was 10-80x slower than from a worker thread unless OMP_WAIT_POLICY=PASSIVE: the main
+    thread's libgomp team spin-waits against the other processes. That cost is not HTTP's.)"""
 
-    def measure():
-        infer.generate([prompt], max_new_tokens=4, eos_token_id=[])  # warm-up
-        for _ in range(2):
+    def __init__(self, args):
+        self.args = args
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        self.infer = self.pool.submit(self._load).result()
+
+    def _load(self):
+        import atb
+        from atb.checkpoints import load_model
+
+        model, _ = load_model(dtype=_DTYPES[self.args.dtype])
+        if self.args.threads:
+            atb.set_num_threads(self.args.threads)
+        return atb.TransformerInfer(model, max_seq_len=self.args.prompt + self.args.new, max_batch_size=1)
+
+    def tok_s(self, prompt: list[int]) -> float:
+        """Output tok/s of one generate, prefill included (as an HTTP request's time includes it)."""
+        def run():
             t0 = time.perf_counter()
-            out = infer.generate([prompt], max_new_tokens=args.new, eos_token_id=[])[0]
-            rates.append(len(out) / (time.perf_counter() - t0))
+            out = self.infer.generate([prompt], max_new_tokens=self.args.new, eos_token_id=[])[0]
+            return len(out) / (time.perf_counter() - t0)
+        return self.pool.submit(run).result()
 
-    # On a worker thread, as the server's engine thread runs, so that the ratio to HTTP isolates the HTTP
-    # path. (On the 2-core host of 2026-11-30 under a load average of ~14, generate from the main thread
-    # was 10-80x slower than from a worker thread unless OMP_WAIT_POLICY=PASSIVE: the main thread's
-    # libgomp team spin-waits against the other processes. That cost is not HTTP's.)
-    worker = threading.Thread(target=measure)
-    worker.start()
-    worker.join()
-    return max(rates)
+    def close(self):
+        self.pool.shutdown()
+
+
+def http_overhead(port: int, args, prompt: list[int], rounds: int) -> dict:
+    """HTTP at concurrency 1 against in-process generate, in turns: one request, then one generate, per
+    round. The machine's speed drifts by tens of percent over minutes, so the two are measured side by
+    side and the overhead is one minus the median of the per-round ratios."""
+    local = InProcess(args)
+    try:
+        local.tok_s(prompt)  # warm-up: kernels, routing, the KV pool
+        http, inproc = [], []
+        for _ in range(rounds):
+            http.append(asyncio.run(run_level(port, [prompt], 1, 1, args.new))["output_tok_s"])
+            inproc.append(local.tok_s(prompt))
+    finally:
+        local.close()
+    ratio = statistics.median(h / i for h, i in zip(http, inproc))
+    return {"http_tok_s": statistics.median(http), "in_process_tok_s": statistics.median(inproc),
+            "http_over_in_process_c1": ratio}
 
 
 def main(argv=None) -> int:
@@ -209,38 +245,50 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0, help="atb threads in the server (default: torch's)")
     p.add_argument("--max-prefill-tokens", type=int, default=0,
                    help="the server's per-step prefill budget (default: the server's own)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds over the levels, in turns (medians)")
+    p.add_argument("--overhead-rounds", type=int, default=3,
+                   help="rounds of one HTTP request and one in-process generate, in turns (HTTP overhead)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    if min(args.concurrency) < 1 or args.requests_per_client < 1 or args.prompt < 1 or args.new < 2:
-        p.error("--concurrency values, --requests-per-client and --prompt must be >= 1, --new >= 2")
+    if (min(args.concurrency) < 1 or args.requests_per_client < 1 or args.prompt < 1 or args.new < 2
+            or args.overhead_rounds < 1 or args.rounds < 1):
+        p.error("--concurrency values, --requests-per-client, --prompt, --rounds and --overhead-rounds must be "
+                ">= 1, --new >= 2")
 
     port = _free_port()
     prompts = _prompts(max(args.concurrency) * args.requests_per_client, args.prompt, 49152, seed=0)
     server = start_server(args, port)
-    rows = []
+    runs = {c: [] for c in args.concurrency}
     try:
-        for c in args.concurrency:
-            rows.append(asyncio.run(run_level(port, prompts, c, args.requests_per_client, args.new)))
-            r = rows[-1]
-            print(f"concurrency {c:>3}: {r['requests_per_s']:6.2f} req/s {r['output_tok_s']:8.1f} out tok/s  "
-                  f"TTFT p50 {r['ttft_p50_s'] * 1e3:7.1f} ms p99 {r['ttft_p99_s'] * 1e3:7.1f} ms  "
+        # The levels take turns, round by round: the machine's speed drifts over minutes, so each level's
+        # medians cover the same stretch of time and the ratios between levels hold.
+        for _ in range(args.rounds):
+            for c in args.concurrency:
+                runs[c].append(asyncio.run(run_level(port, prompts, c, args.requests_per_client, args.new)))
+        rows = [_median_level(runs[c]) for c in args.concurrency]
+        for r in rows:
+            print(f"concurrency {r['concurrency']:>3}: {r['requests_per_s']:6.2f} req/s {r['output_tok_s']:8.1f} "
+                  f"out tok/s  TTFT p50 {r['ttft_p50_s'] * 1e3:7.1f} ms p99 {r['ttft_p99_s'] * 1e3:7.1f} ms  "
                   f"ITL p50 {r['itl_p50_s'] * 1e3:6.1f} ms p99 {r['itl_p99_s'] * 1e3:6.1f} ms", flush=True)
+        by_c = {r["concurrency"]: r for r in rows}
+        overhead = http_overhead(port, args, prompts[0], args.overhead_rounds) if 1 in by_c else None
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
-    local = in_process_tok_s(args, prompts[0])
     summary = {"dtype": args.dtype, "prompt": args.prompt, "new": args.new, "cpu_count": os.cpu_count(),
-               "in_process_tok_s": local, "levels": rows}
-    print(f"in-process generate (batch 1): {local:.1f} tok/s")
-    by_c = {r["concurrency"]: r for r in rows}
-    if 1 in by_c:
-        http1 = by_c[1]["output_tok_s"]
-        summary["http_over_in_process_c1"] = http1 / local
-        print(f"HTTP at concurrency 1 / in-process: {http1 / local:.3f} (overhead {100 * (1 - http1 / local):.1f}%)")
-        if 16 in by_c:
-            summary["scaling_c16_over_c1"] = by_c[16]["output_tok_s"] / http1
-            print(f"output tok/s at concurrency 16 / concurrency 1: {summary['scaling_c16_over_c1']:.2f}x")
+               "levels": rows}
+    if overhead:
+        summary.update(overhead)
+        ratio = overhead["http_over_in_process_c1"]
+        print(f"HTTP at concurrency 1 against in-process generate (batch 1), {args.overhead_rounds} rounds in "
+              f"turns: {overhead['http_tok_s']:.1f} against {overhead['in_process_tok_s']:.1f} tok/s; median "
+              f"per-round ratio {ratio:.3f} (overhead {100 * (1 - ratio):.1f}%)")
+    if 1 in runs and 16 in runs:
+        scaling = statistics.median(a["output_tok_s"] / b["output_tok_s"] for a, b in zip(runs[16], runs[1]))
+        summary["scaling_c16_over_c1"] = scaling
+        print(f"output tok/s at concurrency 16 / concurrency 1 (median of {args.rounds} rounds' ratios): "
+              f"{scaling:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)
