@@ -14,7 +14,9 @@ of the weight-streaming roofline (weight bytes per step / streaming-read
 bandwidth: the median of one read per repeat round, taken among the runs), prefill as a fraction of the GEMM peak
 (torch.matmul on 1024^3, measured in this run: fp32, or for fp16/bf16 the larger of that dtype and fp32,
 ``atb.bench.roofline.gemm_gflops``; prefill FLOPs
-counted as 2 x the layers' linear parameters x tokens). Medians over ``--repeats``.
+counted as 2 x the layers' linear parameters x tokens). Medians over ``--repeats``
+rounds, in each of which every path at every batch size runs once (so batch 16's
+``x b1``, the median of the rounds' ratios, compares runs minutes apart at most).
 """
 from __future__ import annotations
 
@@ -47,34 +49,39 @@ def _load(name: str, dtype: torch.dtype):
     return load_model(dtype=dtype)[0]
 
 
-def bench_one(model, prompts, new: int, repeats: int, modes: list[str]) -> dict:
+def bench_batches(model, prompts_by_batch: dict[int, list[list[int]]], new: int, repeats: int,
+                  modes: list[str]) -> dict[int, dict]:
     """Prefill/decode rates of TransformerInfer in each mode ("graph", "python"), of the patched model
-    ("patched") and of HF generate."""
+    ("patched") and of HF generate, at every batch size: {batch: results}.
+
+    Every path at every batch takes its turn in each repeat round: the machine is shared and its speed
+    drifts over minutes, so each median covers the same stretch of time as the others' and the ratios hold,
+    between paths and between batch sizes (a batch's ``decode_vs_batch1`` is the median of the rounds'
+    ratios to batch 1)."""
     import atb
 
-    batch = len(prompts)
-    ids = torch.tensor(prompts)
-    mask = torch.ones_like(ids)
+    runners = {}  # (batch, name) -> fn(n)
+    for b, prompts in prompts_by_batch.items():
+        ids = torch.tensor(prompts)
+        mask = torch.ones_like(ids)
 
-    def hf(n):
-        model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        def hf(n, ids=ids, mask=mask):
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
 
-    runners = {}
-    for mode in modes:
-        if mode == "patched":
-            runners[mode] = hf  # run between patch_hf_model and unpatch_hf_model below
-            continue
-        infer = atb.TransformerInfer(model, max_seq_len=len(prompts[0]) + new, max_batch_size=batch,
-                                     block_size=128, graph_mode=mode == "graph")
+        for mode in modes:
+            if mode == "patched":
+                runners[(b, mode)] = hf  # run between patch_hf_model and unpatch_hf_model below
+                continue
+            infer = atb.TransformerInfer(model, max_seq_len=len(prompts[0]) + new, max_batch_size=b,
+                                         block_size=128, graph_mode=mode == "graph")
 
-        def ours(n, infer=infer):
-            out = infer.generate(prompts, n, eos_token_id=[])
-            assert all(len(o) == n for o in out)
+            def ours(n, infer=infer, prompts=prompts):
+                out = infer.generate(prompts, n, eos_token_id=[])
+                assert all(len(o) == n for o in out)
 
-        runners[mode] = ours
-
-    runners["hf"] = hf
-    res = {"batch": batch, "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+            runners[(b, mode)] = ours
+        runners[(b, "hf")] = hf
+    weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
     def timed(name, fn, n):
         if name == "patched":
@@ -87,33 +94,46 @@ def bench_one(model, prompts, new: int, repeats: int, modes: list[str]) -> dict:
             if name == "patched":
                 atb.unpatch_hf_model(model)
 
-    for name, fn in runners.items():
+    for (_, name), fn in runners.items():
         timed(name, fn, 2)  # warm-up: kernels, allocator, first touch of the KV pool
-    # The paths take turns, repeat by repeat: the machine is shared and its speed drifts over minutes, so
-    # each path's median then covers the same stretch of time as the others' and the ratios hold.
-    prefill = {name: [] for name in runners}
-    total = {name: [] for name in runners}
+    prefill = {key: [] for key in runners}
+    total = {key: [] for key in runners}
     # The roofline's streaming read is sampled in every round too: this machine's read rate drifts (31-53 GB/s
     # between runs of one session), so a single read taken before the runs can be far from the rate the decode
     # steps met, in either direction; the median of reads taken among them is the same stretch of time.
-    reads = []
+    reads = {b: [] for b in prompts_by_batch}
     for _ in range(repeats):
-        for name, fn in runners.items():
-            prefill[name].append(timed(name, fn, 1))
-            total[name].append(timed(name, fn, new))
-        reads.append(stream_read_gbps(res["weights_bytes"], repeat=3))
-    res["stream_read_GB_s"] = statistics.median(reads)
-    for name in runners:
-        t_prefill, t_total = statistics.median(prefill[name]), statistics.median(total[name])
+        for b in prompts_by_batch:
+            for (rb, name), fn in runners.items():
+                if rb == b:
+                    prefill[(b, name)].append(timed(name, fn, 1))
+                    total[(b, name)].append(timed(name, fn, new))
+            reads[b].append(stream_read_gbps(weights_bytes, repeat=3))
+
+    def decode_rate(b, t_prefill, t_total):
         # Under noise a short decode can time below its own prefill: say so (NaN) rather than print nonsense.
-        decode_s = t_total - t_prefill if t_total > 1.05 * t_prefill else float("nan")
-        res[name] = {
-            "prefill_tok_s": batch * len(prompts[0]) / t_prefill,
-            "decode_tok_s": batch * (new - 1) / decode_s,
-            "step_ms": 1e3 * decode_s / (new - 1),
-            "throughput_tok_s": batch * new / t_total,
-        }
-    return res
+        return b * (new - 1) / (t_total - t_prefill) if t_total > 1.05 * t_prefill else float("nan")
+
+    out = {}
+    for b, prompts in prompts_by_batch.items():
+        res = {"batch": b, "weights_bytes": weights_bytes, "stream_read_GB_s": statistics.median(reads[b])}
+        for (rb, name) in runners:
+            if rb != b:
+                continue
+            t_prefill, t_total = statistics.median(prefill[(b, name)]), statistics.median(total[(b, name)])
+            rate = decode_rate(b, t_prefill, t_total)
+            res[name] = {
+                "prefill_tok_s": b * len(prompts[0]) / t_prefill,
+                "decode_tok_s": rate,
+                "step_ms": 1e3 * b / rate,  # NaN with the rate
+                "throughput_tok_s": b * new / t_total,
+            }
+            if b != 1 and (1, name) in runners:
+                per_round = [decode_rate(b, p, t) / decode_rate(1, p1, t1) for p, t, p1, t1 in
+                             zip(prefill[(b, name)], total[(b, name)], prefill[(1, name)], total[(1, name)])]
+                res[name]["decode_vs_batch1"] = statistics.median(per_round)
+        out[b] = res
+    return out
 
 
 def main(argv=None) -> list[dict]:
@@ -151,13 +171,12 @@ def main(argv=None) -> list[dict]:
             linear_params = sum(m.weight.numel() for m in model.modules()
                                 if isinstance(m, torch.nn.Linear) and m is not head)
             peak = gemm_gflops(dtype) * 1e9
-            per_batch = {}
-            for b in (int(x) for x in args.batches.split(",")):
-                r = bench_one(model, _prompts(b, args.prompt, model.config.vocab_size, seed=b), args.new,
-                              args.repeats, modes)
+            batches = [int(x) for x in args.batches.split(",")]
+            per_batch = bench_batches(model, {b: _prompts(b, args.prompt, model.config.vocab_size, seed=b)
+                                              for b in batches}, args.new, args.repeats, modes)
+            for b, r in per_batch.items():
                 bw = r["stream_read_GB_s"] * 1e9
                 r.update(model=mname, dtype=dname, bandwidth_GB_s=bw / 1e9, gemm_peak_GFLOP_s=peak / 1e9)
-                per_batch[b] = r
                 results.append(r)
                 for name in modes + ["hf"]:
                     m = r[name]
@@ -167,8 +186,6 @@ def main(argv=None) -> list[dict]:
                     # One decode step streams every weight once, whatever the batch.
                     m["roofline_fraction"] = m["decode_tok_s"] / b * weights / bw
                     m["prefill_peak_fraction"] = m["prefill_tok_s"] * 2 * linear_params / peak
-                    if 1 in per_batch and b != 1:
-                        m["decode_vs_batch1"] = m["decode_tok_s"] / per_batch[1][name]["decode_tok_s"]
                 if not args.json:
                     for name in modes + ["hf"]:
                         m = r[name]
