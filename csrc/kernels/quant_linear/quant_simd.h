@@ -97,6 +97,9 @@ void QuantizeXInt16(int16_t* xq, float* scale, const float* x, int64_t kLen);
 const QuantSimdOps& QuantSimd();
 const QuantSimdOps* QuantPortableOps();
 const QuantSimdOps* QuantAvx2Ops();    // null when not compiled in
+// The AVX2 table tuned for a CPU that also runs AVX-512, whose int16 GEMVs the avx512-i16 path takes
+// (their far weight prefetch at the distance measured there); null when not compiled in.
+const QuantSimdOps* QuantAvx2OpsForAvx512Host();
 const QuantSimdOps* QuantAvx512Ops();  // null when not compiled in
 // "auto", "avx512-i16" (quant_simd.cpp), "avx512", "avx2" or "portable"; throws when the CPU cannot run it.
 void SelectQuantSimd(const std::string& isa);

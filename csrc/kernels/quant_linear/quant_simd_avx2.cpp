@@ -104,9 +104,9 @@ __attribute__((always_inline)) inline void AddMinLanes(__m256 (&a)[NR][MB], cons
 // scale (GemvI16 folds them while widening 16-bit scales), one vmulps fewer per row and chunk: the same
 // product, rounded once as before (x's scale is a power of two). Zen 3, 2 threads, 3072x576 and
 // 8192x576, M = 1, median per-round ratio over 31-41 interleaved rounds: 0.974-0.986.
-constexpr int64_t kI16FarBytes = 16 * 1024;
-
-template <int Bits, int NR, int MB, bool kGroupPerChunk, bool kXScaled = false>
+//
+// FarBytes: how far ahead the second prefetch requests the weights, into L2 (see GemvI16Ops).
+template <int Bits, int NR, int MB, bool kGroupPerChunk, bool kXScaled, int64_t FarBytes>
 void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const float* xsc, int64_t ldxc,
                   const float* xg, int64_t ldxg, const uint8_t* q, int64_t ldq, const float* scale, const float* min,
                   int64_t lds, int64_t kLen, int64_t G, bool accumulate) {
@@ -116,14 +116,14 @@ void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const fl
   for (int r = 0; r < NR; ++r)
     for (int mb = 0; mb < MB; ++mb) a[r][mb] = t[r][mb] = _mm256_setzero_ps();
   // Rows are a few hundred bytes: fetch the next block while this one is used (ascendc/block_prefetch.h),
-  // and, into L2, the block kI16FarBytes ahead: one block ahead is ~70 ns of this loop, less than a DRAM
+  // and, into L2, the block FarBytes ahead: one block ahead is ~70 ns of this loop, less than a DRAM
   // round trip, so on its own each block still waited on memory (the W4 decode GEMV took about its
   // arithmetic plus its bytes' transfer time). Zen 4, 2 threads, SmolLM2 decode graph step, medians of
   // per-round ratios over 7-15 interleaved rounds, near only -> near + far at 8 / 16 KiB: W8A16 0.86-0.97
   // / 0.95, W4A16 G32 0.95-1.00 / 0.93-0.99 (the gain largest while the machine's read rate was low).
   const AscendC::BlockPrefetch<NR> prefetch(q, ldq, kLen * Bits / 8);
   const AscendC::BlockPrefetch<NR, 2> farPrefetch(q, ldq, kLen * Bits / 8,
-                                                  int(std::max<int64_t>(1, kI16FarBytes / (NR * ldq))));
+                                                  int(std::max<int64_t>(1, FarBytes / (NR * ldq))));
   // Chunk c of every row into t (or, one group per chunk, into a at the group's scale).
   auto chunk = [&](int64_t c) __attribute__((always_inline)) {
     __m256i xv[MB][2];
@@ -247,7 +247,7 @@ inline void WidenScaleRows(const QuantScaleRows& sc, bool w4, int64_t n0, int64_
 // first stalled on those loads: 12-24% of the op's samples. Zen 3, 2 threads, M = 1, bf16 x, W4 G32 fp16
 // scales, cold weights, median per-round ratio over 41 interleaved rounds: 8192x576 0.957, 3072x576
 // 0.979, 576x1536 0.949.
-template <int Bits>
+template <int Bits, int64_t FarBytes>
 void GemvI16(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const float* xsc, int64_t ldxc, const float* xsum,
              int64_t ldxs, const uint8_t* q, int64_t ldq, const QuantScaleRows& sc, int64_t M, int64_t N,
              int64_t kLen, int64_t G, bool acc) {
@@ -273,9 +273,9 @@ void GemvI16(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const float* 
       widened = std::max(widened, upto);
     }
     // xScaled implies M == 1, so MB == 1 wherever it holds.
-    auto block = Bits != 4 || G != 32 ? GemvI16Block<Bits, NR, MB, false>
-                 : xScaled            ? GemvI16Block<Bits, NR, MB, true, MB == 1>
-                                      : GemvI16Block<Bits, NR, MB, true>;
+    auto block = Bits != 4 || G != 32 ? GemvI16Block<Bits, NR, MB, false, false, FarBytes>
+                 : xScaled            ? GemvI16Block<Bits, NR, MB, true, MB == 1, FarBytes>
+                                      : GemvI16Block<Bits, NR, MB, true, false, FarBytes>;
     block(y + m * ldy + n, ldy, x + m * ldx, ldx, xsc + m * ldxc, ldxc, xg, ng, q + n * ldq, ldq, scale + n * lds,
           Bits == 4 ? min + n * lds : nullptr, lds, kLen, G, acc);
   };
@@ -297,29 +297,41 @@ void GemvI16(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const float* 
   }
 }
 
+template <int64_t FarBytes>
 void GemvW4I16(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const float* xsc, int64_t ldxc,
                const float* xsum, int64_t ldxs, const uint8_t* q, int64_t ldq, const QuantScaleRows& sc, int64_t M,
                int64_t N, int64_t kLen, int64_t G, bool acc) {
-  GemvI16<4>(y, ldy, x, ldx, xsc, ldxc, xsum, ldxs, q, ldq, sc, M, N, kLen, G, acc);
+  GemvI16<4, FarBytes>(y, ldy, x, ldx, xsc, ldxc, xsum, ldxs, q, ldq, sc, M, N, kLen, G, acc);
 }
 
+template <int64_t FarBytes>
 void GemvW8I16(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const float* xsc, int64_t ldxc, const int8_t* q,
                int64_t ldq, const QuantScaleRows& sc, int64_t M, int64_t N, int64_t kLen, int64_t G, bool acc) {
-  GemvI16<8>(y, ldy, x, ldx, xsc, ldxc, nullptr, 0, reinterpret_cast<const uint8_t*>(q), ldq, sc, M, N, kLen, G,
-             acc);
+  GemvI16<8, FarBytes>(y, ldy, x, ldx, xsc, ldxc, nullptr, 0, reinterpret_cast<const uint8_t*>(q), ldq, sc, M, N,
+                       kLen, G, acc);
 }
 
+// The int16 GEMVs with the far prefetch FarBytes ahead. The distance that pays differs between the machines
+// measured: Zen 4 (AVX-512, where they run as the avx512-i16 path) 8-16 KiB for W8 and 8-32 KiB for W4 of 4-32;
+// Zen 3 (AVX2 only) shorter. Zen 3, 2 threads, cold weights, bf16 x, M = 1, median per-round time ratio over 16
+// interleaved rounds in one process, 16 -> 4 KiB: W8 3072x576 0.959-0.980, 576x1536 0.972-0.974, 960x576
+// 0.959, the 49152x576 LM head 0.932-0.939; W4 G32 0.946-0.996; SmolLM2 W8A16 decode step 0.910 and 0.931 over
+// 11-15 rounds (W4A16 0.98-1.00). The two machines' DRAM differ too (~27 against ~47 GB/s read).
+template <int64_t FarBytes>
 constexpr QuantSimdOps WithInt16(QuantSimdOps ops) {
-  ops.gemv_w4_i16 = GemvW4I16;
-  ops.gemv_w8_i16 = GemvW8I16;
+  ops.gemv_w4_i16 = GemvW4I16<FarBytes>;
+  ops.gemv_w8_i16 = GemvW8I16<FarBytes>;
   return ops;
 }
 
-constexpr QuantSimdOps kOps = WithInt16(MakeQuantOps<V256>("avx2"));
+constexpr int64_t kAvx2FarBytes = 4 * 1024, kAvx512FarBytes = 16 * 1024;
+constexpr QuantSimdOps kOps = WithInt16<kAvx2FarBytes>(MakeQuantOps<V256>("avx2"));
+constexpr QuantSimdOps kAvx512HostOps = WithInt16<kAvx512FarBytes>(MakeQuantOps<V256>("avx2"));
 
 }  // namespace
 
 const QuantSimdOps* QuantAvx2Ops() { return &kOps; }
+const QuantSimdOps* QuantAvx2OpsForAvx512Host() { return &kAvx512HostOps; }
 
 }  // namespace atb
 
@@ -328,5 +340,6 @@ const QuantSimdOps* QuantAvx2Ops() { return &kOps; }
 #else
 namespace atb {
 const QuantSimdOps* QuantAvx2Ops() { return nullptr; }
+const QuantSimdOps* QuantAvx2OpsForAvx512Host() { return nullptr; }
 }  // namespace atb
 #endif
