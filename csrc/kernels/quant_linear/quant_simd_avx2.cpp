@@ -105,7 +105,7 @@ __attribute__((always_inline)) inline void AddMinLanes(__m256 (&a)[NR][MB], cons
 // product, rounded once as before (x's scale is a power of two). Zen 3, 2 threads, 3072x576 and
 // 8192x576, M = 1, median per-round ratio over 31-41 interleaved rounds: 0.974-0.986.
 //
-// FarBytes: how far ahead the second prefetch requests the weights, into L2 (see GemvI16Ops).
+// FarBytes: how far ahead the second prefetch requests the weights, into L2 (see WithInt16).
 template <int Bits, int NR, int MB, bool kGroupPerChunk, bool kXScaled, int64_t FarBytes>
 void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const float* xsc, int64_t ldxc,
                   const float* xg, int64_t ldxg, const uint8_t* q, int64_t ldq, const float* scale, const float* min,
