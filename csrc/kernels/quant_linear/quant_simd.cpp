@@ -44,8 +44,8 @@ const QuantSimdOps* Avx512WithInt16() {
   static const QuantSimdOps ops = [] {
     QuantSimdOps o = *QuantAvx512Ops();
     o.isa = "avx512-i16";
-    o.gemv_w4_i16 = QuantAvx2OpsForAvx512Host()->gemv_w4_i16;
-    o.gemv_w8_i16 = QuantAvx2OpsForAvx512Host()->gemv_w8_i16;
+    o.gemv_w4_i16 = QuantAvx2Int16GemvsForAvx512Host()->w4;
+    o.gemv_w8_i16 = QuantAvx2Int16GemvsForAvx512Host()->w8;
     return o;
   }();
   return &ops;

@@ -97,9 +97,13 @@ void QuantizeXInt16(int16_t* xq, float* scale, const float* x, int64_t kLen);
 const QuantSimdOps& QuantSimd();
 const QuantSimdOps* QuantPortableOps();
 const QuantSimdOps* QuantAvx2Ops();    // null when not compiled in
-// The AVX2 table tuned for a CPU that also runs AVX-512, whose int16 GEMVs the avx512-i16 path takes
-// (their far weight prefetch at the distance measured there); null when not compiled in.
-const QuantSimdOps* QuantAvx2OpsForAvx512Host();
+// The AVX2 table's int16 GEMVs built for a CPU that also runs AVX-512 (their far weight prefetch at the
+// distance measured there), which the avx512-i16 path takes; null when not compiled in.
+struct QuantInt16Gemvs {
+  decltype(QuantSimdOps::gemv_w4_i16) w4;
+  decltype(QuantSimdOps::gemv_w8_i16) w8;
+};
+const QuantInt16Gemvs* QuantAvx2Int16GemvsForAvx512Host();
 const QuantSimdOps* QuantAvx512Ops();  // null when not compiled in
 // "auto", "avx512-i16" (quant_simd.cpp), "avx512", "avx2" or "portable"; throws when the CPU cannot run it.
 void SelectQuantSimd(const std::string& isa);

@@ -105,7 +105,7 @@ __attribute__((always_inline)) inline void AddMinLanes(__m256 (&a)[NR][MB], cons
 // product, rounded once as before (x's scale is a power of two). Zen 3, 2 threads, 3072x576 and
 // 8192x576, M = 1, median per-round ratio over 31-41 interleaved rounds: 0.974-0.986.
 //
-// FarBytes: how far ahead the second prefetch requests the weights, into L2 (see WithInt16).
+// FarBytes: how far ahead the second prefetch requests the weights, into L2 (see kInt16Gemvs).
 template <int Bits, int NR, int MB, bool kGroupPerChunk, bool kXScaled, int64_t FarBytes>
 void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const float* xsc, int64_t ldxc,
                   const float* xg, int64_t ldxg, const uint8_t* q, int64_t ldq, const float* scale, const float* min,
@@ -318,20 +318,21 @@ void GemvW8I16(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const float
 // 0.959, the 49152x576 LM head 0.932-0.939; W4 G32 0.946-0.996; SmolLM2 W8A16 decode step 0.910 and 0.931 over
 // 11-15 rounds (W4A16 0.98-1.00). The two machines' DRAM differ too (~27 against ~47 GB/s read).
 template <int64_t FarBytes>
-constexpr QuantSimdOps WithInt16(QuantSimdOps ops) {
-  ops.gemv_w4_i16 = GemvW4I16<FarBytes>;
-  ops.gemv_w8_i16 = GemvW8I16<FarBytes>;
+constexpr QuantInt16Gemvs kInt16Gemvs = {GemvW4I16<FarBytes>, GemvW8I16<FarBytes>};
+
+constexpr QuantSimdOps WithInt16(QuantSimdOps ops, const QuantInt16Gemvs& gemvs) {
+  ops.gemv_w4_i16 = gemvs.w4;
+  ops.gemv_w8_i16 = gemvs.w8;
   return ops;
 }
 
 constexpr int64_t kAvx2FarBytes = 4 * 1024, kAvx512FarBytes = 16 * 1024;
-constexpr QuantSimdOps kOps = WithInt16<kAvx2FarBytes>(MakeQuantOps<V256>("avx2"));
-constexpr QuantSimdOps kAvx512HostOps = WithInt16<kAvx512FarBytes>(MakeQuantOps<V256>("avx2"));
+constexpr QuantSimdOps kOps = WithInt16(MakeQuantOps<V256>("avx2"), kInt16Gemvs<kAvx2FarBytes>);
 
 }  // namespace
 
 const QuantSimdOps* QuantAvx2Ops() { return &kOps; }
-const QuantSimdOps* QuantAvx2OpsForAvx512Host() { return &kAvx512HostOps; }
+const QuantInt16Gemvs* QuantAvx2Int16GemvsForAvx512Host() { return &kInt16Gemvs<kAvx512FarBytes>; }
 
 }  // namespace atb
 
@@ -340,6 +341,6 @@ const QuantSimdOps* QuantAvx2OpsForAvx512Host() { return &kAvx512HostOps; }
 #else
 namespace atb {
 const QuantSimdOps* QuantAvx2Ops() { return nullptr; }
-const QuantSimdOps* QuantAvx2OpsForAvx512Host() { return nullptr; }
+const QuantInt16Gemvs* QuantAvx2Int16GemvsForAvx512Host() { return nullptr; }
 }  // namespace atb
 #endif
