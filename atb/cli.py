@@ -135,17 +135,21 @@ def _atb_quantization(args) -> dict | None:
     return atb_quantization(args.model)
 
 
-def check_atb_quantized(args) -> None:
-    """Refuses, before anything loads, what an ``atb convert --quantize`` --model cannot do: be quantized again
-    (--quantize) or be sliced by tensor parallelism (--tp, which slices float weights)."""
+def check_quantize_args(args) -> None:
+    """Refuses, before anything loads, the --quantize / --tp combinations no engine runs: --quantize under
+    tensor parallelism (--tp slices float weights), and what an ``atb convert --quantize`` --model cannot do:
+    be quantized again (--quantize) or be sliced by --tp."""
+    quantize, tp = getattr(args, "quantize", None), getattr(args, "tp", 1)
+    if quantize is not None and tp > 1:
+        raise UserError(f"--quantize {quantize} and --tp {tp} together are not supported (tensor parallelism "
+                        f"slices float weights): use one or the other")
     qc = _atb_quantization(args)
     if qc is None:
         return
-    quantize = getattr(args, "quantize", None)
     if quantize not in (None, "native"):
         raise UserError(f"--quantize {quantize}: {args.model} is already quantized by atb convert "
                         f"({qc.get('format')}) and runs as stored; leave --quantize out")
-    if getattr(args, "tp", 1) > 1:
+    if tp > 1:
         raise UserError(f"--tp {args.tp}: {args.model} is an atb quantized checkpoint, and tensor parallelism "
                         f"slices float weights: run it without --tp, or give --tp a float checkpoint")
 
@@ -229,7 +233,7 @@ def _engine(args):
     dtype = _torch_dtype(args.dtype)
     _check_soc_dtype(args.soc_type, dtype)
     config = _preflight(args)
-    check_atb_quantized(args)
+    check_quantize_args(args)
     max_seq_len = _max_seq_len(args, config)
     if args.max_new_tokens >= max_seq_len:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in "
@@ -528,6 +532,11 @@ def _engine_args(sp):
     sp.add_argument("--seed", type=int, default=None)
     sp.add_argument("--soc-type", default="host")
     sp.add_argument("--threads", type=_threads, default=None, help="atb threads (default: as set)")
+    _quantize_arg(sp)
+
+
+def _quantize_arg(sp):
+    """--quantize of the commands that build an engine (generate, chat, serve)."""
     sp.add_argument("--quantize", default=None,
                     help="weight-only quantization: w8a16 | w4a16 (| -g64 | -g128 suffix) | native (a GGUF file's "
                          "Q8_0/Q4_0/Q4_1 tensors as shipped)")
@@ -607,7 +616,7 @@ def _add_socs(sub):
 def _add_serve(sub):
     from atb.serve.cli import add_parser
 
-    add_parser(sub, _model_args)
+    add_parser(sub, _model_args, _quantize_arg)
 
 
 def build_parser() -> argparse.ArgumentParser:

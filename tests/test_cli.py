@@ -115,6 +115,8 @@ def gpt2_dir(tmp_path_factory):
     (("bench", "--plot", "/no/such/dir/out.png"), "does not exist"),
     (("generate", "hi", "--model", "/no/such/model"), "not found"),
     (("generate", "hi", "--max-new-tokens", "4096"), "--max-seq-len"),
+    (("generate", "hi", "--quantize", "w8a16", "--tp", "2"), "--tp 2 together are not supported"),
+    (("serve", "--quantize", "w4a16", "--tp", "2"), "--tp 2 together are not supported"),
 ])
 def test_bad_arguments_fail_before_loading(args, words):
     t0 = time.perf_counter()

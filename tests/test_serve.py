@@ -437,3 +437,36 @@ def test_cli_serves_and_shuts_down_gracefully(tiny_checkpoint, sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_cli_serves_quantized_weights(model_tok):
+    """`atb serve --quantize native`: the embedded checkpoint's Q4_1 tensors as shipped, the same greedy reply
+    as TransformerInfer with quantize="native" in-process, and the startup line says what is served."""
+    model, tok = model_tok
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = _chat_ids(tok, messages[0]["content"])
+    ref = atb.TransformerInfer(model, max_seq_len=512, max_batch_size=1, quantize="native")
+    want = ref.generate([ids], max_new_tokens=16)[0]
+    port = _free_socket().getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "atb", "serve", "--quantize", "native", "--port", str(port),
+                             "--max-seq-len", "512", "--quiet", "--log-level", "info"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_health(url, [proc], timeout=180)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=16,
+                                           temperature=0)
+        assert r.choices[0].message.content == _text(tok, want)
+        assert "Paris" in r.choices[0].message.content
+        assert r.usage.completion_tokens == len(want)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        err = proc.stderr.read()
+        assert "serving SmolLM2-135M-Instruct: dtype float32, weights native" in err, err
+        assert "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,7 +1,8 @@
 """`atb serve` under load: throughput and latency through HTTP at several concurrencies.
 
-    python -m atb.bench.serve [--dtype bfloat16] [--concurrency 1,4,16,32] [--requests-per-client 2]
-                              [--prompt 128] [--new 128] [--threads N] [--max-prefill-tokens N]
+    python -m atb.bench.serve [--dtype bfloat16] [--quantize SPEC] [--concurrency 1,4,16,32]
+                              [--requests-per-client 2] [--prompt 128] [--new 128] [--threads N]
+                              [--max-prefill-tokens N]
                               [--rounds 3] [--overhead-rounds 3] [--json PATH]
 
 Starts ``python -m atb serve`` as a subprocess on 127.0.0.1 (the load
@@ -69,6 +70,8 @@ def start_server(args, port: int) -> subprocess.Popen:
         cmd += ["--threads", str(args.threads)]
     if args.max_prefill_tokens:
         cmd += ["--max-prefill-tokens", str(args.max_prefill_tokens)]
+    if args.quantize:
+        cmd += ["--quantize", args.quantize]
     proc = subprocess.Popen(cmd)
     import httpx
 
@@ -203,7 +206,8 @@ class InProcess:
         model, _ = load_model(dtype=_DTYPES[self.args.dtype])
         if self.args.threads:
             atb.set_num_threads(self.args.threads)
-        return atb.TransformerInfer(model, max_seq_len=self.args.prompt + self.args.new, max_batch_size=1)
+        return atb.TransformerInfer(model, max_seq_len=self.args.prompt + self.args.new, max_batch_size=1,
+                                    quantize=self.args.quantize)
 
     def tok_s(self, prompt: list[int]) -> float:
         """Output tok/s of one generate, prefill included (as an HTTP request's time includes it)."""
@@ -238,6 +242,8 @@ def http_overhead(port: int, args, prompt: list[int], rounds: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m atb.bench.serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    p.add_argument("--quantize", default=None,
+                   help="the server's (and the in-process reference's) --quantize: w8a16 | w4a16[-gN] | native")
     p.add_argument("--concurrency", default="1,4,16,32", help="comma-separated client counts")
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens")
@@ -276,7 +282,7 @@ def main(argv=None) -> int:
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
-    summary = {"dtype": args.dtype, "prompt": args.prompt, "new": args.new, "cpu_count": os.cpu_count(),
+    summary = {"dtype": args.dtype, "quantize": args.quantize, "prompt": args.prompt, "new": args.new, "cpu_count": os.cpu_count(),
                "levels": rows}
     if overhead:
         summary.update(overhead)
