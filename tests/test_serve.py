@@ -4,6 +4,7 @@ Greedy outputs are compared with `TransformerInfer.generate` run alone on a seco
 weights; KV accounting is read back from /metrics.
 """
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -408,16 +409,28 @@ def tiny_checkpoint(tmp_path_factory, model_tok):
     return path
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_cli_serves_and_shuts_down_gracefully(tiny_checkpoint, sig):
+@contextlib.contextmanager
+def _cli_server(*args, timeout: float = 120):
+    """`python -m atb serve ARGS` on a free port of 127.0.0.1, healthy: yields (process, base url); killed if it
+    is still running at the end."""
     port = _free_socket().getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "atb", "serve", "--model", str(tiny_checkpoint), "--port", str(port),
-                             "--max-seq-len", "512", "--quiet", "--log-level", "info"],
+    proc = subprocess.Popen([sys.executable, "-m", "atb", "serve", *args, "--port", str(port), "--max-seq-len", "512",
+                             "--quiet", "--log-level", "info"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_health(url, [proc], timeout=120)
+        wait_health(url, [proc], timeout=timeout)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_cli_serves_and_shuts_down_gracefully(tiny_checkpoint, sig):
+    with _cli_server("--model", str(tiny_checkpoint)) as (proc, url):
         body = {"prompt": "hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
         lines = []
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
@@ -433,10 +446,6 @@ def test_cli_serves_and_shuts_down_gracefully(tiny_checkpoint, sig):
         assert proc.wait(30) == 0
         err = proc.stderr.read()
         assert "finish=abort" in err and "Traceback" not in err
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_cli_serves_quantized_weights(model_tok):
@@ -447,14 +456,7 @@ def test_cli_serves_quantized_weights(model_tok):
     ids = _chat_ids(tok, messages[0]["content"])
     ref = atb.TransformerInfer(model, max_seq_len=512, max_batch_size=1, quantize="native")
     want = ref.generate([ids], max_new_tokens=16)[0]
-    port = _free_socket().getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "atb", "serve", "--quantize", "native", "--port", str(port),
-                             "--max-seq-len", "512", "--quiet", "--log-level", "info"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_health(url, [proc], timeout=180)
+    with _cli_server("--quantize", "native", timeout=180) as (proc, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")
         r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=16,
                                            temperature=0)
@@ -466,7 +468,3 @@ def test_cli_serves_quantized_weights(model_tok):
         err = proc.stderr.read()
         assert "serving SmolLM2-135M-Instruct: dtype float32, weights native" in err, err
         assert "Traceback" not in err
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
