@@ -35,15 +35,21 @@ constexpr int64_t kQuantPackRows = 8;
 //   GEMV     every weight unpacked in registers once per block of x rows (quant_simd.h);
 //   DEQUANT LANES  a panel of the tile's rows dequantized to fp32 in L1 once, then the float STREAM's
 //            lanes Mmad over every x row (QuantLanesPanelRows).
-// On the table with the int16 routes (AVX2), the lanes route from QuantLanesMinRows rows on. Measured on
-// Zen 3, 2 threads, SmolLM2 MLP shapes (576x1536, 1536x576), cold weights, medians of 9 (us, bf16 x):
-//   W4 g32  M=2  GEMV 120-130  lanes 153-167 | M=3  167-178 / 131-135 | M=8  379-423 / 194-216
-//   W8      M=12 GEMV 204-245  lanes 311-535 | M=16 487-576 / 308-438 (the GEMM that M=16 took: the same)
-//   fp32 x  M=4  W8 196-204 / 141-171, W4 242-275 / 140-178;  M=2 the GEMV is ahead
+// On the table with the int16 routes (AVX2), the lanes route from QuantLanesMinRows rows on. With 16-bit x
+// the int16 GEMV (4 x rows per block) is ahead of the lanes route for W4 up to 8 rows and for W8 at every M
+// the STREAM kernel takes. Zen 3, 2 threads, bf16 x, SmolLM2's 960x576, 3072x576, 576x1536 and 49152x576
+// (weights in cache), time against bf16 weights in the same rounds, medians of 7 interleaved rounds:
+//   W4 g32  M=3  GEMV 0.90-0.97  lanes 1.48-1.59 | M=4  1.21-1.28 / 1.42-1.61 | M=8  1.22-1.29 / 1.27-1.41
+//           M=12 1.19-1.30 / 1.07-1.26 | M=16 1.21-1.33 / 1.04-1.27
+//   W8      M=12 GEMV 0.85-1.04  lanes (all rows at 16) 0.89-1.38 | M=16 0.93-1.04 / 1.03-1.29
+// SmolLM2 decode graph step, old thresholds (W4 3, W8 16) against these, in-process A/B over 6 rounds: W4A16
+// batch 3 0.670, 4 0.791, 8 0.872, 16 0.977; W8A16 batch 4 0.897, 8 0.979, 16 0.864. (Measured earlier the
+// other way round, before the int16 GEMV's prefetch and folded scales: W4 M=8 GEMV 379-423 us, lanes 194-216.)
+//   fp32 x  M=4  W8 196-204 / 141-171, W4 242-275 / 140-178 (us);  M=2 the GEMV is ahead
 // Other tables keep the GEMV (their W4 routes, e.g. AVX512-BF16's vdpbf16ps, were not measured against it).
 inline int64_t QuantLanesMinRows(int64_t bits, int64_t xBytes) {
   if (xBytes == 4) return 4;
-  return bits == 4 ? 3 : 16;
+  return bits == 4 ? 10 : kLinearGemmMinRows;  // W8: never below the GEMM kernel's rows
 }
 // Weight rows the lanes route dequantizes at a time: a multiple of the lanes Mmad's 3-row blocks whose fp32
 // values (kTile each) fit in 24 KiB of L1.

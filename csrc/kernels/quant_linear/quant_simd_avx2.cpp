@@ -240,7 +240,11 @@ inline void WidenScaleRows(const QuantScaleRows& sc, bool w4, int64_t n0, int64_
   if (w4) Widen16(sc.minScratch + n0 * g, static_cast<const uint16_t*>(sc.min) + n0 * g, (n1 - n0) * g, bf16);
 }
 
-// Blocks of 2 rows of x (4 weight rows at M == 1, 2 otherwise: 16 ymm registers), tails one by one.
+// Blocks of 4 rows of x and one weight row while 4 rows remain, then of 2 rows of x (4 weight rows at M == 1,
+// 2 otherwise: 16 ymm registers), tails one by one. A block of 4 x rows unpacks each weight once for all 4
+// (x is reloaded from L1 per weight row); every sum is the same chain whatever the block. Zen 3, 2 threads,
+// bf16 x, SmolLM2's shapes in cache, 4-row against 2-row blocks, time ratio: W4 G32 M = 8 0.94-0.97, W8
+// M = 16 0.96-1.01, M = 12 0.81-1.05.
 // fp16/bf16 scales are widened during the first x block, a weight-row block ahead of the block that
 // uses them: the loads of the next block's scales (cold: they stream beside the weights) overlap this
 // block's arithmetic, and the block reads stores long retired. A widening pass over each 64-row tile
@@ -283,10 +287,12 @@ void GemvI16(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const float* 
   using Two = std::integral_constant<int, 2>;
   using Four = std::integral_constant<int, 4>;
   for (int64_t m = 0; m < M;) {
-    int64_t mb = std::min<int64_t>(2, M - m);
+    const int64_t mb = M - m >= 4 ? 4 : std::min<int64_t>(2, M - m);
     if constexpr (Bits == 4) GroupSums(xg, xsum + m * ldxs, ldxs, mb, kLen, G);
     int64_t n = 0;
-    if (mb == 2) {
+    if (mb == 4) {
+      for (; n < N; ++n) rows(One{}, Four{}, m, n, 1);
+    } else if (mb == 2) {
       for (; n + 2 <= N; n += 2) rows(Two{}, Two{}, m, n, 2);
       for (; n < N; ++n) rows(One{}, Two{}, m, n, 1);
     } else {
