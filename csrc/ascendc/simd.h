@@ -104,8 +104,14 @@ struct SimdOps {
   //   tn: C[m][n] (+)= sum_k A[k][m] * B[k][n]
   void (*mmad_tn_f32)(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, int64_t ldb,
                       int64_t M, int64_t N, int64_t K, bool accumulate);
-  // Online-softmax step, fp32: dst = exp(a - b); sum += dst (all elementwise; dst may alias a).
-  void (*exp_sub_acc)(float* dst, const float* a, const float* b, float* sum, int64_t n);
+  // The online softmax's two passes over a score tile S [rows][n] (rows ld elements apart), fp32, vertical:
+  // each of the n columns on its own, so a column's result depends neither on n nor on where it lies.
+  //   col_max:     m[c] = max(m[c], S[r][c]) over r < rows, a NaN S skipped; returns whether any S was NaN.
+  //   exp_sub_acc: dst[r][c] = exp(S[r][c] - b[c]), then sum[c] += dst[r][c] in increasing r (dst may alias S).
+  //                Only for S - b <= 0 (b at least the column's max): the exp is 2^(x log2 e), a degree-6
+  //                polynomial on the fraction (~2 ulp), 0 below 2^-126; NaN and -inf give 0.
+  bool (*col_max)(float* m, const float* S, int64_t ld, int64_t rows, int64_t n);
+  void (*exp_sub_acc)(float* dst, const float* S, int64_t ld, const float* b, float* sum, int64_t rows, int64_t n);
   // Reduces n groups of 8 lanes (mmad_nt_lanes' output): dst[i] = ((l0 + l4) + (l2 + l6)) + ((l1 + l5) +
   // (l3 + l7)) of lanes[8i ..], the same tree on every table.
   void (*sum_lanes8)(float* dst, const float* lanes, int64_t n);

@@ -57,6 +57,24 @@ inline __m256 Exp8(__m256 x) {
   y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
   return _mm256_andnot_ps(under, y);
 }
+// exp(x) for x <= 0, the softmax's case: t = max(x log2(e), -127) splits exactly into n = round(t) and
+// f = t - n in [-1/2, 1/2]; 2^f by a degree-6 polynomial (1.7 ulp), 2^n through the exponent field, which
+// is 0 (so the result is 0) for t < -126.5. NaN and -inf give 0 (max returns its bound). Half the work of
+// Exp8, whose range reduction, clamps and underflow mask serve any x.
+inline __m256 ExpNonPositive8(__m256 x) {
+  __m256 t = _mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(-127.0f));
+  __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.537173957331106e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3399693416431546e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618369862437248e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5503297597169876e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022649228572845e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471824645996e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
 inline __m256 Silu8(__m256 x) {
   __m256 e = Exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
   // Exp8 clamps exp(+inf) to a finite value, so silu(-inf) would be -inf; torch
@@ -349,21 +367,44 @@ void MmadTN(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, 
   MmadBlocked<float, Load8, Load1, true>(C, ldc, A, lda, B, ldb, M, N, K, acc);
 }
 
-void ExpSubAcc(float* d, const float* a, const float* b, float* sum, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
-    _mm256_storeu_ps(d + i, e);
-    _mm256_storeu_ps(sum + i, _mm256_add_ps(_mm256_loadu_ps(sum + i), e));
-  }
-  if (i < n) {  // tail through the same polynomial, as Exp does
-    alignas(32) float buf[8] = {0};
-    for (int64_t j = i; j < n; ++j) buf[j - i] = a[j] - b[j];
-    _mm256_store_ps(buf, Exp8(_mm256_load_ps(buf)));
-    for (int64_t j = i; j < n; ++j) {
-      d[j] = buf[j - i];
-      sum[j] += buf[j - i];
+// The 8 columns at p: plain loads and stores, or masked to the first `mask` lanes at a tile's last columns
+// (masked lanes load 0 and are not stored). Zen 3 runs vmaskmovps stores far slower than plain ones.
+struct Cols8 {
+  __m256i mask;
+  bool full;
+  explicit Cols8(int64_t left)
+      : mask(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(left, 8))),
+                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))),
+        full(left >= 8) {}
+  __m256 Load(const float* p) const { return full ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, mask); }
+  void Store(float* p, __m256 v) const { full ? _mm256_storeu_ps(p, v) : _mm256_maskstore_ps(p, mask, v); }
+};
+
+bool ColMax(float* m, const float* S, int64_t ld, int64_t rows, int64_t n) {
+  __m256 nan = _mm256_setzero_ps();
+  for (int64_t c = 0; c < n; c += 8) {
+    const Cols8 cols(n - c);
+    __m256 mc = cols.Load(m + c);
+    for (int64_t r = 0; r < rows; ++r) {
+      __m256 v = cols.Load(S + r * ld + c);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      mc = _mm256_max_ps(v, mc);  // a NaN v gives mc (maxps returns its second operand)
     }
+    cols.Store(m + c, mc);
+  }
+  return _mm256_movemask_ps(nan) != 0;
+}
+
+void ExpSubAcc(float* d, const float* S, int64_t ld, const float* b, float* sum, int64_t rows, int64_t n) {
+  for (int64_t c = 0; c < n; c += 8) {
+    const Cols8 cols(n - c);
+    __m256 bc = cols.Load(b + c), sc = cols.Load(sum + c);
+    for (int64_t r = 0; r < rows; ++r) {
+      __m256 e = ExpNonPositive8(_mm256_sub_ps(cols.Load(S + r * ld + c), bc));
+      cols.Store(d + r * ld + c, e);
+      sc = _mm256_add_ps(sc, e);
+    }
+    cols.Store(sum + c, sc);
   }
 }
 
@@ -707,7 +748,7 @@ const SimdOps kAvx2 = {
     MmadNTLanes<float, Load8>, MmadNTLanes<uint16_t, Load8H>, MmadNTLanes<uint16_t, Load8B>,
     MmadNTRows<float, Load8, Load1>, MmadNTRows<uint16_t, Load8H, Load1H>, MmadNTRows<uint16_t, Load8B, Load1B>,
     MmadNNRows<float, Load8, Load1>, MmadNNRows<uint16_t, Load8H, Load1H>, MmadNNRows<uint16_t, Load8B, Load1B>,
-    MmadTN, ExpSubAcc, SumLanes8,
+    MmadTN, ColMax, ExpSubAcc, SumLanes8,
     TransposeWiden<float, Widen8, Load1>, TransposeWiden<uint16_t, Widen8H, Load1H>,
     TransposeWiden<uint16_t, Widen8B, Load1B>,
 };

@@ -197,6 +197,21 @@ inline V Exp16(V x) {
   y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
   return _mm512_maskz_mov_ps(__mmask16(~under), y);
 }
+// exp(x) for x <= 0 as the AVX2 table's ExpNonPositive8 computes it (the same steps, the same bits).
+inline V ExpNonPositive16(V x) {
+  V t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-127.0f));
+  V n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  V f = _mm512_sub_ps(t, n);
+  V p = _mm512_set1_ps(1.537173957331106e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3399693416431546e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618369862437248e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503297597169876e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022649228572845e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471824645996e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
 inline V Silu16(V x) {
   V e = Exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
   // Exp16 clamps exp(+inf) to a finite value, so silu(-inf) would be -inf; torch gives
@@ -458,12 +473,31 @@ void SiluMulT(uint16_t* d, const uint16_t* g, const uint16_t* u, int64_t n) {
   }
 }
 
-void ExpSubAcc(float* d, const float* a, const float* b, float* sum, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) {
-    __mmask16 m = Tail(std::min<int64_t>(16, n - i));
-    V e = Exp16(_mm512_sub_ps(MaskLoad(m, a + i), MaskLoad(m, b + i)));
-    MaskStore(d + i, m, e);
-    MaskStore(sum + i, m, _mm512_add_ps(MaskLoad(m, sum + i), e));
+bool ColMax(float* m, const float* S, int64_t ld, int64_t rows, int64_t n) {
+  __mmask16 nan = 0;
+  for (int64_t c = 0; c < n; c += 16) {
+    __mmask16 mask = Tail(std::min<int64_t>(16, n - c));
+    V mc = MaskLoad(mask, m + c);
+    for (int64_t r = 0; r < rows; ++r) {
+      V v = MaskLoad(mask, S + r * ld + c);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      mc = _mm512_max_ps(v, mc);  // a NaN v gives mc (maxps returns its second operand)
+    }
+    MaskStore(m + c, mask, mc);
+  }
+  return nan != 0;
+}
+
+void ExpSubAcc(float* d, const float* S, int64_t ld, const float* b, float* sum, int64_t rows, int64_t n) {
+  for (int64_t c = 0; c < n; c += 16) {
+    __mmask16 mask = Tail(std::min<int64_t>(16, n - c));
+    V bc = MaskLoad(mask, b + c), sc = MaskLoad(mask, sum + c);
+    for (int64_t r = 0; r < rows; ++r) {
+      V e = ExpNonPositive16(_mm512_sub_ps(MaskLoad(mask, S + r * ld + c), bc));
+      MaskStore(d + r * ld + c, mask, e);
+      sc = _mm512_add_ps(sc, e);
+    }
+    MaskStore(sum + c, mask, sc);
   }
 }
 
@@ -1195,7 +1229,7 @@ const SimdOps ATB_AVX512_TABLE = {
     MmadNTLanes<float, LanesF>, MmadNTLanes<uint16_t, LanesH>, MmadNTLanes<uint16_t, LanesB>,
     MmadNTRows<float, Load16, Load16>, MmadNTRows<uint16_t, Load16H, Load16H>, MmadNTRows<uint16_t, Load16B, Load16B>,
     MmadNNRows<float, Load16>, MmadNNRows<uint16_t, Load16H>, MmadNNRows<uint16_t, Load16B>,
-    MmadTN, ExpSubAcc, SumLanes8,
+    MmadTN, ColMax, ExpSubAcc, SumLanes8,
     TransposeWiden<float, Widen8, Load1>, TransposeWiden<uint16_t, Widen8H, Load1H>,
     TransposeWiden<uint16_t, Widen8B, Load1B>,
     /*mmad_nt_dp_bf16=*/nullptr, /*pack_bf16_pairs=*/nullptr, /*mmad_dp_bf16_packed=*/nullptr,

@@ -165,11 +165,24 @@ void MmadTN(float* C, int64_t ldc, const float* A, int64_t lda, const float* B, 
   }
 }
 
-void ExpSubAcc(float* d, const float* a, const float* b, float* sum, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    d[i] = std::exp(a[i] - b[i]);
-    sum[i] += d[i];
-  }
+bool ColMax(float* m, const float* S, int64_t ld, int64_t rows, int64_t n) {
+  bool nan = false;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < n; ++c) {
+      float v = S[r * ld + c];
+      nan |= std::isnan(v);
+      if (v > m[c]) m[c] = v;
+    }
+  return nan;
+}
+
+void ExpSubAcc(float* d, const float* S, int64_t ld, const float* b, float* sum, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < n; ++c) {
+      float x = S[r * ld + c] - b[c];
+      d[r * ld + c] = std::isnan(x) ? 0.0f : std::exp(x);
+      sum[c] += d[r * ld + c];
+    }
 }
 
 void SumLanes8(float* d, const float* l, int64_t n) {
@@ -191,7 +204,7 @@ const SimdOps kPortable = {
     MmadNTLanes<float, Load>, MmadNTLanes<uint16_t, LoadH>, MmadNTLanes<uint16_t, LoadB>,
     MmadNT<float, Load>, MmadNT<uint16_t, LoadH>, MmadNT<uint16_t, LoadB>,  // mmad_nt_rows: one row at a time already
     MmadNN<float, Load>, MmadNN<uint16_t, LoadH>, MmadNN<uint16_t, LoadB>,  // mmad_nn_rows
-    MmadTN, ExpSubAcc, SumLanes8,
+    MmadTN, ColMax, ExpSubAcc, SumLanes8,
     TransposeWiden<float, Load>, TransposeWiden<uint16_t, LoadH>, TransposeWiden<uint16_t, LoadB>,
 };
 

@@ -26,9 +26,14 @@ inline float ReduceMax(const LocalF& a, int64_t n) { return Simd().reduce_max(a.
 // sum(a*a): Mul + ReduceSum fused, as AscendC kernels get from one vector pass.
 inline float SumSquares(const LocalF& a, int64_t n) { return Simd().sum_squares(a.GetPhyAddr(), n); }
 inline float Dot(const LocalF& a, const LocalF& b, int64_t n) { return Simd().dot(a.GetPhyAddr(), b.GetPhyAddr(), n); }
-// d = exp(a - b); sum += d: one pass of an online softmax over a row of scores.
-inline void ExpSubAcc(const LocalF& d, const LocalF& a, const LocalF& b, const LocalF& sum, int64_t n) {
-  Simd().exp_sub_acc(d.GetPhyAddr(), a.GetPhyAddr(), b.GetPhyAddr(), sum.GetPhyAddr(), n);
+// An online softmax's passes over a score tile s [rows][n] (rows ld apart), vertical over its columns:
+// m = max(m, column max of s), returning whether s holds a NaN; then d = exp(s - b), sum += column sums of d.
+inline bool ColMax(const LocalF& m, const LocalF& s, int64_t ld, int64_t rows, int64_t n) {
+  return Simd().col_max(m.GetPhyAddr(), s.GetPhyAddr(), ld, rows, n);
+}
+inline void ExpSubAcc(const LocalF& d, const LocalF& s, int64_t ld, const LocalF& b, const LocalF& sum, int64_t rows,
+                      int64_t n) {
+  Simd().exp_sub_acc(d.GetPhyAddr(), s.GetPhyAddr(), ld, b.GetPhyAddr(), sum.GetPhyAddr(), rows, n);
 }
 
 // Cast between fp32 and the storage types (round-to-nearest-even, CAST_RINT).

@@ -225,13 +225,12 @@ class KernelFlashAttention {
     LocalTensor<float> m = stats, mNew = stats[rows_], mSafe = stats[2 * rows_], alpha = stats[3 * rows_];
     LocalTensor<float> l = stats[4 * rows_], lTile = stats[5 * rows_];
     DataCopy(mNew, m, rows_);
-    for (int64_t n = 0; n < nk; ++n) Max(mNew, mNew, s[n * rows_], rows_);
-    PoisonNanRows(nk);
+    PoisonNanRows(nk, ColMax(mNew, s, rows_, nk, rows_));
     for (int64_t r = 0; r < rows_; ++r) mSafe(r) = mNew(r) == kNegInf ? 0.0f : mNew(r);
     Sub(alpha, m, mSafe, rows_);
     Exp(alpha, alpha, rows_);
     Duplicate(lTile, 0.0f, rows_);
-    for (int64_t n = 0; n < nk; ++n) ExpSubAcc(s[n * rows_], s[n * rows_], mSafe, lTile, rows_);
+    ExpSubAcc(s, s, rows_, mSafe, lTile, nk, rows_);
     Mul(l, l, alpha, rows_);
     Add(l, l, lTile, rows_);
     DataCopy(m, mNew, rows_);
@@ -242,19 +241,17 @@ class KernelFlashAttention {
       if (alpha(r) != 1.0f) Muls(acc[r * d], acc[r * d], alpha(r), d);
   }
 
-  // NaN must reach the output as in SDPA, but Max keeps the non-NaN operand and
-  // Exp clamps its input, so neither carries it. One sum over the masked score
-  // tile (a single pass, ~1/(2 head_dim) of the tile's cube work) is NaN only if
-  // some score is: NaN in q or in a visible key (masked entries are -inf, or
-  // +inf beside a masked -inf, which SDPA turns into NaN as well). Only then are
+  // NaN must reach the output as in SDPA, but the max skips a NaN score and the
+  // exp gives 0 for it, so neither carries it. The max pass reports whether the
+  // masked score tile holds a NaN (NaN in q or in a visible key); only then are
   // the rows summed one by one to find which get l = NaN. A +inf max (SDPA:
   // exp(inf - inf) = NaN) poisons its row too.
-  void PoisonNanRows(int64_t nk) {
+  void PoisonNanRows(int64_t nk, bool anyNan) {
     LocalTensor<float> stats = stats_.Get<float>();
     LocalTensor<float> mNew = stats[rows_], l = stats[4 * rows_];
     const float* s = s_.Get<float>().GetPhyAddr();
     constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
-    if (std::isnan(Simd().reduce_sum(s, nk * rows_))) {
+    if (anyNan) {
       for (int64_t r = 0; r < rows_; ++r) {
         float sum = 0.0f;
         for (int64_t n = 0; n < nk; ++n) sum += s[n * rows_ + r];
