@@ -69,7 +69,7 @@ _LINEAR_ROUTE = "where atb.kernels.linear.native_linear_wins(rows, dtype), else 
 # Oldest transformers this module is written and tested against (rope_parameters, the `cache` argument name,
 # AttentionMaskInterface signatures) and the newest tested.
 MIN_TRANSFORMERS = (5, 24)
-NEWEST_TESTED = (5, 24)
+NEWEST_TESTED = (5, 25)
 
 _STATE_ATTR = "_atb_patch_state"
 
