@@ -36,6 +36,10 @@ inline float HMax(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
+#include "simd_exp_poly.h"  // kExpCephesP, kExp2Deg6, Horner
+constexpr auto Fma8 = [](__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); };
+constexpr auto Set8 = [](float v) { return _mm256_set1_ps(v); };
+
 // exp with Cephes' range reduction and degree-5 polynomial: ~2 ulp on
 // [-87.3, 88.7]; below that the result flushes to 0 (so exp(-inf) == 0).
 inline __m256 Exp8(__m256 x) {
@@ -46,12 +50,7 @@ inline __m256 Exp8(__m256 x) {
                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
   x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  __m256 y = Horner(x, kExpCephesP, Fma8, Set8);
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
   y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
@@ -65,13 +64,7 @@ inline __m256 ExpNonPositive8(__m256 x) {
   __m256 t = _mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(-127.0f));
   __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 f = _mm256_sub_ps(t, n);
-  __m256 p = _mm256_set1_ps(1.537173957331106e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3399693416431546e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618369862437248e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5503297597169876e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022649228572845e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471824645996e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256 p = Horner(f, kExp2Deg6, Fma8, Set8);
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }

@@ -176,6 +176,10 @@ inline void StoreLaneSums(float* C, int64_t ldc, const V* s, bool acc) {
   }
 }
 
+#include "simd_exp_poly.h"  // kExpCephesP, kExp2Deg6, Horner
+constexpr auto Fma16 = [](V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); };
+constexpr auto Set16 = [](float v) { return _mm512_set1_ps(v); };
+
 // exp as in the AVX2 table (Cephes range reduction, degree-5 polynomial, the
 // same fma steps), so both tables give the same bits; flushes to 0 below -87.3.
 inline V Exp16(V x) {
@@ -186,12 +190,7 @@ inline V Exp16(V x) {
                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
   x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  V y = _mm512_set1_ps(1.9875691500E-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  V y = Horner(x, kExpCephesP, Fma16, Set16);
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
   __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
   y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
@@ -202,13 +201,7 @@ inline V ExpNonPositive16(V x) {
   V t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-127.0f));
   V n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   V f = _mm512_sub_ps(t, n);
-  V p = _mm512_set1_ps(1.537173957331106e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3399693416431546e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618369862437248e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503297597169876e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022649228572845e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471824645996e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  V p = Horner(f, kExp2Deg6, Fma16, Set16);
   __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
