@@ -304,6 +304,13 @@ def cmd_generate(args) -> int:
         raise UserError(f"the prompt ({len(ids)} tokens) plus --max-new-tokens {args.max_new_tokens} exceeds "
                         f"--max-seq-len {max_seq_len}")
     out, dt = _stream_reply(infer, tok, ids, args, lead)
+    if getattr(args, "tp", 1) > 1:
+        # Every rank leaves generate after the same last collective. Left alive, the gloo group's threads
+        # met interpreter shutdown and aborted a rank now and then ("terminate called without an active
+        # exception", about 1 run in 4 of the README's tensor-parallel block).
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     if not lead:
         return 0
     n = len(out)
