@@ -241,14 +241,8 @@ class DecodeGraph:
                                 key_caches=key_caches, value_caches=value_caches, max_batch=max_batch,
                                 soc_type=soc_type)
 
-    def step(self, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-             context_lens: torch.Tensor, slot_mapping: torch.Tensor, logits_out: torch.Tensor | None = None, *,
-             argmax_out: torch.Tensor | None = None) -> torch.Tensor:
-        """One decode step; returns logits ``[batch, vocab]`` in the graph's dtype (``logits_out`` if given).
-
-        ``argmax_out`` (int32 ``[batch]``, optional) receives the greedy tokens, computed natively.
-        """
-        op = "DecodeGraph.step"
+    def _metadata(self, op: str, token_ids, positions, block_tables, context_lens, slot_mapping, logits_out):
+        """The step metadata as int32 tensors of one batch size, and the logits buffer; ValueError/TypeError."""
         token_ids = int_tensor(op, "token_ids", token_ids, ndim=1)
         batch = token_ids.shape[0]
         positions = int_tensor(op, "positions", positions, ndim=1)
@@ -268,6 +262,19 @@ class DecodeGraph:
               or not logits_out.is_contiguous()):
             raise ValueError(f"{op}: logits_out must be a contiguous {self.dtype} tensor of shape "
                              f"({batch}, {self.vocab}), got {logits_out.dtype} {tuple(logits_out.shape)}")
+        return token_ids, positions, block_tables, context_lens, slot_mapping, logits_out
+
+    def step(self, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+             context_lens: torch.Tensor, slot_mapping: torch.Tensor, logits_out: torch.Tensor | None = None, *,
+             argmax_out: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step; returns logits ``[batch, vocab]`` in the graph's dtype (``logits_out`` if given).
+
+        ``argmax_out`` (int32 ``[batch]``, optional) receives the greedy tokens, computed natively.
+        """
+        op = "DecodeGraph.step"
+        token_ids, positions, block_tables, context_lens, slot_mapping, logits_out = self._metadata(
+            op, token_ids, positions, block_tables, context_lens, slot_mapping, logits_out)
+        batch = token_ids.shape[0]
         am = 0
         if argmax_out is not None:
             if argmax_out.dtype != torch.int32 or tuple(argmax_out.shape) != (batch,) or not argmax_out.is_contiguous():
@@ -276,6 +283,31 @@ class DecodeGraph:
         self._g.step(token_ids.data_ptr(), positions.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
                      context_lens.data_ptr(), slot_mapping.data_ptr(), batch, logits_out.data_ptr(), am)
         return logits_out
+
+    def step_greedy(self, steps: int, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, slot_mapping: torch.Tensor,
+                    logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """``steps`` greedy decode steps in one native call: int32 tokens ``[steps, batch]``.
+
+        Each step's argmax is the next step's token; positions and context lengths advance by one per step, and
+        a later step's K/V slot comes from ``block_tables``, which must already hold every block the steps reach.
+        With no Python between the steps, their caches stay warm: at batch 1 the Python of an engine step
+        costs more than the kernels' own launch overhead once the weights have streamed through every cache
+        level. Every step's metadata is checked before the first runs. ``logits_out`` ends with the last step's.
+        """
+        op = "DecodeGraph.step_greedy"
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"{op}: steps must be an int >= 1, got {steps!r}")
+        if self._tp:
+            raise ValueError(f"{op}: a tensor-parallel graph's argmax is its vocab slice; use step")
+        token_ids, positions, block_tables, context_lens, slot_mapping, logits_out = self._metadata(
+            op, token_ids, positions, block_tables, context_lens, slot_mapping, logits_out)
+        batch = token_ids.shape[0]
+        tokens = torch.empty(steps, batch, dtype=torch.int32)
+        self._g.step_greedy(steps, token_ids.data_ptr(), positions.data_ptr(), block_tables.data_ptr(),
+                            block_tables.shape[1], context_lens.data_ptr(), slot_mapping.data_ptr(), batch,
+                            logits_out.data_ptr(), tokens.data_ptr())
+        return tokens
 
     __call__ = step
 

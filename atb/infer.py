@@ -123,6 +123,11 @@ class TransformerInfer(Engine):
             KV head then replicated); the intermediate and the vocabulary split as evenly as they can.
     """
 
+    # Greedy decode steps ``generate`` runs natively back to back while no request waits (Engine._decode_steps):
+    # no Python between them, so the caches the weights flushed are not refilled by Python each step. SmolLM2
+    # W4A16 batch 1 on 2 Zen 3 cores: ~0.29 ms of Python between 5.2 ms steps. 1 steps one at a time.
+    generate_decode_steps: int = 8
+
     def __init__(self, model, max_seq_len: int = 2048, soc_type: str = "host", *, max_batch_size: int = 8,
                  block_size: int = 128, dtype: torch.dtype | None = None, graph_mode: bool = True,
                  max_prefill_tokens: int | None = None, quantize=None, enable_prefix_caching: bool = False,
@@ -401,7 +406,7 @@ class TransformerInfer(Engine):
             while True:
                 with self._lock:
                     if any(not r.finished for r in reqs):
-                        self._step_locked()
+                        self._step_locked(self.generate_decode_steps)
                     done = all(r.finished for r in reqs)
                 if stream is not None:
                     self._stream(reqs, stream)
@@ -429,7 +434,7 @@ class TransformerInfer(Engine):
             self._local.in_callback = False
 
     def __repr__(self) -> str:
-        return (f"TransformerInfer({self.config.model_type}, layers={self.num_layers}, dtype={self.dtype}, "
+        return (f"TransformerInfer({self.config.model_type}, layers={len(self.layers)}, dtype={self.dtype}, "
                 f"soc={self.soc.name}, max_seq_len={self.max_seq_len}, max_batch_size={self.max_batch_size}, "
                 f"block_size={self.block_size}, graph_mode={self.graph_mode})")
 

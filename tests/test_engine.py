@@ -290,3 +290,26 @@ def test_forward_rejects_a_meta_attention_mask():
     ids = torch.tensor([[1, 2, 3]])
     with pytest.raises(ValueError, match="forward: attention_mask must be a CPU tensor"):
         infer.forward(ids, torch.ones(1, 3, dtype=torch.long, device="meta"))
+
+
+def test_generate_multi_step_decode_gives_the_single_step_tokens(model, monkeypatch):
+    """generate's native multi-step decode (TransformerInfer.generate_decode_steps) against one step at a
+    time: the same tokens and stop reasons when a sequence stops at EOS mid-call, at max_new_tokens that is not
+    a multiple of the step count, and at max_seq_len; every block is free afterwards."""
+    prompts = [[1, 5, 9], [3, 4, 4, 8, 2, 7], [17], [7] * 58]
+    one = engine(model, graph_mode=True)
+    one.generate_decode_steps = 1
+    free_run = one.generate(prompts, 13, eos_token_id=[])
+    eos = free_run[1][5]  # sequence 1 stops at its 6th token (or earlier if the token came before)
+    expected = one.generate(prompts, 13, eos_token_id=eos)
+    expected_reasons = one.last_stop_reasons
+    assert "eos" in expected_reasons and "max_seq_len" in expected_reasons and "length" in expected_reasons
+
+    multi = engine(model, graph_mode=True)
+    calls = []
+    decode_greedy = multi.runner.decode_greedy
+    monkeypatch.setattr(multi.runner, "decode_greedy", lambda steps, *a: calls.append(steps) or decode_greedy(steps, *a))
+    assert multi.generate(prompts, 13, eos_token_id=eos) == expected
+    assert multi.last_stop_reasons == expected_reasons
+    assert calls and all(1 < s <= multi.generate_decode_steps for s in calls)
+    assert idle(one) and idle(multi)

@@ -241,3 +241,51 @@ def test_transformer_infer_graph_mode_equals_python_path_and_hf(smollm2_fp32):
     assert outs[0] == one[0]
     for p, out in zip(prompts, outs):
         _assert_greedy_matches_hf(model, p, p + out)
+
+
+def test_step_greedy_equals_single_greedy_steps():
+    """n native steps give the tokens and the KV caches of n single steps fed their own argmax, across a block
+    boundary (sequence 1 goes from position 13 into its second block)."""
+    model = random_model("tiny", torch.float32)
+    multi, kc_m, vc_m = _graph(model, max_batch=2, max_seq_len=32, num_blocks=8)
+    single, kc_s, vc_s = _graph(model, max_batch=2, max_seq_len=32, num_blocks=8)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    tok, pos = torch.tensor([3, 4], dtype=torch.int32), torch.tensor([2, 13], dtype=torch.int32)
+    for kc, vc in ((kc_m, vc_m), (kc_s, vc_s)):  # the same earlier context in both caches
+        torch.manual_seed(0)
+        kc.normal_()
+        vc.normal_()
+    slots = lambda p: torch.stack([tables[b, p[b] // BLOCK] * BLOCK + p[b] % BLOCK for b in range(2)])
+    n = 6
+    tokens = multi.step_greedy(n, tok, pos, tables, pos + 1, slots(pos))
+    assert tokens.dtype == torch.int32 and tuple(tokens.shape) == (n, 2)
+    expected = []
+    am = torch.empty(2, dtype=torch.int32)
+    for s in range(n):
+        p = pos + s
+        single.step(tok, p, tables, p + 1, slots(p), argmax_out=am)
+        expected.append(am.clone())
+        tok = am.clone()
+    assert torch.equal(tokens, torch.stack(expected))
+    assert torch.equal(kc_m, kc_s) and torch.equal(vc_m, vc_s)
+
+
+@pytest.mark.parametrize("steps,tables,match", [
+    (0, [[0, 1], [2, 3]], "steps must be an int >= 1"),
+    # sequence 1 starts at position 5: 27 steps reach position 31 (allowed), 28 reach max_seq_len = 32
+    (28, [[0, 1], [2, 3]], r"step 27 of sequence 1 is at position 32, past max_seq_len=32"),
+    # step 11 of sequence 1 (position 16) is the first in its second block, which is outside the pool
+    (12, [[0, 1], [2, 99]], r"block_tables\[1\]\[1\] = 99"),
+    (12, [[0], [2]], r"step 11 of sequence 1 is at position 16, past .* block table's 1 blocks"),
+])
+def test_step_greedy_checks_every_step_before_writing(steps, tables, match):
+    model = random_model("tiny", torch.float32)
+    g, kc, vc = _graph(model, max_batch=2, max_seq_len=32, num_blocks=8)
+    kc.normal_()
+    vc.normal_()
+    k0, v0 = kc.clone(), vc.clone()
+    meta = dict(_valid_meta(), block_tables=torch.tensor(tables, dtype=torch.int32))
+    with pytest.raises(ValueError, match=match):
+        g.step_greedy(steps, **meta)
+    assert torch.equal(kc, k0) and torch.equal(vc, v0)
+    g.step_greedy(2, **_valid_meta())  # the graph still steps

@@ -357,3 +357,9 @@ def test_construction_errors(tiny_llama):
         atb.TransformerInfer(tiny_llama, max_seq_len=32, dtype=torch.float64)
     with pytest.raises(TypeError, match="model"):
         atb.TransformerInfer(object())
+
+
+def test_repr_names_the_engine_settings():
+    infer = atb.TransformerInfer(random_model("tiny", torch.float32), max_seq_len=64, max_batch_size=2, block_size=16)
+    assert repr(infer) == ("TransformerInfer(llama, layers=2, dtype=torch.float32, soc=host, max_seq_len=64, "
+                           "max_batch_size=2, block_size=16, graph_mode=True)")

@@ -206,8 +206,12 @@ class InProcess:
         model, _ = load_model(dtype=_DTYPES[self.args.dtype])
         if self.args.threads:
             atb.set_num_threads(self.args.threads)
-        return atb.TransformerInfer(model, max_seq_len=self.args.prompt + self.args.new, max_batch_size=1,
-                                    quantize=self.args.quantize)
+        infer = atb.TransformerInfer(model, max_seq_len=self.args.prompt + self.args.new, max_batch_size=1,
+                                     quantize=self.args.quantize)
+        # One decode step per engine step, as the server steps, so that the ratio is the HTTP path's alone
+        # (generate's native multi-step decode would count its own gain against HTTP).
+        infer.generate_decode_steps = 1
+        return infer
 
     def tok_s(self, prompt: list[int]) -> float:
         """Output tok/s of one generate, prefill included (as an HTTP request's time includes it)."""

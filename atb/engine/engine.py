@@ -185,7 +185,20 @@ class Engine:
             toks = self.runner.tp.broadcast_tokens(toks)
         return toks
 
-    def _step_locked(self) -> list[Request]:
+    def _decode_steps(self, running: list[Request], greedy: bool, max_steps: int) -> int:
+        """How many greedy decode steps the next call may run natively back to back: one unless every running
+        request is greedy, none waits for admission or prefill (continuous batching admits only between
+        calls), and each has that many tokens left to generate (its blocks are reserved for them at
+        admission: Scheduler.reserve_tokens). A request that stops early (EOS) drops the tokens computed
+        past its end."""
+        sched = self.scheduler
+        if max_steps <= 1 or not greedy or not self.runner.multi_step or sched.waiting or sched.prefilling:
+            return 1
+        left = min(min(r.params.max_new_tokens - len(r.out), self.runner.max_seq_len - r.length)
+                   for r in running)
+        return max(1, min(max_steps, left))
+
+    def _step_locked(self, max_decode_steps: int = 1) -> list[Request]:
         sched, runner = self.scheduler, self.runner
         touched: dict[int, Request] = {id(r): r for r in sched.done}
         sched.done.clear()
@@ -223,13 +236,20 @@ class Engine:
                 meta.append((r.out[-1], pos, pos + 1, r.table[pos // bs] * bs + pos % bs))
             tok_ids, positions, ctx, slots = torch.tensor(meta, dtype=torch.int32).t().contiguous()
             greedy = all(r.params.greedy_only for r in running)
-            logits, toks = runner.decode(tok_ids, positions, bt[:n], ctx, slots, greedy)
-            if toks is None:
-                toks = self._sample(logits, running)
-            for r, t in zip(list(running), toks):
-                touched[id(r)] = r
-                if self._emit(r, t):
-                    sched.finish(r, r.reason)
+            steps = self._decode_steps(running, greedy, max_decode_steps)
+            if steps > 1:
+                rows = runner.decode_greedy(steps, tok_ids, positions, bt[:n], ctx, slots)
+            else:
+                logits, toks = runner.decode(tok_ids, positions, bt[:n], ctx, slots, greedy)
+                rows = [toks if toks is not None else self._sample(logits, running)]
+            batch = list(running)
+            for toks in rows:
+                for r, t in zip(batch, toks):
+                    if r.finished:
+                        continue
+                    touched[id(r)] = r
+                    if self._emit(r, t):
+                        sched.finish(r, r.reason)
         return list(touched.values())
 
     def _prefill(self, chunks: list[tuple[Request, int, int]]) -> torch.Tensor:

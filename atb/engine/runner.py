@@ -226,6 +226,20 @@ class ModelRunner:
             return None, self.tp.argmax(self._logits(x, gather=False))
         return self._logits(x), None
 
+    def decode_greedy(self, steps: int, token_ids: torch.Tensor, positions: torch.Tensor,
+                      block_tables: torch.Tensor, context_lens: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> list[list[int]]:
+        """``steps`` greedy decode steps of ``B`` sequences in one native call (graph mode, one rank): the
+        tokens, ``[steps][B]``. The block tables must already cover every step."""
+        n = token_ids.shape[0]
+        return self.graph.step_greedy(steps, token_ids, positions, block_tables, context_lens, slot_mapping,
+                                      self._logits_buf[:n]).tolist()
+
+    @property
+    def multi_step(self) -> bool:
+        """Whether :meth:`decode_greedy` can run (a decode graph on a single rank)."""
+        return self.graph is not None and self.tp is None
+
     def scratch_bytes(self, block_tables: torch.Tensor) -> int:
         scratch = self.cos.nbytes + self.sin.nbytes + block_tables.nbytes
         if self.graph is not None:

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "ascendc/error.h"
 #include "ascendc/tensor.h"
@@ -155,6 +156,44 @@ void DecodeGraph::Validate(const int32_t* tokenIds, const int32_t* positions, co
     for (int64_t e = 0; e < b; ++e)
       ATB_CHECK(slotMapping[b] < 0 || slotMapping[e] != slotMapping[b], "DecodeGraph.step: slot_mapping[", e,
                 "] and slot_mapping[", b, "] are both ", slotMapping[b]);
+  }
+}
+
+void DecodeGraph::StepGreedy(int64_t steps, const int32_t* tokenIds, const int32_t* positions,
+                             const int32_t* blockTables, int64_t maxBlocks, const int32_t* contextLens,
+                             const int32_t* slotMapping, int64_t batch, void* logits, int32_t* tokensOut) {
+  const auto& c = cfg_;
+  ATB_CHECK(steps >= 1, "DecodeGraph.step_greedy: steps must be >= 1, got ", steps);
+  ATB_CHECK(!allReduce_, "DecodeGraph.step_greedy: a tensor-parallel graph's argmax is its vocab slice; "
+            "step it one step at a time");
+  ATB_CHECK(batch >= 1 && batch <= c.maxBatch, "DecodeGraph.step_greedy: batch ", batch,
+            " is outside [1, max_batch=", c.maxBatch, "]");
+  // Metadata of every step, [steps, batch] each, checked before the first step writes anything. A later
+  // step's tokens are argmaxes (always in the vocabulary): step 0's stand in for them in the check.
+  const int64_t n = steps * batch;
+  std::vector<int32_t> pos(n), ctx(n), slot(n);
+  for (int64_t s = 0; s < steps; ++s)
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t i = s * batch + b, p = int64_t(positions[b]) + s;
+      pos[i] = int32_t(p);
+      ctx[i] = contextLens[b] + int32_t(s);
+      if (s == 0) {
+        slot[i] = slotMapping[b];
+        continue;
+      }
+      ATB_CHECK(p < c.maxSeqLen && p / c.blockSize < maxBlocks, "DecodeGraph.step_greedy: step ", s,
+                " of sequence ", b, " is at position ", p, ", past max_seq_len=", c.maxSeqLen,
+                " or past its block table's ", maxBlocks, " blocks of ", c.blockSize);
+      slot[i] = int32_t(int64_t(blockTables[b * maxBlocks + p / c.blockSize]) * c.blockSize + p % c.blockSize);
+    }
+  for (int64_t s = 0; s < steps; ++s)
+    Validate(tokenIds, &pos[s * batch], blockTables, maxBlocks, &ctx[s * batch], &slot[s * batch], batch);
+  std::vector<int32_t> tokens(tokenIds, tokenIds + batch);
+  for (int64_t s = 0; s < steps; ++s) {
+    int32_t* out = tokensOut + s * batch;
+    Step(tokens.data(), &pos[s * batch], blockTables, maxBlocks, &ctx[s * batch], &slot[s * batch], batch, logits,
+         out);
+    std::copy_n(out, batch, tokens.data());
   }
 }
 

@@ -94,6 +94,14 @@ class DecodeGraph {
   void Step(const int32_t* tokenIds, const int32_t* positions, const int32_t* blockTables, int64_t maxBlocks,
             const int32_t* contextLens, const int32_t* slotMapping, int64_t batch, void* logits, int32_t* argmaxOut);
 
+  // `steps` greedy decode steps in one call, with no Python between them: each step's argmax is the next
+  // step's token, and positions, context lengths and slots advance by one (a later step's slot comes from the
+  // block tables, which must already cover it). tokensOut: int32 [steps, batch]. Every step's metadata is
+  // validated before the first step runs. Not for a tensor-parallel graph (its argmax is a vocab slice).
+  void StepGreedy(int64_t steps, const int32_t* tokenIds, const int32_t* positions, const int32_t* blockTables,
+                  int64_t maxBlocks, const int32_t* contextLens, const int32_t* slotMapping, int64_t batch,
+                  void* logits, int32_t* tokensOut);
+
   // Quantized embedding table / LM head (data == nullptr: the float pointers given at build).
   // The embedding lookup then dequantizes each token's row.
   void SetQuantTables(const QuantRef& embed, const QuantRef& head) {
