@@ -132,6 +132,15 @@ def test_every_soc_gives_the_same_logits(soc):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def _graph_over_noise():
+    """A tiny graph for 2 sequences of up to 32 positions over 8 blocks whose caches hold noise, with copies of
+    the caches (to check that a rejected call wrote nothing)."""
+    g, kc, vc = _graph(random_model("tiny", torch.float32), max_batch=2, max_seq_len=32, num_blocks=8)
+    kc.normal_()
+    vc.normal_()
+    return g, kc, vc, kc.clone(), vc.clone()
+
+
 def _valid_meta():
     return dict(token_ids=torch.tensor([3, 4]), positions=torch.tensor([0, 5]),
                 block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), context_lens=torch.tensor([1, 6]),
@@ -149,11 +158,7 @@ def _valid_meta():
     ("slot_mapping", torch.tensor([7, 7]), r"slot_mapping\[0\] and slot_mapping\[1\] are both 7"),
 ])
 def test_invalid_metadata_raises_before_writing(field, value, match):
-    model = random_model("tiny", torch.float32)
-    g, kc, vc = _graph(model, max_batch=2, max_seq_len=32, num_blocks=8)
-    kc.normal_()
-    vc.normal_()
-    k0, v0 = kc.clone(), vc.clone()
+    g, kc, vc, k0, v0 = _graph_over_noise()
     meta = _valid_meta()
     meta[field] = value
     if match is None:
@@ -279,11 +284,7 @@ def test_step_greedy_equals_single_greedy_steps():
     (12, [[0], [2]], r"step 11 of sequence 1 is at position 16, past .* block table's 1 blocks"),
 ])
 def test_step_greedy_checks_every_step_before_writing(steps, tables, match):
-    model = random_model("tiny", torch.float32)
-    g, kc, vc = _graph(model, max_batch=2, max_seq_len=32, num_blocks=8)
-    kc.normal_()
-    vc.normal_()
-    k0, v0 = kc.clone(), vc.clone()
+    g, kc, vc, k0, v0 = _graph_over_noise()
     meta = dict(_valid_meta(), block_tables=torch.tensor(tables, dtype=torch.int32))
     with pytest.raises(ValueError, match=match):
         g.step_greedy(steps, **meta)
