@@ -125,7 +125,7 @@ class TransformerInfer(Engine):
 
     # Greedy decode steps ``generate`` runs natively back to back while no request waits (Engine._decode_steps):
     # no Python between them, so the caches the weights flushed are not refilled by Python each step. SmolLM2
-    # W4A16 batch 1 on 2 Zen 3 cores: ~0.29 ms of Python between 5.2 ms steps. 1 steps one at a time.
+    # W4A16 batch 1 on 2 Zen 3 cores: ~0.29 ms of Python between 5.2 ms steps. Set to 1 to step one at a time.
     generate_decode_steps: int = 8
 
     def __init__(self, model, max_seq_len: int = 2048, soc_type: str = "host", *, max_batch_size: int = 8,

@@ -168,8 +168,9 @@ void DecodeGraph::StepGreedy(int64_t steps, const int32_t* tokenIds, const int32
             "step it one step at a time");
   ATB_CHECK(batch >= 1 && batch <= c.maxBatch, "DecodeGraph.step_greedy: batch ", batch,
             " is outside [1, max_batch=", c.maxBatch, "]");
-  // Metadata of every step, [steps, batch] each, checked before the first step writes anything. A later
-  // step's tokens are argmaxes (always in the vocabulary): step 0's stand in for them in the check.
+  // Metadata of every step, [steps, batch] each, checked once before the first step writes anything (the
+  // steps then Run unchecked). A later step's tokens are argmaxes, always in the vocabulary: step 0's stand in
+  // for them in the check.
   const int64_t n = steps * batch;
   std::vector<int32_t> pos(n), ctx(n), slot(n);
   for (int64_t s = 0; s < steps; ++s)
@@ -191,8 +192,8 @@ void DecodeGraph::StepGreedy(int64_t steps, const int32_t* tokenIds, const int32
   std::vector<int32_t> tokens(tokenIds, tokenIds + batch);
   for (int64_t s = 0; s < steps; ++s) {
     int32_t* out = tokensOut + s * batch;
-    Step(tokens.data(), &pos[s * batch], blockTables, maxBlocks, &ctx[s * batch], &slot[s * batch], batch, logits,
-         out);
+    Run(tokens.data(), &pos[s * batch], blockTables, maxBlocks, &ctx[s * batch], &slot[s * batch], batch, logits,
+        out);
     std::copy_n(out, batch, tokens.data());
   }
 }
@@ -210,6 +211,12 @@ void DecodeGraph::Step(const int32_t* tokenIds, const int32_t* positions, const 
                        int64_t maxBlocks, const int32_t* contextLens, const int32_t* slotMapping, int64_t batch,
                        void* logits, int32_t* argmaxOut) {
   Validate(tokenIds, positions, blockTables, maxBlocks, contextLens, slotMapping, batch);
+  Run(tokenIds, positions, blockTables, maxBlocks, contextLens, slotMapping, batch, logits, argmaxOut);
+}
+
+void DecodeGraph::Run(const int32_t* tokenIds, const int32_t* positions, const int32_t* blockTables,
+                      int64_t maxBlocks, const int32_t* contextLens, const int32_t* slotMapping, int64_t batch,
+                      void* logits, int32_t* argmaxOut) {
   const AscendC::PoolLaunchScope onPool;  // no torch op runs inside a step (runtime.h)
   const auto& c = cfg_;
   const DataType dt = c.dtype;

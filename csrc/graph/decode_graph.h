@@ -130,6 +130,9 @@ class DecodeGraph {
   // tiling per distinct window (windows_[i] is layer i's index into plans_),
   // one cache-write tiling. Reused by every layer of the step.
   void Plan(const int32_t* contextLens, int64_t maxBlocks, int64_t batch);
+  // Step's body over metadata already validated (Step and StepGreedy check it first).
+  void Run(const int32_t* tokenIds, const int32_t* positions, const int32_t* blockTables, int64_t maxBlocks,
+           const int32_t* contextLens, const int32_t* slotMapping, int64_t batch, void* logits, int32_t* argmaxOut);
 
   DecodeGraphConfig cfg_;
   std::vector<DecodeLayer> layers_;

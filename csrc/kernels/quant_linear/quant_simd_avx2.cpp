@@ -124,6 +124,10 @@ void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const fl
   const AscendC::BlockPrefetch<NR> prefetch(q, ldq, kLen * Bits / 8);
   const AscendC::BlockPrefetch<NR, 2> farPrefetch(q, ldq, kLen * Bits / 8,
                                                   int(std::max<int64_t>(1, FarBytes / (NR * ldq))));
+  auto prefetchLine = [&](int64_t c) __attribute__((always_inline)) {  // the 64-byte line starting at chunk c
+    prefetch.At(c * kChunkBytes);
+    farPrefetch.At(c * kChunkBytes);
+  };
   // Chunk c of every row into t (or, one group per chunk, into a at the group's scale).
   auto chunk = [&](int64_t c) __attribute__((always_inline)) {
     __m256i xv[MB][2];
@@ -162,8 +166,7 @@ void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const fl
   if constexpr (kGroupPerChunk) {
     int64_t c = 0;
     for (; c + kStepChunks <= nc; c += kStepChunks) {
-      prefetch.At(c * kChunkBytes);
-      farPrefetch.At(c * kChunkBytes);
+      prefetchLine(c);
 #pragma GCC unroll 4
       for (int i = 0; i < kStepChunks; ++i) chunk(c + i);
     }
@@ -188,8 +191,7 @@ void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const fl
     if (cpg % kStepChunks == 0) {
       for (; c + cpg <= nc; ++g) {
         for (const int64_t end = c + cpg; c < end; c += kStepChunks) {
-          prefetch.At(c * kChunkBytes);
-          farPrefetch.At(c * kChunkBytes);
+          prefetchLine(c);
 #pragma GCC unroll 4
           for (int i = 0; i < kStepChunks; ++i) chunk(c + i);
         }
@@ -198,10 +200,7 @@ void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const fl
     }
     for (; c < nc; ++g) {
       for (const int64_t end = std::min(nc, c + cpg); c < end; ++c) {
-        if (c % kStepChunks == 0) {
-          prefetch.At(c * kChunkBytes);
-          farPrefetch.At(c * kChunkBytes);
-        }
+        if (c % kStepChunks == 0) prefetchLine(c);
         chunk(c);
       }
       fold(g);
