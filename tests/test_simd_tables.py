@@ -122,6 +122,16 @@ def test_avx512_and_avx2_tables_give_the_same_bits(dtype):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("words", [0, 1, 31, 32, 33, 4099, 4 * 4096 + 13, 1 << 18])
+def test_streaming_read_sums_every_word(isa, words):
+    # The benchmarks' bandwidth probe (read_sum in 4 interleaved runs, split over the threads) must read each
+    # word exactly once: its checksum is the words' sum mod 2^64, whatever the size's remainders.
+    from atb import _C
+    w = torch.randint(-2 ** 62, 2 ** 62, (words + 1,), dtype=torch.int64)[1:]  # (+1: an 8-byte offset start)
+    expected = int(w.sum()) % 2 ** 64 if words else 0
+    assert _C.stream_read(w.data_ptr(), words * 8 + 7) == expected  # a trailing partial word is not read
+
+
 def test_isa_selection_and_errors():
     isas = atb.available_isas()
     assert "portable" in isas and atb.build_info()["isa"] == isas[0]

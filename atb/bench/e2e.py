@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from atb.bench.roofline import median_seconds
+from atb.bench.roofline import decode_step_bytes, median_seconds
 
 
 @dataclass
@@ -56,17 +56,11 @@ def end_to_end(model, *, prompt_len: int, new_tokens: int, batch: int, repeat: i
     vocab = model.config.vocab_size
     one = _prompts(vocab, 1, prompt_len)
     many = _prompts(vocab, batch, prompt_len)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     results = []
 
     def add(engine, b, t1, tn):
         pre, dec = _rates(t1, tn, b, prompt_len, n)
-        # Bytes per decode step: every weight once, plus the batch's K/V history.
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        esz = next(model.parameters()).element_size()
-        kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * esz * b * (prompt_len + n // 2)
-        limit = b * machine.bandwidth / (weight_bytes + kv)
+        limit = b * machine.bandwidth / decode_step_bytes(model, b, prompt_len + n // 2)
         results.append(E2ERow(engine, b, prompt_len, n, pre, dec, 0.0, dec / limit))
 
     # A prefill (generate with one new token) is cheap: more repeats steady its median on a noisy machine.

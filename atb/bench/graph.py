@@ -20,7 +20,7 @@ import time
 import torch
 
 import atb
-from atb.bench.roofline import keep_freed_memory, stream_read_gbps
+from atb.bench.roofline import decode_step_bytes, keep_freed_memory, stream_read_gbps
 from atb.graph import DecodeGraph
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,19 +35,6 @@ def _load(name: str, dtype: torch.dtype):
     if name == "tinyllama":
         return random_model("tinyllama-1.1b", dtype), "TinyLlama-1.1B (random weights)"
     raise ValueError(f"unknown model '{name}' (smollm2, tinyllama)")
-
-
-def step_bytes(model, mean_context: int) -> int:
-    """Bytes one batch-1 decode step reads: weights (the embedding table only as the lm_head,
-    if tied) and the K/V of ``mean_context`` positions."""
-    cfg = model.config
-    emb = model.get_input_embeddings().weight
-    head = model.get_output_embeddings().weight
-    total = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if p is not emb and p is not head)
-    total += head.numel() * head.element_size()
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv = 2 * cfg.num_hidden_layers * mean_context * cfg.num_key_value_heads * d * emb.element_size()
-    return total + kv
 
 
 def bench_decode_e2e(model, *, prompt_len: int = 128, new: int = 256, hf_repeats: int = 1, seed: int = 0) -> dict:
@@ -103,7 +90,7 @@ def bench_decode_e2e(model, *, prompt_len: int = 128, new: int = 256, hf_repeats
     tn = min(hf(new) for _ in range(hf_repeats))
     hf_tok_s = (new - 1) / max(tn - t1, 1e-9)
     graph_tok_s = new / t_graph
-    nbytes = step_bytes(model, prompt_len + new // 2)
+    nbytes = decode_step_bytes(model, 1, prompt_len + new // 2)
     bw = stream_read_gbps() * 1e9
     steps = prof["steps"] or 1
     return {

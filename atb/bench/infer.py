@@ -10,8 +10,8 @@ prefill), and the same for HF ``generate`` in the same process. ``graph`` and
 ``python`` are TransformerInfer's two decode paths; ``patched`` is the same HF
 model after ``patch_hf_model`` (unpatched again afterwards). ``tinyllama`` is a
 random-weight model of TinyLlama-1.1B's shape. Decode is reported as a fraction
-of the weight-streaming roofline (weight bytes per step / streaming-read
-bandwidth: the median of one read per repeat round, taken among the runs), prefill as a fraction of the GEMM peak
+of the weight-streaming roofline (bytes per step, ``atb.bench.roofline.decode_step_bytes``: the
+weights and the batch's K/V / streaming-read bandwidth: the median of one read per repeat round, taken among the runs), prefill as a fraction of the GEMM peak
 (torch.matmul on 1024^3, measured in this run: fp32, or for fp16/bf16 the larger of that dtype and fp32,
 ``atb.bench.roofline.gemm_gflops``; prefill FLOPs
 counted as 2 x the layers' linear parameters x tokens). Medians over ``--repeats``
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from atb.bench.roofline import (add_table_or_json_args, apply_threads, json_results,
+from atb.bench.roofline import (add_table_or_json_args, apply_threads, decode_step_bytes, json_results,
                                 print_table_head, stream_read_gbps)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,7 +81,7 @@ def bench_batches(model, prompts_by_batch: dict[int, list[list[int]]], new: int,
 
             runners[(b, mode)] = ours
         runners[(b, "hf")] = hf
-    weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights_bytes = decode_step_bytes(model)
 
     def timed(name, fn, n):
         if name == "patched":
@@ -165,7 +165,6 @@ def main(argv=None) -> list[dict]:
         for dname in args.dtypes.split(","):
             dtype = _DTYPES[dname]
             model = _load(mname, dtype)
-            weights = sum(p.numel() * p.element_size() for p in model.parameters())
             # Prefill runs every layer's linears on every token, the LM head only on the last one.
             head = model.get_output_embeddings()
             linear_params = sum(m.weight.numel() for m in model.modules()
@@ -183,8 +182,9 @@ def main(argv=None) -> list[dict]:
                     if name != "hf":
                         m["decode_vs_hf"] = m["decode_tok_s"] / r["hf"]["decode_tok_s"]
                         m["prefill_vs_hf"] = m["prefill_tok_s"] / r["hf"]["prefill_tok_s"]
-                    # One decode step streams every weight once, whatever the batch.
-                    m["roofline_fraction"] = m["decode_tok_s"] / b * weights / bw
+                    # One decode step streams the weights once, whatever the batch, and each sequence's K/V.
+                    step = decode_step_bytes(model, b, args.prompt + args.new // 2)
+                    m["roofline_fraction"] = m["decode_tok_s"] / b * step / bw
                     m["prefill_peak_fraction"] = m["prefill_tok_s"] * 2 * linear_params / peak
                 if not args.json:
                     for name in modes + ["hf"]:

@@ -22,7 +22,7 @@ import time
 import torch
 
 import atb
-from atb.bench.roofline import keep_freed_memory, median_seconds, stream_read_gbps
+from atb.bench.roofline import decode_step_bytes, keep_freed_memory, kv_bytes, median_seconds, stream_read_gbps
 from atb.quant import quantize_weight
 
 # (label, N, K): the projections of one decoder layer and the LM head.
@@ -87,9 +87,10 @@ def _e2e_model(name: str):
     return model.to(torch.bfloat16).eval()
 
 
-def _weight_bytes(infer) -> int:
+def _step_weight_bytes(infer) -> int:
+    """Bytes of the weights one decode step of ``infer`` reads, each tensor once."""
     seen, total = set(), 0
-    for t in infer.runner.weight_tensors():
+    for t in infer.runner.weight_tensors(decode_step=True):
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
@@ -108,14 +109,12 @@ def bench_e2e(models=("smollm2", "tinyllama"), batches=(1, 16), prompt_len: int 
     for name in models:
         model = _e2e_model(name)
         cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         engines = {label: atb.TransformerInfer(model, max_seq_len=prompt_len + new_tokens, max_batch_size=max(batches),
                                                dtype=torch.bfloat16, quantize=spec)
                    for label, spec in E2E_FORMATS}
-        hf_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        wbytes = {label: _weight_bytes(e) for label, e in engines.items()}
+        wbytes = {label: _step_weight_bytes(e) for label, e in engines.items()}
         if hf:
-            wbytes["HF eager bf16"] = hf_bytes
+            wbytes["HF eager bf16"] = decode_step_bytes(model)
         for b in batches:
             g = torch.Generator().manual_seed(b)
             prompts = torch.randint(100, cfg.vocab_size - 100, (b, prompt_len), generator=g).tolist()
@@ -145,7 +144,7 @@ def bench_e2e(models=("smollm2", "tinyllama"), batches=(1, 16), prompt_len: int 
                     dec[label].append(b * (new_tokens - 1) / max(tn - (t1 - t0), 1e-9))
                 reads.append(stream_read_gbps(repeat=3))
             bw = statistics.median(reads)
-            kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * b * (prompt_len + new_tokens // 2)
+            kv = kv_bytes(cfg, b, prompt_len + new_tokens // 2, element_size=2)  # bf16 K/V
             for label in runs:
                 step = wbytes[label] + kv
                 d = statistics.median(dec[label])

@@ -8,8 +8,11 @@ The API (reuse it; keep benchmarks comparable):
   in turns so the load of a shared machine falls on every candidate alike; use it for ratios.
 * :func:`stream_read_gbps` -- streaming-read memory bandwidth of this machine in GB/s, measured
   now (median of repeats) by a native read loop over a buffer far larger than the L3, on every
-  kernel thread. Divide a kernel's achieved GB/s by it for the fraction of the roofline
+  kernel thread, with the SIMD table's widest loads in 4 interleaved runs per thread (the fastest
+  plain read measured). Divide a kernel's achieved GB/s by it for the fraction of the roofline
   (:func:`achieved_gbps` turns bytes moved and µs into GB/s).
+* :func:`decode_step_bytes` / :func:`kv_bytes` -- what one decode step must read (the weights it
+  streams and the K/V history): the numerator of every decode roofline, defined once.
 * :func:`keep_freed_memory` -- call once before timing: stops glibc from handing large freed
   blocks back to the OS, so a fresh output tensor does not page-fault on every call.
 * :func:`kernel_bench_parser` / :func:`apply_threads` / :func:`bench_clock` -- the command line
@@ -95,6 +98,22 @@ def stream_read_gbps(nbytes: int = _BANDWIDTH_BUFFER_BYTES, *, repeat: int = 9) 
     size = buf.numel() * 8
     us = time_us(lambda: _C.stream_read(buf.data_ptr(), size), repeat=repeat, warmup=1, min_sample_us=0.0)
     return size / (us * 1e-6) / 1e9
+
+
+def kv_bytes(config, batch: int, context: int, element_size: int) -> int:
+    """K and V bytes of ``batch`` sequences of ``context`` positions each: what one decode step's attention reads."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element_size * batch * context
+
+
+def decode_step_bytes(model, batch: int = 1, context: int = 0) -> int:
+    """Bytes one decode step of the HF ``model`` must read: every weight once, except an input embedding table
+    that is not also the LM head (a step reads one row of it per sequence), plus the K/V of ``batch`` sequences
+    of ``context`` positions in the weights' dtype."""
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb or emb is head)
+    return weights + kv_bytes(model.config, batch, context, emb.element_size())
 
 
 def achieved_gbps(bytes_moved: int, us: float) -> float:

@@ -108,15 +108,17 @@ class ModelRunner:
             t = t.to(self.dtype)
         return t.contiguous()
 
-    def weight_tensors(self) -> list[torch.Tensor]:
-        """Every tensor the weights occupy (a quantized weight's data, scales and mins)."""
+    def weight_tensors(self, *, decode_step: bool = False) -> list[torch.Tensor]:
+        """Every tensor the weights occupy (a quantized weight's data, scales and mins); with ``decode_step``,
+        those one decode step reads whole: all but an embedding table that is not also the LM head (a step
+        reads one row of it per sequence)."""
         ts = []
-        for t in self._weights():
+        for t in self._weights(with_embedding=not decode_step or self.embed is self.lm_head):
             ts += [x for x in (t.data, t.scale, t.min) if x is not None] if isinstance(t, QuantizedWeight) else [t]
         return ts
 
-    def _weights(self) -> list:
-        ws = [self.embed, self.final_norm, self.lm_head]
+    def _weights(self, with_embedding: bool = True) -> list:
+        ws = ([self.embed] if with_embedding else []) + [self.final_norm, self.lm_head]
         for lw in self.layers:
             ws += list(lw.tensors().values())
         return ws

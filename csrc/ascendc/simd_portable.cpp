@@ -195,6 +195,17 @@ void TransposeWiden(float* dst, int64_t ldd, const TB* src, int64_t lds, int64_t
     for (int64_t k = 0; k < K; ++k) dst[k * ldd + n] = L(src + n * lds + k);
 }
 
+uint64_t ReadSum(const uint64_t* p, int64_t n) {
+  constexpr int kRuns = 4;
+  const int64_t run = n / kRuns / 8 * 8;  // words per run: whole lines
+  uint64_t acc[kRuns] = {0, 0, 0, 0};
+  for (int64_t i = 0; i < run; ++i)
+    for (int s = 0; s < kRuns; ++s) acc[s] += p[s * run + i];
+  uint64_t sum = acc[0] + acc[1] + acc[2] + acc[3];
+  for (int64_t i = kRuns * run; i < n; ++i) sum += p[i];
+  return sum;
+}
+
 const SimdOps kPortable = {
     "portable", Add, Sub, Mul, Max, Muls, Adds, Axpy, Exp, Silu, SiluMul, Duplicate,
     ReduceSum, ReduceMax, SumSquares, Dot, F16ToF32, Bf16ToF32, F32ToF16, F32ToBf16,
@@ -205,7 +216,7 @@ const SimdOps kPortable = {
     MmadNT<float, Load>, MmadNT<uint16_t, LoadH>, MmadNT<uint16_t, LoadB>,  // mmad_nt_rows: one row at a time already
     MmadNN<float, Load>, MmadNN<uint16_t, LoadH>, MmadNN<uint16_t, LoadB>,  // mmad_nn_rows
     MmadTN, ColMax, ExpSubAcc, SumLanes8,
-    TransposeWiden<float, Load>, TransposeWiden<uint16_t, LoadH>, TransposeWiden<uint16_t, LoadB>,
+    TransposeWiden<float, Load>, TransposeWiden<uint16_t, LoadH>, TransposeWiden<uint16_t, LoadB>, ReadSum,
 };
 
 }  // namespace
