@@ -198,7 +198,7 @@ def main(argv=None) -> list[dict]:
                 reads = ", ".join(f"batch {b} {r['stream_read_GB_s']:.1f}" for b, r in per_batch.items())
                 print(f"{mname} {dname}: streaming read (GB/s, median of one read per round among the runs) {reads}; "
                       f"GEMM peak {peak / 1e9:.0f} GFLOP/s (torch.matmul 1024^3, gemm_gflops), "
-                      f"weights {weights / 1e6:.0f} MB", flush=True)
+                      f"weights read per step {decode_step_bytes(model) / 1e6:.0f} MB", flush=True)
             del model
     return json_results(results, args.json)
 

@@ -35,7 +35,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 import torch
