@@ -754,23 +754,22 @@ void SumLanes8(float* d, const float* l, int64_t n) {
 
 #include "simd_transpose8.h"  // TransposeWiden
 
-uint64_t ReadSum(const uint64_t* p, int64_t n) {
-  constexpr int kRuns = 4;
-  const int64_t run = n / kRuns / 8 * 8;  // words per run: whole lines
-  __m256i acc[kRuns];
-  for (int s = 0; s < kRuns; ++s) acc[s] = _mm256_setzero_si256();
-  for (int64_t i = 0; i < run; i += 8)
-    for (int s = 0; s < kRuns; ++s) {
-      const auto* q = reinterpret_cast<const __m256i*>(p + s * run + i);
-      acc[s] = _mm256_add_epi64(acc[s], _mm256_add_epi64(_mm256_loadu_si256(q), _mm256_loadu_si256(q + 1)));
-    }
-  alignas(32) uint64_t lanes[4];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),
-                     _mm256_add_epi64(_mm256_add_epi64(acc[0], acc[1]), _mm256_add_epi64(acc[2], acc[3])));
-  uint64_t sum = lanes[0] + lanes[1] + lanes[2] + lanes[3];
-  for (int64_t i = kRuns * run; i < n; ++i) sum += p[i];
-  return sum;
-}
+#include "simd_read_sum.h"  // ReadSumRuns
+
+struct Line256 {
+  using V = __m256i;
+  static V Zero() { return _mm256_setzero_si256(); }
+  static V Add(V a, V b) { return _mm256_add_epi64(a, b); }
+  static V Load(const uint64_t* p) {
+    const auto* q = reinterpret_cast<const __m256i*>(p);
+    return _mm256_add_epi64(_mm256_loadu_si256(q), _mm256_loadu_si256(q + 1));
+  }
+  static uint64_t Sum(V v) {
+    alignas(32) uint64_t lanes[4];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
+    return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+  }
+};
 
 const SimdOps kAvx2 = {
     "avx2", Add, Sub, Mul, Max, Muls, Adds, Axpy, Exp, Silu, SiluMul, Duplicate,
@@ -783,7 +782,7 @@ const SimdOps kAvx2 = {
     MmadNNRows<float, Load8, Load1>, MmadNNRows<uint16_t, Load8H, Load1H>, MmadNNRows<uint16_t, Load8B, Load1B>,
     MmadTN, ColMax, ExpSubAcc, SumLanes8,
     TransposeWiden<float, Widen8, Load1>, TransposeWiden<uint16_t, Widen8H, Load1H>,
-    TransposeWiden<uint16_t, Widen8B, Load1B>, ReadSum,
+    TransposeWiden<uint16_t, Widen8B, Load1B>, ReadSumRuns<Line256>,
 };
 
 }  // namespace

@@ -1213,20 +1213,21 @@ void MmadDpBf16Grouped(float* C, int64_t ldc, const uint16_t* A, int64_t lda, co
 #pragma GCC pop_options
 #endif
 
-uint64_t ReadSum(const uint64_t* p, int64_t n) {
-  constexpr int kRuns = 4;
-  const int64_t run = n / kRuns / 8 * 8;  // words per run: whole lines
-  __m512i acc[kRuns];
-  for (int s = 0; s < kRuns; ++s) acc[s] = _mm512_setzero_si512();
-  for (int64_t i = 0; i < run; i += 8)
-    for (int s = 0; s < kRuns; ++s) acc[s] = _mm512_add_epi64(acc[s], _mm512_loadu_si512(p + s * run + i));
-  alignas(64) uint64_t lanes[8];
-  _mm512_store_si512(lanes, _mm512_add_epi64(_mm512_add_epi64(acc[0], acc[1]), _mm512_add_epi64(acc[2], acc[3])));
-  uint64_t sum = 0;
-  for (uint64_t v : lanes) sum += v;
-  for (int64_t i = kRuns * run; i < n; ++i) sum += p[i];
-  return sum;
-}
+#include "simd_read_sum.h"  // ReadSumRuns
+
+struct Line512 {
+  using V = __m512i;
+  static V Zero() { return _mm512_setzero_si512(); }
+  static V Add(V a, V b) { return _mm512_add_epi64(a, b); }
+  static V Load(const uint64_t* p) { return _mm512_loadu_si512(p); }
+  static uint64_t Sum(V v) {
+    alignas(64) uint64_t lanes[8];
+    _mm512_store_si512(lanes, v);
+    uint64_t sum = 0;
+    for (uint64_t x : lanes) sum += x;
+    return sum;
+  }
+};
 
 const SimdOps ATB_AVX512_TABLE = {
     ATB_AVX512_NAME, Add, Sub, Mul, Max, Muls, Adds, Axpy, Exp, Silu, SiluMul, Duplicate,
@@ -1239,7 +1240,7 @@ const SimdOps ATB_AVX512_TABLE = {
     MmadNNRows<float, Load16>, MmadNNRows<uint16_t, Load16H>, MmadNNRows<uint16_t, Load16B>,
     MmadTN, ColMax, ExpSubAcc, SumLanes8,
     TransposeWiden<float, Widen8, Load1>, TransposeWiden<uint16_t, Widen8H, Load1H>,
-    TransposeWiden<uint16_t, Widen8B, Load1B>, ReadSum,
+    TransposeWiden<uint16_t, Widen8B, Load1B>, ReadSumRuns<Line512>,
     /*mmad_nt_dp_bf16=*/nullptr, /*pack_bf16_pairs=*/nullptr, /*mmad_dp_bf16_packed=*/nullptr,
     /*mmad_dp_bf16_grouped=*/nullptr, /*pack_q4_pairs=*/nullptr, /*pack_q8_pairs=*/nullptr,
     /*pack_bf16_pairs_kn=*/nullptr, /*pairs_f32_to_bf16=*/nullptr, /*mmad_dp_bf16_pairs_a=*/nullptr,

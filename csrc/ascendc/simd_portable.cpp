@@ -195,16 +195,19 @@ void TransposeWiden(float* dst, int64_t ldd, const TB* src, int64_t lds, int64_t
     for (int64_t k = 0; k < K; ++k) dst[k * ldd + n] = L(src + n * lds + k);
 }
 
-uint64_t ReadSum(const uint64_t* p, int64_t n) {
-  constexpr int kRuns = 4;
-  const int64_t run = n / kRuns / 8 * 8;  // words per run: whole lines
-  uint64_t acc[kRuns] = {0, 0, 0, 0};
-  for (int64_t i = 0; i < run; ++i)
-    for (int s = 0; s < kRuns; ++s) acc[s] += p[s * run + i];
-  uint64_t sum = acc[0] + acc[1] + acc[2] + acc[3];
-  for (int64_t i = kRuns * run; i < n; ++i) sum += p[i];
-  return sum;
-}
+#include "simd_read_sum.h"  // ReadSumRuns
+
+struct LineWords {
+  using V = uint64_t;
+  static V Zero() { return 0; }
+  static V Add(V a, V b) { return a + b; }
+  static V Load(const uint64_t* p) {
+    V sum = 0;
+    for (int i = 0; i < 8; ++i) sum += p[i];
+    return sum;
+  }
+  static uint64_t Sum(V v) { return v; }
+};
 
 const SimdOps kPortable = {
     "portable", Add, Sub, Mul, Max, Muls, Adds, Axpy, Exp, Silu, SiluMul, Duplicate,
@@ -216,7 +219,7 @@ const SimdOps kPortable = {
     MmadNT<float, Load>, MmadNT<uint16_t, LoadH>, MmadNT<uint16_t, LoadB>,  // mmad_nt_rows: one row at a time already
     MmadNN<float, Load>, MmadNN<uint16_t, LoadH>, MmadNN<uint16_t, LoadB>,  // mmad_nn_rows
     MmadTN, ColMax, ExpSubAcc, SumLanes8,
-    TransposeWiden<float, Load>, TransposeWiden<uint16_t, LoadH>, TransposeWiden<uint16_t, LoadB>, ReadSum,
+    TransposeWiden<float, Load>, TransposeWiden<uint16_t, LoadH>, TransposeWiden<uint16_t, LoadB>, ReadSumRuns<LineWords>,
 };
 
 }  // namespace
