@@ -10,8 +10,9 @@ prefill), and the same for HF ``generate`` in the same process. ``graph`` and
 ``python`` are TransformerInfer's two decode paths; ``patched`` is the same HF
 model after ``patch_hf_model`` (unpatched again afterwards). ``tinyllama`` is a
 random-weight model of TinyLlama-1.1B's shape. Decode is reported as a fraction
-of the weight-streaming roofline (bytes per step, ``atb.bench.roofline.decode_step_bytes``: the
-weights and the batch's K/V / streaming-read bandwidth: the median of one read per repeat round, taken among the runs), prefill as a fraction of the GEMM peak
+of the weight-streaming roofline (the bytes a step reads, ``atb.bench.roofline.decode_step_bytes``:
+the weights and the batch's K/V, over the streaming-read bandwidth: the median of one read per
+repeat round, taken among the runs), prefill as a fraction of the GEMM peak
 (torch.matmul on 1024^3, measured in this run: fp32, or for fp16/bf16 the larger of that dtype and fp32,
 ``atb.bench.roofline.gemm_gflops``; prefill FLOPs
 counted as 2 x the layers' linear parameters x tokens). Medians over ``--repeats``
@@ -81,7 +82,7 @@ def bench_batches(model, prompts_by_batch: dict[int, list[list[int]]], new: int,
 
             runners[(b, mode)] = ours
         runners[(b, "hf")] = hf
-    weights_bytes = decode_step_bytes(model)
+    step_weights_bytes = decode_step_bytes(model)  # (also the read probe's buffer: as large as the weights)
 
     def timed(name, fn, n):
         if name == "patched":
@@ -108,7 +109,7 @@ def bench_batches(model, prompts_by_batch: dict[int, list[list[int]]], new: int,
                 if rb == b:
                     prefill[(b, name)].append(timed(name, fn, 1))
                     total[(b, name)].append(timed(name, fn, new))
-            reads[b].append(stream_read_gbps(weights_bytes, repeat=3))
+            reads[b].append(stream_read_gbps(step_weights_bytes, repeat=3))
 
     def decode_rate(b, t_prefill, t_total):
         # Under noise a short decode can time below its own prefill: say so (NaN) rather than print nonsense.
@@ -116,7 +117,7 @@ def bench_batches(model, prompts_by_batch: dict[int, list[list[int]]], new: int,
 
     out = {}
     for b, prompts in prompts_by_batch.items():
-        res = {"batch": b, "weights_bytes": weights_bytes, "stream_read_GB_s": statistics.median(reads[b])}
+        res = {"batch": b, "step_weights_bytes": step_weights_bytes, "stream_read_GB_s": statistics.median(reads[b])}
         for (rb, name) in runners:
             if rb != b:
                 continue
