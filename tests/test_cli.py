@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 import atb
 
@@ -186,6 +187,22 @@ def test_bench_modules_print_help_without_running(module):
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(f"usage: python -m atb.bench.{module}")
     assert time.perf_counter() - t0 < 60
+
+
+def test_bench_infer_prints_its_table_on_smollm2(capsys):
+    # The end-to-end benchmark's main, as a user runs it (short): the table rows and the footer with the
+    # machine's measured read rate and the bytes one decode step reads.
+    from atb.bench import infer
+    from atb.bench.roofline import decode_step_bytes
+    from atb.checkpoints import load_model
+
+    results = infer.main(["--models", "smollm2", "--dtypes", "float32", "--batches", "1", "--modes", "graph",
+                          "--new", "4", "--prompt", "16", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "smollm2   float32       1   graph |" in out and "streaming read" in out
+    model = load_model(dtype=torch.float32)[0]
+    assert f"weights read per step {decode_step_bytes(model) / 1e6:.0f} MB" in out
+    assert results[0]["step_weights_bytes"] == decode_step_bytes(model) and results[0]["stream_read_GB_s"] > 0
 
 
 def test_pyproject_transformers_bound_matches_patch():
