@@ -258,12 +258,7 @@ class TransformerInfer(Engine):
     def memory_summary(self) -> dict:
         """Bytes held by the engine: weights (shared with the model unless converted), KV pool, scratch; and the
         pool's blocks: used (held by requests), cached (prefix caching: unheld, kept for reuse), free."""
-        seen, weights = set(), 0
-        for t in self.runner.weight_tensors():
-            key = (t.untyped_storage().data_ptr(), t.data_ptr(), t.nbytes)
-            if key not in seen:
-                seen.add(key)
-                weights += t.nbytes
+        weights = self.runner.weight_bytes()
         scratch = self.runner.scratch_bytes(self._block_tables)
         quant = {}
         if self.quantize is not None:

@@ -35,6 +35,7 @@ def test_engine_decode_step_weights_leave_out_an_untied_embedding(tied, quantize
         return sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in ts}.values())
 
     every, per_step = nbytes(runner.weight_tensors()), nbytes(runner.weight_tensors(decode_step=True))
+    assert (runner.weight_bytes(), runner.weight_bytes(decode_step=True)) == (every, per_step)
     if tied:
         assert per_step == every
     else:

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from atb.bench.roofline import decode_step_bytes, median_seconds
+from atb.bench.roofline import decode_step_bytes, generate_rates, median_seconds
 
 
 @dataclass
@@ -41,13 +41,6 @@ def _hf_generate(model, prompts, n):
                        do_sample=False, pad_token_id=0)
 
 
-def _rates(t1: float, tn: float, batch: int, prompt_len: int, n: int) -> tuple[float, float]:
-    prefill = batch * prompt_len / t1
-    # With very few new tokens the difference drowns in noise: report NaN, not nonsense.
-    decode = batch * (n - 1) / (tn - t1) if tn > 1.05 * t1 else float("nan")
-    return prefill, decode
-
-
 def end_to_end(model, *, prompt_len: int, new_tokens: int, batch: int, repeat: int, soc_type: str, machine,
                progress=None) -> list[E2ERow]:
     import atb
@@ -59,7 +52,7 @@ def end_to_end(model, *, prompt_len: int, new_tokens: int, batch: int, repeat: i
     results = []
 
     def add(engine, b, t1, tn):
-        pre, dec = _rates(t1, tn, b, prompt_len, n)
+        pre, dec = generate_rates(t1, tn, b, prompt_len, n)
         limit = b * machine.bandwidth / decode_step_bytes(model, b, prompt_len + n // 2)
         results.append(E2ERow(engine, b, prompt_len, n, pre, dec, 0.0, dec / limit))
 

@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from atb.bench.roofline import (add_table_or_json_args, apply_threads, decode_step_bytes, json_results,
-                                print_table_head, stream_read_gbps)
+from atb.bench.roofline import (add_table_or_json_args, apply_threads, decode_step_bytes, generate_rates,
+                                json_results, print_table_head, stream_read_gbps)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -111,9 +111,10 @@ def bench_batches(model, prompts_by_batch: dict[int, list[list[int]]], new: int,
                     total[(b, name)].append(timed(name, fn, new))
             reads[b].append(stream_read_gbps(step_weights_bytes, repeat=3))
 
-    def decode_rate(b, t_prefill, t_total):
-        # Under noise a short decode can time below its own prefill: say so (NaN) rather than print nonsense.
-        return b * (new - 1) / (t_total - t_prefill) if t_total > 1.05 * t_prefill else float("nan")
+    prompt_len = len(next(iter(prompts_by_batch.values()))[0])
+
+    def decode_rate(b, t_prefill, t_total):  # NaN where noise put the decode under its own prefill
+        return generate_rates(t_prefill, t_total, b, prompt_len, new)[1]
 
     out = {}
     for b, prompts in prompts_by_batch.items():

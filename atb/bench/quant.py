@@ -22,7 +22,8 @@ import time
 import torch
 
 import atb
-from atb.bench.roofline import decode_step_bytes, keep_freed_memory, kv_bytes, median_seconds, stream_read_gbps
+from atb.bench.roofline import (decode_step_bytes, generate_rates, keep_freed_memory, kv_bytes, median_seconds,
+                                stream_read_gbps)
 from atb.quant import quantize_weight
 
 # (label, N, K): the projections of one decoder layer and the LM head.
@@ -87,16 +88,6 @@ def _e2e_model(name: str):
     return model.to(torch.bfloat16).eval()
 
 
-def _step_weight_bytes(infer) -> int:
-    """Bytes of the weights one decode step of ``infer`` reads, each tensor once."""
-    seen, total = set(), 0
-    for t in infer.runner.weight_tensors(decode_step=True):
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
-
-
 def bench_e2e(models=("smollm2", "tinyllama"), batches=(1, 16), prompt_len: int = 128, new_tokens: int = 33,
               repeats: int = 3, hf: bool = True) -> list[dict]:
     """Whole-model prefill and decode tok/s per format; decode = (new_tokens - 1) steps over the time a
@@ -112,7 +103,7 @@ def bench_e2e(models=("smollm2", "tinyllama"), batches=(1, 16), prompt_len: int 
         engines = {label: atb.TransformerInfer(model, max_seq_len=prompt_len + new_tokens, max_batch_size=max(batches),
                                                dtype=torch.bfloat16, quantize=spec)
                    for label, spec in E2E_FORMATS}
-        wbytes = {label: _step_weight_bytes(e) for label, e in engines.items()}
+        wbytes = {label: e.runner.weight_bytes(decode_step=True) for label, e in engines.items()}
         if hf:
             wbytes["HF eager bf16"] = decode_step_bytes(model)
         for b in batches:
@@ -140,8 +131,9 @@ def bench_e2e(models=("smollm2", "tinyllama"), batches=(1, 16), prompt_len: int 
                     t1 = time.perf_counter()
                     fn(new_tokens)
                     tn = time.perf_counter() - t1
-                    pre[label].append(b * prompt_len / (t1 - t0))
-                    dec[label].append(b * (new_tokens - 1) / max(tn - (t1 - t0), 1e-9))
+                    prefill, decode = generate_rates(t1 - t0, tn, b, prompt_len, new_tokens)  # (decode NaN under noise)
+                    pre[label].append(prefill)
+                    dec[label].append(decode)
                 reads.append(stream_read_gbps(repeat=3))
             bw = statistics.median(reads)
             kv = kv_bytes(cfg, b, prompt_len + new_tokens // 2, element_size=2)  # bf16 K/V

@@ -11,6 +11,7 @@ The API (reuse it; keep benchmarks comparable):
   kernel thread, with the SIMD table's widest loads in 4 interleaved runs per thread (the fastest
   plain read measured). Divide a kernel's achieved GB/s by it for the fraction of the roofline
   (:func:`achieved_gbps` turns bytes moved and µs into GB/s).
+* :func:`generate_rates` -- prefill and decode tok/s from a one-token and an n-token generate.
 * :func:`decode_step_bytes` / :func:`kv_bytes` -- what one decode step must read (the weights it
   streams and the K/V history): the numerator of every decode roofline, defined once.
 * :func:`keep_freed_memory` -- call once before timing: stops glibc from handing large freed
@@ -98,6 +99,15 @@ def stream_read_gbps(nbytes: int = _BANDWIDTH_BUFFER_BYTES, *, repeat: int = 9) 
     size = buf.numel() * 8
     us = time_us(lambda: _C.stream_read(buf.data_ptr(), size), repeat=repeat, warmup=1, min_sample_us=0.0)
     return size / (us * 1e-6) / 1e9
+
+
+def generate_rates(t1: float, tn: float, batch: int, prompt_len: int, n: int) -> tuple[float, float]:
+    """Prefill and decode tok/s from two generates of ``batch`` prompts of ``prompt_len`` tokens: one of a single new
+    token (``t1`` s, the prefill) and one of ``n`` (``tn`` s); decode is the n - 1 later steps over the difference."""
+    prefill = batch * prompt_len / t1
+    # With very few new tokens the difference drowns in noise: report NaN, not nonsense.
+    decode = batch * (n - 1) / (tn - t1) if tn > 1.05 * t1 else float("nan")
+    return prefill, decode
 
 
 def kv_bytes(config, batch: int, context: int, element_size: int) -> int:

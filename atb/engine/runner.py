@@ -123,6 +123,16 @@ class ModelRunner:
             ws += list(lw.tensors().values())
         return ws
 
+    def weight_bytes(self, *, decode_step: bool = False) -> int:
+        """Bytes of ``weight_tensors(decode_step=...)``, each tensor once (a tied table is one tensor)."""
+        seen, total = set(), 0
+        for t in self.weight_tensors(decode_step=decode_step):
+            key = (t.untyped_storage().data_ptr(), t.data_ptr(), t.nbytes)
+            if key not in seen:
+                seen.add(key)
+                total += t.nbytes
+        return total
+
     def unquantized_weight_bytes(self) -> int:
         """What the weights would occupy in the compute dtype (each distinct weight once)."""
         seen, total = set(), 0
