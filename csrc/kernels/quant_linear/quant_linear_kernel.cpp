@@ -58,6 +58,7 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
     if (int16_) {
       pipe_.InitBuffer(xqBuf_, mt * t_.kTile * sizeof(int16_t));
       pipe_.InitBuffer(xqScaleBuf_, mt * kChunks_ * sizeof(float));
+      pipe_.InitBuffer(xqPairsBuf_, mt * XPairsPitch() * sizeof(int16_t));
     }
   }
 
@@ -84,9 +85,11 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
       std::fill(row + valid, row + kl, 0.0f);
       if (!gemv_) continue;
       for (int64_t c = 0; c < kl / kQuantChunk; ++c) xs[m * kChunks_ + c] = Simd().reduce_sum(row + c * kQuantChunk, kQuantChunk);
-      if (int16_)
-        QuantizeXInt16(xqBuf_.Get<int16_t>().GetPhyAddr(m * t_.kTile),
-                       xqScaleBuf_.Get<float>().GetPhyAddr(m * kChunks_), row, kl);
+      if (int16_) {
+        int16_t* xq = xqBuf_.Get<int16_t>().GetPhyAddr(m * t_.kTile);
+        QuantizeXInt16(xq, xqScaleBuf_.Get<float>().GetPhyAddr(m * kChunks_), row, kl);
+        PairXInt16ForW4(xqPairsBuf_.Get<int16_t>().GetPhyAddr(m * XPairsPitch()), xq, kl);
+      }
       if (kBf16) {
         uint16_t* xb = xbBuf_.Get<uint16_t>().GetPhyAddr(m * t_.kTile);
         std::copy_n(reinterpret_cast<const uint16_t*>(xGm_.GetPhyAddr((m0 + m) * t_.k + k0)), valid, xb);
@@ -106,7 +109,8 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
       QuantScaleRows sr = StoredScales(q, kPad_, row, nt, k0, kl, scaleUb, minUb, kChunks_);
       const int64_t group = q.group ? q.group : kl;
       if (q.bits == 4)
-        return QuantSimd().gemv_w4_i16(y, nt, XInt16(), t_.kTile, XInt16Scales(), kChunks_, xs, kChunks_,
+        return QuantSimd().gemv_w4_i16(y, nt, xqPairsBuf_.Get<int16_t>().GetPhyAddr(), XPairsPitch(), XInt16Scales(),
+                                       kChunks_, xs, kChunks_,
                                        static_cast<const uint8_t*>(q.data) + row * (kPad_ / 2) + k0 / 2, kPad_ / 2, sr,
                                        mt, nt, kl, group, k0 > 0);
       return QuantSimd().gemv_w8_i16(y, nt, XInt16(), t_.kTile, XInt16Scales(), kChunks_,
@@ -160,12 +164,13 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
   }
 
   const int16_t* XInt16() { return xqBuf_.Get<int16_t>().GetPhyAddr(); }
+  int64_t XPairsPitch() const { return AlignUp(t_.kTile, int64_t(64)); }
   const float* XInt16Scales() { return xqScaleBuf_.Get<float>().GetPhyAddr(); }
 
   const QuantSegment* q_ = nullptr;
   int64_t kPad_ = 0, kChunks_ = 0, panel_ = 0;
   bool int16_ = false, gemv_ = false, lanes_[kLinearMaxSegments] = {false, false, false};
-  TBuf<TPosition::VECCALC> xBuf_, xsumBuf_, xbBuf_, xqBuf_, xqScaleBuf_, scaleBuf_[2], minBuf_[2], wBuf_, lanesBuf_[2];
+  TBuf<TPosition::VECCALC> xBuf_, xsumBuf_, xbBuf_, xqBuf_, xqScaleBuf_, xqPairsBuf_, scaleBuf_[2], minBuf_[2], wBuf_, lanesBuf_[2];
 };
 
 // Embedding rows: each core dequantizes its share of the requested rows, in K pieces that fit its UB.

@@ -74,7 +74,8 @@ struct QuantSimdOps {
   // t = fma(sum, xscale, t) per chunk and scale * t per group as the fp32 route does. The kernel gives it
   // only 16-bit activations (quantize_x_i16), which int16 with a power-of-two scale represents exactly
   // wherever a value is within 2^7 (bf16) or 2^4 (fp16) of its chunk's largest.
-  // Their scales come as stored (QuantScaleRows).
+  // Their scales come as stored (QuantScaleRows). gemv_w4_i16 takes xq in pairs of chunks (PairXInt16ForW4;
+  // ldx a multiple of 64), gemv_w8_i16 as QuantizeXInt16 writes it.
   void (*gemv_w4_i16)(float* y, int64_t ldy, const int16_t* xq, int64_t ldx, const float* xscale, int64_t ldxc,
                       const float* xsum, int64_t ldxs, const uint8_t* q, int64_t ldq, const QuantScaleRows& scales,
                       int64_t M, int64_t N, int64_t kLen, int64_t G, bool accumulate);
@@ -93,6 +94,14 @@ struct QuantSimdOps {
 // such a value has at most 11 significant bits). A chunk of zeros gets scale 0; a chunk holding a NaN or an
 // infinity gets scale NaN, so every output it feeds is NaN, as in the fp32 route.
 void QuantizeXInt16(int16_t* xq, float* scale, const float* x, int64_t kLen);
+
+// QuantizeXInt16's xq (kLen values, a multiple of 32) in gemv_w4_i16's order, where W4 weights are read two
+// chunks per 32-byte load as stored: each 16-bit word of a chunk's 16 bytes holds the values 2w and 2w + 16
+// (byte 2w's nibbles) and 2w + 1 and 2w + 17 (byte 2w + 1's). Per pair of chunks c = 2p and c + 1, 64 values
+// at dst + 64 p, four runs of 16: run j's first 8 from chunk c, its last 8 from chunk c + 1 (zeros where
+// c + 1 is past kLen), value w of each half being x[2w], x[2w + 16], x[2w + 1], x[2w + 17] of its chunk for
+// j = 0, 1, 2, 3. dst holds ceil(kLen / 64) * 64 values.
+void PairXInt16ForW4(int16_t* dst, const int16_t* xq, int64_t kLen);
 
 const QuantSimdOps& QuantSimd();
 const QuantSimdOps* QuantPortableOps();

@@ -86,11 +86,19 @@ __attribute__((always_inline)) inline void AddMinLanes(__m256 (&a)[NR][MB], cons
 #include "ascendc/simd_hsum4.h"  // HSum4
 
 // The int16-x GEMV (quant_simd.h: gemv_w4_i16 / gemv_w8_i16): one block of NR weight rows x MB rows of x.
-// Per 32-value chunk and weight row: the 32 weights widen to int16 in two registers (W4: one vpmovzxbw of
-// the 16 bytes, then the low nibbles are values 0..15 and the high ones 16..31; W8: two vpmovsxbw), two
-// vpmaddwd against x's two int16 registers give 8 exact int32 sums of 4 products, converted once and
-// scaled by x's chunk scale into the group's t. 8 instructions per 32 weights where the fp32 route takes
-// 16 (W4) or 12 (W8).
+// W8, per 32-value chunk and weight row: the 32 weights widen to int16 in two registers (two vpmovsxbw),
+// two vpmaddwd against x's two int16 registers give 8 exact int32 sums of 4 products, converted once and
+// scaled by x's chunk scale into the group's t.
+// W4 takes two chunks per 32-byte load, as they are stored, with no widening shuffle: each 16-bit word holds
+// four nibbles, split by shifts and masks into four registers of 16 int16 weights (lane 0 chunk c, lane 1
+// chunk c + 1), which meet x in the matching order (quant_simd.h: PairXInt16ForW4); four vpmaddwd give 8
+// exact int32 sums of 8 products (|sum| <= 8 * 15 * 32767 < 2^24: converted exactly), lanes 0-3 of chunk c
+// and 4-7 of chunk c + 1, scaled per lane. 17 instructions per 64 weights where one chunk at a time took
+// 18, two of them vpmovzxbw, a lane-crossing shuffle each. Zen 3: the loop alone, one core, weights in L1,
+// K = 576: 25.6 -> 32.0 G weights/s. The op, 2 threads, cold weights, M = 1, median per-round time ratio
+// over 15 interleaved rounds: G32 3072x576 0.96, 960x576 0.95, the 49152x576 LM head 0.94, 5632x2048 0.93,
+// 576x1536 0.97-1.07; G128 0.95-1.0; M = 2 G32 0.92-0.97. SmolLM2 W4 decode graph step, 9 rounds: G32
+// 0.971, G128 1.003 (there the weight stream, not the arithmetic, bounds it).
 //
 // The chunk loop runs a 64-byte line of every row per step (4 W4 chunks, 2 W8 ones), so the prefetch is
 // issued once per step with no test. With one group per chunk (W4 at G == 32, GGUF's Q4_0/Q4_1 blocks)
@@ -128,7 +136,7 @@ void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const fl
     prefetch.At(c * kChunkBytes);
     farPrefetch.At(c * kChunkBytes);
   };
-  // Chunk c of every row into t (or, one group per chunk, into a at the group's scale).
+  // W8 (always on the group loop): chunk c of every row into t.
   auto chunk = [&](int64_t c) __attribute__((always_inline)) {
     __m256i xv[MB][2];
     __m256 xs[MB];
@@ -138,21 +146,42 @@ void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const fl
       xs[mb] = _mm256_broadcast_ss(xsc + mb * ldxc + c);
     }
     for (int r = 0; r < NR; ++r) {
-      __m256i w0, w1;
-      const uint8_t* qc = q + r * ldq + c * kChunkBytes;
-      if constexpr (Bits == 4) {
-        __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qc)));
-        w0 = _mm256_and_si256(b, nibble);
-        w1 = _mm256_srli_epi16(b, 4);
-      } else {
-        const auto* p = reinterpret_cast<const __m128i*>(qc);
-        w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(p));
-        w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(p + 1));
-      }
-      __m256 gs;
-      if constexpr (kGroupPerChunk) gs = _mm256_broadcast_ss(scale + r * lds + c);
+      const auto* p = reinterpret_cast<const __m128i*>(q + r * ldq + c * kChunkBytes);
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(p)), w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(p + 1));
       for (int mb = 0; mb < MB; ++mb) {
         __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w0, xv[mb][0]), _mm256_madd_epi16(w1, xv[mb][1]));
+        t[r][mb] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), xs[mb], t[r][mb]);
+      }
+    }
+  };
+  // W4: chunks c and c + 1 of every row (c even: x's pair at 32 c), or chunk c alone (Single: the last of an
+  // odd count; its lane 1 of weights and of x is zero, its scales repeat chunk c's so the zeros stay zero).
+  auto pair = [&](int64_t c, auto singleTag) __attribute__((always_inline)) {
+    constexpr bool kSingle = decltype(singleTag)::value;
+    auto lanes = [](const float* p) __attribute__((always_inline)) {  // p[0] in lanes 0-3, p[1] in 4-7
+      if constexpr (kSingle) return _mm256_broadcast_ss(p);
+      return _mm256_permutevar_ps(_mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(p))),
+                                  _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    };
+    __m256i xv[MB][4];
+    __m256 xs[MB];
+    for (int mb = 0; mb < MB; ++mb) {
+      for (int j = 0; j < 4; ++j)
+        xv[mb][j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + mb * ldx + 32 * c + 16 * j));
+      if constexpr (!kXScaled) xs[mb] = lanes(xsc + mb * ldxc + c);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* qc = q + r * ldq + c * kChunkBytes;
+      const __m256i v = kSingle ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qc)))
+                                : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qc));
+      const __m256i w0 = _mm256_and_si256(v, nibble), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+      const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), nibble), w3 = _mm256_srli_epi16(v, 12);
+      __m256 gs;
+      if constexpr (kGroupPerChunk) gs = lanes(scale + r * lds + c);
+      for (int mb = 0; mb < MB; ++mb) {
+        const __m256i s = _mm256_add_epi32(
+            _mm256_add_epi32(_mm256_madd_epi16(w0, xv[mb][0]), _mm256_madd_epi16(w1, xv[mb][1])),
+            _mm256_add_epi32(_mm256_madd_epi16(w2, xv[mb][2]), _mm256_madd_epi16(w3, xv[mb][3])));
         if constexpr (kXScaled)
           a[r][mb] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), gs, a[r][mb]);
         else if constexpr (kGroupPerChunk)
@@ -162,15 +191,27 @@ void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const fl
       }
     }
   };
+  // The chunks [c, c + n) of every row, n <= kUnit: W4 as one pair (or a single), W8 one chunk.
+  constexpr int64_t kUnit = Bits == 4 ? 2 : 1;
+  auto unit = [&](int64_t c, int64_t n) __attribute__((always_inline)) {
+    if constexpr (Bits == 4) {
+      if (n == 2)
+        pair(c, std::false_type{});
+      else
+        pair(c, std::true_type{});
+    } else {
+      chunk(c);
+    }
+  };
   const int64_t nc = kLen / 32;
   if constexpr (kGroupPerChunk) {
     int64_t c = 0;
     for (; c + kStepChunks <= nc; c += kStepChunks) {
       prefetchLine(c);
 #pragma GCC unroll 4
-      for (int i = 0; i < kStepChunks; ++i) chunk(c + i);
+      for (int i = 0; i < kStepChunks; i += kUnit) unit(c + i, kUnit);
     }
-    for (; c < nc; ++c) chunk(c);
+    for (; c < nc; c += kUnit) unit(c, std::min(kUnit, nc - c));
   } else {
     const int64_t cpg = G / 32;
     auto fold = [&](int64_t g) __attribute__((always_inline)) {
@@ -193,15 +234,19 @@ void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const fl
         for (const int64_t end = c + cpg; c < end; c += kStepChunks) {
           prefetchLine(c);
 #pragma GCC unroll 4
-          for (int i = 0; i < kStepChunks; ++i) chunk(c + i);
+          for (int i = 0; i < kStepChunks; i += kUnit) unit(c + i, kUnit);
         }
         fold(g);
       }
     }
+    // W4 groups are whole pairs (G = 64, 128; G = 32 is one group per chunk), so every pair starts at an
+    // even chunk, as x's pairs do; only the last group may end in a single.
     for (; c < nc; ++g) {
-      for (const int64_t end = std::min(nc, c + cpg); c < end; ++c) {
+      for (const int64_t end = std::min(nc, c + cpg); c < end;) {
+        const int64_t n = std::min(kUnit, end - c);
         if (c % kStepChunks == 0) prefetchLine(c);
-        chunk(c);
+        unit(c, n);
+        c += n;
       }
       fold(g);
     }
