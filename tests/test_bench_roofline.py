@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import atb
-from atb.bench.roofline import decode_step_bytes, kv_bytes
+from atb.bench.roofline import decode_step_bytes, decode_token_flops, kv_bytes
 from atb.checkpoints import random_model
 
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -44,3 +44,15 @@ def test_engine_decode_step_weights_leave_out_an_untied_embedding(tied, quantize
         assert per_step == every - nbytes(table)
         if not quantize:
             assert per_step == decode_step_bytes(model)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_decode_token_flops_counts_every_linear_once_and_attention_over_the_context(tied):
+    model = random_model({**SHAPE, "tie_word_embeddings": tied}, torch.float32)
+    h, i, d = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["head_dim"]
+    heads, kv_heads, layers = SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"], SHAPE["num_hidden_layers"]
+    per_layer = h * heads * d + 2 * h * kv_heads * d + heads * d * h + 3 * h * i  # q, k + v, o, gate + up + down
+    macs = layers * per_layer + SHAPE["vocab_size"] * h  # the LM head, tied or not
+    assert decode_token_flops(model) == 2 * macs
+    # Per query head and position: q.k and p.v, d multiply-adds each.
+    assert decode_token_flops(model, 40) == 2 * macs + 2 * layers * heads * 2 * d * 40

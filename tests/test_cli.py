@@ -193,7 +193,7 @@ def test_bench_infer_prints_its_table_on_smollm2(capsys):
     # The end-to-end benchmark's main, as a user runs it (short): the table rows and the footer with the
     # machine's measured read rate and the bytes one decode step reads.
     from atb.bench import infer
-    from atb.bench.roofline import decode_step_bytes
+    from atb.bench.roofline import decode_step_bytes, decode_token_flops
     from atb.checkpoints import load_model
 
     results = infer.main(["--models", "smollm2", "--dtypes", "float32", "--batches", "1", "--modes", "graph",
@@ -203,6 +203,10 @@ def test_bench_infer_prints_its_table_on_smollm2(capsys):
     model = load_model(dtype=torch.float32)[0]
     assert f"weights read per step {decode_step_bytes(model) / 1e6:.0f} MB" in out
     assert results[0]["step_weights_bytes"] == decode_step_bytes(model) and results[0]["stream_read_GB_s"] > 0
+    graph = results[0]["graph"]  # decode as a fraction of the GEMM peak too, at context prompt + new // 2
+    flops = decode_token_flops(model, 16 + 4 // 2)
+    peak = results[0]["gemm_peak_GFLOP_s"] * 1e9
+    assert graph["decode_peak_fraction"] == pytest.approx(graph["decode_tok_s"] * flops / peak)
 
 
 def test_pyproject_transformers_bound_matches_patch():

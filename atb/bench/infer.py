@@ -12,10 +12,12 @@ model after ``patch_hf_model`` (unpatched again afterwards). ``tinyllama`` is a
 random-weight model of TinyLlama-1.1B's shape. Decode is reported as a fraction
 of the weight-streaming roofline (the bytes a step reads, ``atb.bench.roofline.decode_step_bytes``:
 the weights and the batch's K/V, over the streaming-read bandwidth: the median of one read per
-repeat round, taken among the runs), prefill as a fraction of the GEMM peak
+repeat round, taken among the runs), prefill and decode as fractions of the GEMM peak
 (torch.matmul on 1024^3, measured in this run: fp32, or for fp16/bf16 the larger of that dtype and fp32,
 ``atb.bench.roofline.gemm_gflops``; prefill FLOPs
-counted as 2 x the layers' linear parameters x tokens). Medians over ``--repeats``
+counted as 2 x the layers' linear parameters x tokens, a decode token's as ``decode_token_flops``: the LM head
+and attention's too). At batch 1 a decode step is bound by its bytes, at batch 16 (on a CPU without a bf16
+dot product) by its FLOPs: each has its own column. Medians over ``--repeats``
 rounds, in each of which every path at every batch size runs once (so batch 16's
 ``x b1``, the median of the rounds' ratios, compares runs minutes apart at most).
 """
@@ -27,8 +29,8 @@ import time
 
 import torch
 
-from atb.bench.roofline import (add_table_or_json_args, apply_threads, decode_step_bytes, generate_rates,
-                                json_results, print_table_head, stream_read_gbps)
+from atb.bench.roofline import (add_table_or_json_args, apply_threads, decode_step_bytes, decode_token_flops,
+                                generate_rates, json_results, print_table_head, stream_read_gbps)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -157,7 +159,7 @@ def main(argv=None) -> list[dict]:
 
     results = []
     hdr = (f"{'model':9} {'dtype':9} {'batch':>5} {'path':>7} | {'prefill tok/s':>13} {'x HF':>5} {'%peak':>5} | "
-           f"{'decode tok/s':>12} {'x HF':>5} {'x b1':>5} | {'step ms':>7} {'roofline':>8}")
+           f"{'decode tok/s':>12} {'x HF':>5} {'x b1':>5} | {'step ms':>7} {'roofline':>8} {'%peak':>5}")
     if not args.json:
         print_table_head(f"{args.prompt}-token prompts, {args.new} new tokens, median of {args.repeats}, "
                          f"threads={torch.get_num_threads()}", hdr)
@@ -185,8 +187,9 @@ def main(argv=None) -> list[dict]:
                         m["decode_vs_hf"] = m["decode_tok_s"] / r["hf"]["decode_tok_s"]
                         m["prefill_vs_hf"] = m["prefill_tok_s"] / r["hf"]["prefill_tok_s"]
                     # One decode step streams the weights once, whatever the batch, and each sequence's K/V.
-                    step = decode_step_bytes(model, b, args.prompt + args.new // 2)
-                    m["roofline_fraction"] = m["decode_tok_s"] / b * step / bw
+                    context = args.prompt + args.new // 2
+                    m["roofline_fraction"] = m["decode_tok_s"] / b * decode_step_bytes(model, b, context) / bw
+                    m["decode_peak_fraction"] = m["decode_tok_s"] * decode_token_flops(model, context) / peak
                     m["prefill_peak_fraction"] = m["prefill_tok_s"] * 2 * linear_params / peak
                 if not args.json:
                     for name in modes + ["hf"]:
@@ -195,7 +198,8 @@ def main(argv=None) -> list[dict]:
                         print(f"{mname:9} {dname:9} {b:>5} {name:>7} | {m['prefill_tok_s']:13.0f} "
                               f"{ratio('prefill_vs_hf')} {m['prefill_peak_fraction']:5.0%} | "
                               f"{m['decode_tok_s']:12.1f} {ratio('decode_vs_hf')} {ratio('decode_vs_batch1')} | "
-                              f"{m['step_ms']:7.1f} {m['roofline_fraction']:8.0%}", flush=True)
+                              f"{m['step_ms']:7.1f} {m['roofline_fraction']:8.0%} {m['decode_peak_fraction']:5.0%}",
+                              flush=True)
             if not args.json:
                 reads = ", ".join(f"batch {b} {r['stream_read_GB_s']:.1f}" for b, r in per_batch.items())
                 print(f"{mname} {dname}: streaming read (GB/s, median of one read per round among the runs) {reads}; "

@@ -126,6 +126,18 @@ def decode_step_bytes(model, batch: int = 1, context: int = 0) -> int:
     return weights + kv_bytes(model.config, batch, context, emb.element_size())
 
 
+def decode_token_flops(model, context: int = 0) -> int:
+    """FLOPs (2 per multiply-add) one sequence's decode step does in the HF ``model``: every linear weight once,
+    the LM head included (a tied table counts there), and attention's q.k and p.v over ``context`` positions per
+    query head. At batch 16 a step is compute-bound on a CPU without a bf16 dot product, so this over the GEMM
+    peak, not bytes over bandwidth, is its roofline."""
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attention = 2 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * context
+    return 2 * (linear + attention)
+
+
 def achieved_gbps(bytes_moved: int, us: float) -> float:
     """GB/s of a kernel that moved ``bytes_moved`` (read + written) in ``us`` microseconds."""
     return bytes_moved / (us * 1e-6) / 1e9
