@@ -55,10 +55,14 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
     // The int16 route, decided once: 16-bit x on a table that has it (the tiling budgets its UB for every
     // 16-bit x, so a table without it just leaves the buffers unused).
     int16_ = kHalfWidth && QuantSimd().gemv_w4_i16 && QuantSimd().gemv_w8_i16;
+    // x as int16 in the order of each int16 GEMV the launch runs: W8's as QuantizeXInt16 writes it, W4's pairs
+    // (PairXInt16ForW4, in place when no W8 segment needs the first).
     if (int16_) {
-      pipe_.InitBuffer(xqBuf_, mt * t_.kTile * sizeof(int16_t));
+      w4Pairs_ = t.gemvW4;
+      w8Order_ = t.gemvW8;
+      pipe_.InitBuffer(xqBuf_, mt * XqPitch() * sizeof(int16_t));
       pipe_.InitBuffer(xqScaleBuf_, mt * kChunks_ * sizeof(float));
-      pipe_.InitBuffer(xqPairsBuf_, mt * XPairsPitch() * sizeof(int16_t));
+      if (w4Pairs_ && w8Order_) pipe_.InitBuffer(xqPairsBuf_, mt * XqPitch() * sizeof(int16_t));
     }
   }
 
@@ -86,9 +90,9 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
       if (!gemv_) continue;
       for (int64_t c = 0; c < kl / kQuantChunk; ++c) xs[m * kChunks_ + c] = Simd().reduce_sum(row + c * kQuantChunk, kQuantChunk);
       if (int16_) {
-        int16_t* xq = xqBuf_.Get<int16_t>().GetPhyAddr(m * t_.kTile);
+        int16_t* xq = xqBuf_.Get<int16_t>().GetPhyAddr(m * XqPitch());
         QuantizeXInt16(xq, xqScaleBuf_.Get<float>().GetPhyAddr(m * kChunks_), row, kl);
-        PairXInt16ForW4(xqPairsBuf_.Get<int16_t>().GetPhyAddr(m * XPairsPitch()), xq, kl);
+        if (w4Pairs_) PairXInt16ForW4(XPairs() + m * XqPitch(), xq, kl);
       }
       if (kBf16) {
         uint16_t* xb = xbBuf_.Get<uint16_t>().GetPhyAddr(m * t_.kTile);
@@ -109,11 +113,10 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
       QuantScaleRows sr = StoredScales(q, kPad_, row, nt, k0, kl, scaleUb, minUb, kChunks_);
       const int64_t group = q.group ? q.group : kl;
       if (q.bits == 4)
-        return QuantSimd().gemv_w4_i16(y, nt, xqPairsBuf_.Get<int16_t>().GetPhyAddr(), XPairsPitch(), XInt16Scales(),
-                                       kChunks_, xs, kChunks_,
+        return QuantSimd().gemv_w4_i16(y, nt, XPairs(), XqPitch(), XInt16Scales(), kChunks_, xs, kChunks_,
                                        static_cast<const uint8_t*>(q.data) + row * (kPad_ / 2) + k0 / 2, kPad_ / 2, sr,
                                        mt, nt, kl, group, k0 > 0);
-      return QuantSimd().gemv_w8_i16(y, nt, XInt16(), t_.kTile, XInt16Scales(), kChunks_,
+      return QuantSimd().gemv_w8_i16(y, nt, xqBuf_.Get<int16_t>().GetPhyAddr(), XqPitch(), XInt16Scales(), kChunks_,
                                      static_cast<const int8_t*>(q.data) + row * kPad_ + k0, kPad_, sr, mt, nt, kl,
                                      group, k0 > 0);
     }
@@ -163,13 +166,14 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
     }
   }
 
-  const int16_t* XInt16() { return xqBuf_.Get<int16_t>().GetPhyAddr(); }
-  int64_t XPairsPitch() const { return AlignUp(t_.kTile, int64_t(64)); }
+  // Row pitch of the int16 x buffers: a W4 chunk pair takes 64 values, so an odd last chunk gets its pair's room.
+  int64_t XqPitch() const { return AlignUp(t_.kTile, int64_t(64)); }
+  int16_t* XPairs() { return (w8Order_ ? xqPairsBuf_ : xqBuf_).Get<int16_t>().GetPhyAddr(); }
   const float* XInt16Scales() { return xqScaleBuf_.Get<float>().GetPhyAddr(); }
 
   const QuantSegment* q_ = nullptr;
   int64_t kPad_ = 0, kChunks_ = 0, panel_ = 0;
-  bool int16_ = false, gemv_ = false, lanes_[kLinearMaxSegments] = {false, false, false};
+  bool int16_ = false, gemv_ = false, w4Pairs_ = false, w8Order_ = false, lanes_[kLinearMaxSegments] = {false, false, false};
   TBuf<TPosition::VECCALC> xBuf_, xsumBuf_, xbBuf_, xqBuf_, xqScaleBuf_, xqPairsBuf_, scaleBuf_[2], minBuf_[2], wBuf_, lanesBuf_[2];
 };
 

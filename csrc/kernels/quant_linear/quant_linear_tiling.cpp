@@ -19,8 +19,8 @@ namespace {
 //   x          fp32 [mTile, kTile]     (zero-padded past K)
 //   xsum       fp32 [mTile, kTile/32]  (x summed per 32-value chunk: the W4 min term)
 //   x bf16     bf16 [mTile, kTile]     (bf16 x only: the AVX512-BF16 W4 route reads x as it came)
-//   x int16    int16 [mTile, kTile] and its fp32 scales [mTile, kTile/32] (fp16/bf16 x: the gemv_*_i16 routes),
-//              and again in gemv_w4_i16's pair order, int16 [mTile, kTile rounded up to 64]
+//   x int16    int16 [mTile, kTile rounded up to 64] and its fp32 scales [mTile, kTile/32] (fp16/bf16 x: the
+//              gemv_*_i16 routes), in gemv_w8_i16's order or gemv_w4_i16's pairs; twice when both run
 //   scale, min fp32 [nTile, kTile/32]  per stream (this tile's group scales, widened)
 //   sums       fp32 [mTile, nTile]     per stream
 //   and LinearIo's out (and residual) queues
@@ -28,7 +28,7 @@ namespace {
 //              [QuantLanesPanelRows, kTile] and per stream the lanes fp32 [mTile, nTile, 8]
 //   xsum and the bf16/int16 x only when some segment takes the GEMV
 int64_t StreamUb(int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep, bool bf16, bool lanes,
-                 bool gemv) {
+                 int64_t gemvFormats) {
   int64_t streams = ep == LINEAR_SWIGLU ? 2 : 1, chunks = kt / kQuantChunk;
   int64_t ub = UbSlot(mt * kt * 4) + streams * (2 * UbSlot(nt * chunks * 4) + UbSlot(mt * nt * 4)) +
                LinearIoUb(mt, nt, elt, ep);
@@ -36,10 +36,10 @@ int64_t StreamUb(int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue
     int64_t panel = QuantLanesPanelRows(kt);
     ub += UbSlot(std::max(panel * kt, mt * panel) * 4) + streams * UbSlot(mt * nt * 8 * 4);
   }
-  if (!gemv) return ub;
+  if (gemvFormats == 0) return ub;
   ub += UbSlot(mt * chunks * 4);
   if (bf16) ub += UbSlot(mt * kt * 2);
-  if (elt == 2) ub += UbSlot(mt * kt * 2) + UbSlot(mt * chunks * 4) + UbSlot(mt * AlignUp(kt, 64) * 2);
+  if (elt == 2) ub += gemvFormats * UbSlot(mt * AlignUp(kt, 64) * 2) + UbSlot(mt * chunks * 4);
   return ub;
 }
 
@@ -126,9 +126,12 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
   // The W4 micro-kernel keeps the group sums of up to 4 x rows on its stack.
   while (std::min<int64_t>(t.mTile, 4) * (t.kTile / kQuantChunk) > kQuantMaxGroupSums)
     t.kTile = kQuantKHalving.Halve(t.kTile);
-  for (int64_t s = 0; s < numSegments; ++s) q.lanes[s] = lanesTable && m >= QuantLanesMinRows(segs[s].bits, elt);
+  for (int64_t s = 0; s < numSegments; ++s) {
+    q.lanes[s] = lanesTable && m >= QuantLanesMinRows(segs[s].bits, elt);
+    (segs[s].bits == 4 ? q.gemvW4 : q.gemvW8) |= !q.lanes[s];
+  }
   StreamShrink(t, kQuantKHalving, "quant_linear", soc, [&](const LinearTilingData& c) {
-    return StreamUb(c.mTile, c.nTile, c.kTile, elt, ep, bf16, q.AnyLanes(), q.AnyGemv());
+    return StreamUb(c.mTile, c.nTile, c.kTile, elt, ep, bf16, q.AnyLanes(), int64_t(q.gemvW4) + q.gemvW8);
   });
   q.kChunks = t.kTile / kQuantChunk;
   t.tilingKey = LINEAR_STREAM * 100 + int64_t(dtype) * 10 + ep;

@@ -75,6 +75,9 @@ struct QuantLinearTilingData {
   int64_t kChunks = 0;    // kTile / 32: xsum entries per x row, scale entries per weight row (at most)
   // STREAM: per segment, the dequantized-lanes route (else the GEMV).
   bool lanes[kLinearMaxSegments] = {false, false, false};
+  // STREAM: some segment of that many bits takes the GEMV (with 16-bit x on the AVX2 table, the int16 GEMVs,
+  // whose x orders differ: a launch with both keeps x twice).
+  bool gemvW4 = false, gemvW8 = false;
 
   bool AnyLanes() const { return std::any_of(lanes, lanes + base.numSegments, [](bool l) { return l; }); }
   bool AnyGemv() const { return !std::all_of(lanes, lanes + base.numSegments, [](bool l) { return l; }); }

@@ -125,11 +125,13 @@ void QuantizeXInt16(int16_t* xq, float* scale, const float* x, int64_t kLen) {
 void PairXInt16ForW4(int16_t* dst, const int16_t* xq, int64_t kLen) {
   constexpr int kOffset[4] = {0, 16, 1, 17};  // run j's value w of a chunk: x[2w + kOffset[j]]
   const int64_t chunks = kLen / 32;
-  for (int64_t c = 0; c < chunks; c += 2)
+  for (int64_t c = 0; c < chunks; c += 2) {
+    int16_t pair[64] = {0};  // the pair's values as they came: dst may be xq
+    std::copy_n(xq + 32 * c, 32 * std::min<int64_t>(2, chunks - c), pair);
     for (int half = 0; half < 2; ++half)
       for (int j = 0; j < 4; ++j)
-        for (int w = 0; w < 8; ++w)
-          dst[32 * c + 16 * j + 8 * half + w] = c + half < chunks ? xq[32 * (c + half) + 2 * w + kOffset[j]] : 0;
+        for (int w = 0; w < 8; ++w) dst[32 * c + 16 * j + 8 * half + w] = pair[32 * half + 2 * w + kOffset[j]];
+  }
 }
 
 }  // namespace atb

@@ -100,7 +100,7 @@ void QuantizeXInt16(int16_t* xq, float* scale, const float* x, int64_t kLen);
 // (byte 2w's nibbles) and 2w + 1 and 2w + 17 (byte 2w + 1's). Per pair of chunks c = 2p and c + 1, 64 values
 // at dst + 64 p, four runs of 16: run j's first 8 from chunk c, its last 8 from chunk c + 1 (zeros where
 // c + 1 is past kLen), value w of each half being x[2w], x[2w + 16], x[2w + 1], x[2w + 17] of its chunk for
-// j = 0, 1, 2, 3. dst holds ceil(kLen / 64) * 64 values.
+// j = 0, 1, 2, 3. dst holds ceil(kLen / 64) * 64 values; it may be xq (the pairs are rewritten in place).
 void PairXInt16ForW4(int16_t* dst, const int16_t* xq, int64_t kLen);
 
 const QuantSimdOps& QuantSimd();
