@@ -177,8 +177,12 @@ def main(argv=None) -> list[dict]:
             batches = [int(x) for x in args.batches.split(",")]
             per_batch = bench_batches(model, {b: _prompts(b, args.prompt, model.config.vocab_size, seed=b)
                                               for b in batches}, args.new, args.repeats, modes)
+            context = args.prompt + args.new // 2  # a decode step's mean context
+            flops = decode_token_flops(model, context)
             for b, r in per_batch.items():
                 bw = r["stream_read_GB_s"] * 1e9
+                # One decode step streams the weights once, whatever the batch, and each sequence's K/V.
+                step = decode_step_bytes(model, b, context)
                 r.update(model=mname, dtype=dname, bandwidth_GB_s=bw / 1e9, gemm_peak_GFLOP_s=peak / 1e9)
                 results.append(r)
                 for name in modes + ["hf"]:
@@ -186,10 +190,8 @@ def main(argv=None) -> list[dict]:
                     if name != "hf":
                         m["decode_vs_hf"] = m["decode_tok_s"] / r["hf"]["decode_tok_s"]
                         m["prefill_vs_hf"] = m["prefill_tok_s"] / r["hf"]["prefill_tok_s"]
-                    # One decode step streams the weights once, whatever the batch, and each sequence's K/V.
-                    context = args.prompt + args.new // 2
-                    m["roofline_fraction"] = m["decode_tok_s"] / b * decode_step_bytes(model, b, context) / bw
-                    m["decode_peak_fraction"] = m["decode_tok_s"] * decode_token_flops(model, context) / peak
+                    m["roofline_fraction"] = m["decode_tok_s"] / b * step / bw
+                    m["decode_peak_fraction"] = m["decode_tok_s"] * flops / peak
                     m["prefill_peak_fraction"] = m["prefill_tok_s"] * 2 * linear_params / peak
                 if not args.json:
                     for name in modes + ["hf"]:

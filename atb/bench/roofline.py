@@ -110,10 +110,14 @@ def generate_rates(t1: float, tn: float, batch: int, prompt_len: int, n: int) ->
     return prefill, decode
 
 
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def kv_bytes(config, batch: int, context: int, element_size: int) -> int:
     """K and V bytes of ``batch`` sequences of ``context`` positions each: what one decode step's attention reads."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element_size * batch * context
+    per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * _head_dim(config) * element_size
+    return per_position * batch * context
 
 
 def decode_step_bytes(model, batch: int = 1, context: int = 0) -> int:
@@ -133,8 +137,7 @@ def decode_token_flops(model, context: int = 0) -> int:
     peak, not bytes over bandwidth, is its roofline."""
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    attention = 2 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * context
+    attention = 2 * cfg.num_hidden_layers * cfg.num_attention_heads * _head_dim(cfg) * context
     return 2 * (linear + attention)
 
 

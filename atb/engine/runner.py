@@ -38,6 +38,14 @@ def as_id_list(v, name: str = "eos_token_id") -> list[int]:
     raise TypeError(f"{name} must be an int or a list of ints, got {v!r}")
 
 
+def _distinct_sum(items, key, size) -> int:
+    """The sum of ``size(x)`` over ``items``, counting items with equal ``key(x)`` once."""
+    sizes = {}
+    for x in items:
+        sizes.setdefault(key(x), size(x))
+    return sum(sizes.values())
+
+
 class ModelRunner:
     """Weights and executors of one model in one compute dtype, over ``cache``."""
 
@@ -125,22 +133,13 @@ class ModelRunner:
 
     def weight_bytes(self, *, decode_step: bool = False) -> int:
         """Bytes of ``weight_tensors(decode_step=...)``, each tensor once (a tied table is one tensor)."""
-        seen, total = set(), 0
-        for t in self.weight_tensors(decode_step=decode_step):
-            key = (t.untyped_storage().data_ptr(), t.data_ptr(), t.nbytes)
-            if key not in seen:
-                seen.add(key)
-                total += t.nbytes
-        return total
+        return _distinct_sum(self.weight_tensors(decode_step=decode_step),
+                             key=lambda t: (t.untyped_storage().data_ptr(), t.data_ptr(), t.nbytes),
+                             size=lambda t: t.nbytes)
 
     def unquantized_weight_bytes(self) -> int:
         """What the weights would occupy in the compute dtype (each distinct weight once)."""
-        seen, total = set(), 0
-        for t in self._weights():
-            if id(t) not in seen:
-                seen.add(id(t))
-                total += t.shape.numel() * self.dtype.itemsize
-        return total
+        return _distinct_sum(self._weights(), key=id, size=lambda t: t.shape.numel() * self.dtype.itemsize)
 
     # ---- executors ----------------------------------------------------------------------------------
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend_for,
