@@ -186,7 +186,12 @@ class KernelPagedAttention {
     // Called before reading the next n rows: requests up to kLeadBytes past them.
     void Read(int64_t n) {
       while (item_ < last_ && issued_ < read_ + n + lead_) {
-        const char* row = (inV_ ? v_ : k_) + CacheRowOffset(*t_, table_, pos_, kvHead_) * int64_t(sizeof(T));
+        if (pos_ < runLo_ || pos_ >= runHi_) {  // a new cache block: one table lookup (and division) per block
+          runLo_ = pos_ - pos_ % t_->blockSize;
+          runHi_ = runLo_ + t_->blockSize;
+          runBase_ = CacheRowOffset(*t_, table_, runLo_, kvHead_) * int64_t(sizeof(T));
+        }
+        const char* row = (inV_ ? v_ : k_) + runBase_ + (pos_ - runLo_) * rowPitch_;
         const char* end = row + rowBytes_;
         for (const char* p = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(row) & ~uintptr_t(63)); p < end;
              p += 64)
@@ -207,6 +212,8 @@ class KernelPagedAttention {
       rowBytes_ = ItemKvHeads(it, t_->groupSize) * t_->headDim * int64_t(sizeof(T));
       lead_ = std::max<int64_t>(1, kLeadBytes / rowBytes_);
       kvHead_ = it.kvHead;
+      rowPitch_ = t_->kvHeads * t_->headDim * int64_t(sizeof(T));
+      runLo_ = runHi_ = 0;
       t0_ = pos_ = it.kvStart;
       t1_ = TileEnd(t0_, it.kvEnd, t_->kvTile);
       inV_ = false;
@@ -233,6 +240,7 @@ class KernelPagedAttention {
     const char *k_ = nullptr, *v_ = nullptr;
     int64_t item_ = 0, last_ = 0, issued_ = 0, read_ = 0, lead_ = 0, rowBytes_ = 0;
     int64_t kvHead_ = 0, t0_ = 0, t1_ = 0, pos_ = 0;
+    int64_t runLo_ = 0, runHi_ = 0, runBase_ = 0, rowPitch_ = 0;  // the cache block pos_ is in
     bool inV_ = false;
     bool toL2_ = false;
   };
@@ -290,8 +298,8 @@ class KernelPagedAttention {
     float* l = m + rows_;
     // A decode item of several KV heads (its rows are one token's heads, kvn_ groups of rows_ / kvn_):
     // each key chunk is scored for every KV head in turn, so the chunk's whole cache rows are read once.
-    const int64_t hr = rows_ / kvn_;
-    for (const auto& r : runs_) ForKeyChunks(r, [&](int64_t j, int64_t nj) {
+    const int64_t hr = rows_ / kvn_, keys = KeysPerChunk(hr);
+    for (const auto& r : runs_) ForKeyChunks(r, keys, [&](int64_t j, int64_t nj) {
       for (int64_t h = 0; h < kvn_; ++h)
         MmadNTRows<T>(s + h * hr * tn + r.col + j, q + h * hr * d_, r.k + h * d_ + j * r.ld,
                       {hr, nj, d_, d_, r.ld, tn, false});
@@ -331,7 +339,7 @@ class KernelPagedAttention {
         l[r] += sum;
       }
     }
-    for (const auto& r : runs_) ForKeyChunks(r, [&](int64_t j, int64_t nj) {
+    for (const auto& r : runs_) ForKeyChunks(r, keys, [&](int64_t j, int64_t nj) {
       for (int64_t h = 0; h < kvn_; ++h)
         MmadNNRows<T>(acc + h * hr * d_, s + h * hr * tn + r.col + j, r.v + h * d_ + j * r.ld,
                       {hr, d_, nj, tn, r.ld, d_, true});
@@ -342,16 +350,27 @@ class KernelPagedAttention {
     }
   }
 
-  // A run's keys in chunks of kKeyChunk, the row stream topped up before each chunk (direct reads).
+  // Keys per chunk for Mmad calls of `rows` query rows. A decode item's few rows (a token's query heads of one
+  // KV head) do little arithmetic per key, so the item waits on its K/V rows: each chunk's top-up is a burst
+  // of prefetches, ~24 rows' lines at once at 24 keys, that stalls the core until the oldest requests are
+  // served, and then the chunk's arithmetic runs with few requests in flight. At 6 keys the bursts are a
+  // quarter as long and spread through the arithmetic. Zen 3, 2 threads, SmolLM2 bf16 decode graph (30 layers'
+  // caches in DRAM), attention us per layer, medians of 8 interleaved rounds, 24 -> 6 keys: batch 16 x 160
+  // keys 331 -> 244 (0.74x), batch 1 x 1024 135 -> 104 (0.77-0.80x), batch 1 x 160 35 -> 32 (0.92x); 3 and 12
+  // keys measured 0.77-0.92x, 48 keys 1.21x. Prefill items (up to 64 rows) keep 24: each P x V call loads and
+  // stores its rows' accumulators, which at 6 keys would cost a third as many instructions as its FMAs. Chunks
+  // of 8 for one or two rows (not measured) keep their 4-key score blocks whole.
+  static int64_t KeysPerChunk(int64_t rows) { return rows <= 2 ? 8 : rows <= 8 ? 6 : 24; }
+
+  // A run's keys in chunks of `keys`, the row stream topped up before each chunk (direct reads).
   // One head's rows are 128-512 bytes every kv_heads * head_dim elements: the hardware prefetcher does not
   // keep up, and whole-tile requests alone left the score loop stalled on its loads (bf16 16 x 1024 keys,
   // cache-resident: 85% of MmadNTRows' samples on its two K-row loads). Splitting keys (the scores' N) or
   // the keys of P x V (its K, accumulated in order) leaves every sum as it was.
   template <typename Fn>
-  void ForKeyChunks(const KvRun<T>& r, Fn&& fn) {
-    constexpr int64_t kKeyChunk = 24;  // a multiple of the 3-key score blocks
-    for (int64_t j = 0; j < r.n; j += kKeyChunk) {
-      int64_t nj = std::min(kKeyChunk, r.n - j);
+  void ForKeyChunks(const KvRun<T>& r, int64_t keys, Fn&& fn) {
+    for (int64_t j = 0; j < r.n; j += keys) {
+      int64_t nj = std::min(keys, r.n - j);
       if (!gather_) ahead_.Read(nj);
       fn(j, nj);
     }
