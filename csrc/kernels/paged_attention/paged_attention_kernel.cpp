@@ -299,10 +299,9 @@ class KernelPagedAttention {
     // A decode item of several KV heads (its rows are one token's heads, kvn_ groups of rows_ / kvn_):
     // each key chunk is scored for every KV head in turn, so the chunk's whole cache rows are read once.
     const int64_t hr = rows_ / kvn_, keys = KeysPerChunk(hr);
-    for (const auto& r : runs_) ForKeyChunks(r, keys, [&](int64_t j, int64_t nj) {
-      for (int64_t h = 0; h < kvn_; ++h)
-        MmadNTRows<T>(s + h * hr * tn + r.col + j, q + h * hr * d_, r.k + h * d_ + j * r.ld,
-                      {hr, nj, d_, d_, r.ld, tn, false});
+    for (const auto& r : runs_) ForKeyChunkHeads(r, keys, [&](int64_t j, int64_t nj, int64_t h) {
+      MmadNTRows<T>(s + h * hr * tn + r.col + j, q + h * hr * d_, r.k + h * d_ + j * r.ld,
+                    {hr, nj, d_, d_, r.ld, tn, false});
     });
     for (int64_t tp = 0; tp < it.qn; ++tp) {
       // Keys this token may see inside the tile (causal end, sliding-window start).
@@ -339,10 +338,9 @@ class KernelPagedAttention {
         l[r] += sum;
       }
     }
-    for (const auto& r : runs_) ForKeyChunks(r, keys, [&](int64_t j, int64_t nj) {
-      for (int64_t h = 0; h < kvn_; ++h)
-        MmadNNRows<T>(acc + h * hr * d_, s + h * hr * tn + r.col + j, r.v + h * d_ + j * r.ld,
-                      {hr, d_, nj, tn, r.ld, d_, true});
+    for (const auto& r : runs_) ForKeyChunkHeads(r, keys, [&](int64_t j, int64_t nj, int64_t h) {
+      MmadNNRows<T>(acc + h * hr * d_, s + h * hr * tn + r.col + j, r.v + h * d_ + j * r.ld,
+                    {hr, d_, nj, tn, r.ld, d_, true});
     });
     if (gather_) {
       inK_.FreeTensor(k);
@@ -351,28 +349,34 @@ class KernelPagedAttention {
   }
 
   // Keys per chunk for Mmad calls of `rows` query rows. A decode item's few rows (a token's query heads of one
-  // KV head) do little arithmetic per key, so the item waits on its K/V rows: each chunk's top-up is a burst
-  // of prefetches, ~24 rows' lines at once at 24 keys, that stalls the core until the oldest requests are
-  // served, and then the chunk's arithmetic runs with few requests in flight. At 6 keys the bursts are a
-  // quarter as long and spread through the arithmetic. Zen 3, 2 threads, SmolLM2 bf16 decode graph (30 layers'
-  // caches in DRAM), attention us per layer, medians of 8 interleaved rounds, 24 -> 6 keys: batch 16 x 160
-  // keys 331 -> 244 (0.74x), batch 1 x 1024 135 -> 104 (0.77-0.80x), batch 1 x 160 35 -> 32 (0.92x); 3 and 12
-  // keys measured 0.77-0.92x, 48 keys 1.21x. Prefill items (up to 64 rows) keep 24: each P x V call loads and
-  // stores its rows' accumulators, which at 6 keys would cost a third as many instructions as its FMAs. Chunks
-  // of 8 for one or two rows (not measured) keep their 4-key score blocks whole.
-  static int64_t KeysPerChunk(int64_t rows) { return rows <= 2 ? 8 : rows <= 8 ? 6 : 24; }
+  // KV head) do little arithmetic per key, so the item waits on its K/V rows. Each top-up of the row stream
+  // is a burst of prefetches that stalls the core until the oldest requests are served, after which the
+  // arithmetic runs with few requests in flight: at 24 keys a whole-row item (every KV head) topped up 24
+  // rows' lines at once. Short chunks, topped up head by head (ForKeyChunkHeads), keep the bursts short and
+  // spread through the arithmetic. Zen 3, 2 threads, SmolLM2 bf16 decode graph (30 layers' caches in DRAM),
+  // attention us per layer, medians of 8-10 interleaved rounds: 24 keys per top-up -> 6 keys: batch 16 x 160
+  // keys 0.74x, batch 1 x 1024 0.77-0.80x, batch 1 x 160 0.92x (48 keys: 1.21x); then 6 keys per top-up ->
+  // 12-key chunks topped up per head (4 rows each at 3 KV heads): 16 x 160 0.84x, 1 x 1024 0.87-0.89x,
+  // 4 x 400 0.88x, 1 x 160 1.00x (9 keys: 0.84-0.99x, 18 keys: 0.92-1.11x). 12 is a whole number of score
+  // blocks for every few-row block shape (2, 3 or 4 keys). Prefill items (up to 64 rows) keep 24: each
+  // P x V call loads and stores its rows' accumulators, which at 12 keys would cost a sixth as many
+  // instructions as its FMAs.
+  static int64_t KeysPerChunk(int64_t rows) { return rows <= 8 ? 12 : 24; }
 
-  // A run's keys in chunks of `keys`, the row stream topped up before each chunk (direct reads).
+  // Each chunk of a run's keys, KV head by KV head: fn(j, nj, h) for keys [j, j + nj) of the item's head h,
+  // the row stream (direct reads) topped up by that head's share of the chunk's rows before each call.
   // One head's rows are 128-512 bytes every kv_heads * head_dim elements: the hardware prefetcher does not
   // keep up, and whole-tile requests alone left the score loop stalled on its loads (bf16 16 x 1024 keys,
   // cache-resident: 85% of MmadNTRows' samples on its two K-row loads). Splitting keys (the scores' N) or
   // the keys of P x V (its K, accumulated in order) leaves every sum as it was.
   template <typename Fn>
-  void ForKeyChunks(const KvRun<T>& r, int64_t keys, Fn&& fn) {
+  void ForKeyChunkHeads(const KvRun<T>& r, int64_t keys, Fn&& fn) {
     for (int64_t j = 0; j < r.n; j += keys) {
-      int64_t nj = std::min(keys, r.n - j);
-      if (!gather_) ahead_.Read(nj);
-      fn(j, nj);
+      const int64_t nj = std::min(keys, r.n - j);
+      for (int64_t h = 0; h < kvn_; ++h) {
+        if (!gather_) ahead_.Read(nj * (h + 1) / kvn_ - nj * h / kvn_);
+        fn(j, nj, h);
+      }
     }
   }
 
