@@ -344,7 +344,7 @@ def _open_gguf(path: str) -> Source:
     try:
         parsed = load_gguf_checkpoint(path, return_tensors=False)
         config = CONFIG_MAPPING[parsed["config"]["model_type"]].from_dict(dict(parsed["config"]))
-    except (ValueError, KeyError, NotImplementedError) as e:
+    except (ValueError, KeyError, NotImplementedError) as e:  # transformers' errors for a GGUF config it cannot map
         raise ConvertError(f"{path}: cannot read the model configuration ({e})") from None
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)

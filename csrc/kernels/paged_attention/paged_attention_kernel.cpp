@@ -181,6 +181,7 @@ class KernelPagedAttention {
       last_ = last;
       issued_ = read_ = 0;
       toL2_ = Simd().prefetch_to_l2;
+      rowPitch_ = t.kvHeads * t.headDim * int64_t(sizeof(T));
       StartItem();
     }
     // Called before reading the next n rows: requests up to kLeadBytes past them.
@@ -212,7 +213,6 @@ class KernelPagedAttention {
       rowBytes_ = ItemKvHeads(it, t_->groupSize) * t_->headDim * int64_t(sizeof(T));
       lead_ = std::max<int64_t>(1, kLeadBytes / rowBytes_);
       kvHead_ = it.kvHead;
-      rowPitch_ = t_->kvHeads * t_->headDim * int64_t(sizeof(T));
       runLo_ = runHi_ = 0;
       t0_ = pos_ = it.kvStart;
       t1_ = TileEnd(t0_, it.kvEnd, t_->kvTile);

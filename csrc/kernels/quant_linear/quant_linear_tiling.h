@@ -80,7 +80,7 @@ struct QuantLinearTilingData {
   bool gemvW4 = false, gemvW8 = false;
 
   bool AnyLanes() const { return std::any_of(lanes, lanes + base.numSegments, [](bool l) { return l; }); }
-  bool AnyGemv() const { return !std::all_of(lanes, lanes + base.numSegments, [](bool l) { return l; }); }
+  bool AnyGemv() const { return gemvW4 || gemvW8; }
 };
 
 // Pure host function of (shapes, formats, dtype, epilogue, SoC).
