@@ -43,3 +43,16 @@ class BlockPrefetch {
 };
 
 }  // namespace AscendC
+
+namespace AscendC {
+
+// The first `bytes` of each of `rows` rows `pitch` bytes apart, requested at once: a GEMM packing a tile's
+// short row runs (a W4 chunk's rows are two cache lines) otherwise waits on each row's first line in turn,
+// as its unpacking fills the out-of-order window before the next row's loads issue.
+inline void PrefetchRowRuns(const void* first, int64_t pitch, int64_t rows, int64_t bytes) {
+  const char* p = static_cast<const char*>(first);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + r * pitch + o);
+}
+
+}  // namespace AscendC
