@@ -133,6 +133,12 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
       // The block's row runs requested together (without it, 12% of a W4 g32 5632x2048 M=128 GEMM's
       // time sat in the unpacking, waiting on one row's lines at a time; with it 3%).
       PrefetchRowRuns(chunk + n0 * rowBytes, rowBytes, nb, kl * q.bits / 8);
+      if (q.group != 0) {  // and their scales (and mins): one short run per row as well
+        const int64_t size = DataTypeSize(q.scaleType), perRow = CeilDiv(kPad_, q.group) * size;
+        const int64_t at = (row + n0) * perRow + k0 / q.group * size, bytes = CeilDiv(kl, q.group) * size;
+        PrefetchRowRuns(static_cast<const char*>(q.scale) + at, perRow, nb, bytes);
+        if (q.min) PrefetchRowRuns(static_cast<const char*>(q.min) + at, perRow, nb, bytes);
+      }
       for (int64_t j = 0; j < nb; ++j)
         DequantRow(q, kPad_, row + n0 + j, k0, kl, r + j * t_.kTile, scaleBuf_.Get<float>().GetPhyAddr(),
                    minBuf_.Get<float>().GetPhyAddr());
