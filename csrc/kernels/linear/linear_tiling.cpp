@@ -111,15 +111,46 @@ void GemmPackedTile(LinearTilingData& t, int64_t kCols) {
   t.kTile = std::min<int64_t>(kCols, 256);
 }
 
-void GemmUnitSplit(LinearTilingData& t, LinearEpilogue ep, const AscendC::SocInfo& soc) {
+namespace {
+
+// The units' split at row tile nTile: units (tile, M pass) in order, blockFactor consecutive units per core.
+// Returns the busiest core's work in weight rows x x rows.
+int64_t SplitUnits(LinearTilingData& t, int64_t nTile, int64_t segs, const AscendC::SocInfo& soc) {
+  t.nTile = nTile;
   t.nTiles = 0;
-  int64_t segs = ep == LINEAR_SWIGLU ? 1 : t.numSegments;
   for (int64_t s = 0; s < segs; ++s) t.nTiles += CeilDiv(t.segRows[s], t.nTile);
   t.mPasses = CeilDiv(t.m, t.mPass);
   int64_t units = t.nTiles * t.mPasses;
   int64_t cores = std::max<int64_t>(1, std::min(soc.cube_core_num, units));
   t.blockFactor = CeilDiv(units, cores);
   t.blockDim = CeilDiv(units, t.blockFactor);
+  int64_t busiest = 0, work = 0, u = 0;
+  for (int64_t s = 0; s < segs; ++s)
+    for (int64_t row = 0; row < t.segRows[s]; row += nTile)
+      for (int64_t p = 0; p < t.mPasses; ++p, ++u) {
+        if (u % t.blockFactor == 0) work = 0;
+        work += std::min(nTile, t.segRows[s] - row) * std::min(t.mPass, t.m - p * t.mPass);
+        busiest = std::max(busiest, work);
+      }
+  return busiest;
+}
+
+}  // namespace
+
+void GemmUnitSplit(LinearTilingData& t, LinearEpilogue ep, const AscendC::SocInfo& soc) {
+  const int64_t segs = ep == LINEAR_SWIGLU ? 1 : t.numSegments;
+  // A 64-row tile that leaves the cores uneven gives way to 32 rows when that cuts the busiest core's work by
+  // more than 5%: SmolLM2's 576 rows are 9 tiles of 64 (5 on one of 2 cores, 4 on the other), 18 of 32. The
+  // packing per weight is the same at any row tile and the bits do not depend on it (one fma chain per
+  // element over k in order); a 32-row tile's fp32 B operand (32 KiB at kTile 256) also stays in L1. Zen 3,
+  // 2 threads, bf16, in-process interleaved medians, 32 against 64 rows: M = 128 576x576 0.91, 576x1536 0.93,
+  // the fused 960x576 q/k/v 0.94; M = 512 0.95-1.04; 48 rows measured 0.99-1.10 and is not used. Where 64
+  // rows already split evenly (M = 2048: 576x1536 1.07 at 32 rows) they stay. The packed fp32 tiling only:
+  // the dp micro-kernels have their own panel multiples.
+  const int64_t nTile = t.nTile, busiest = SplitUnits(t, nTile, segs, soc);
+  if (t.dpBf16 == kDpNone && nTile == 64 && SplitUnits(t, 32, segs, soc) * 20 < busiest * 19)
+    return;  // (split at 32 rows)
+  SplitUnits(t, nTile, segs, soc);
 }
 
 LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int64_t numSegments, LinearEpilogue ep,
