@@ -11,6 +11,9 @@
 // nothing at 3 KiB rows and measured 4-6% slower at 4 KiB bf16 rows, 5632x2048). Either way the address is
 // base + byte * a + r * b: no branch in the step (a branch and a runtime row count there cost more
 // than the prefetch gained). Locality 3 requests into L1 (prefetcht0), 2 into L2 (prefetcht1).
+//
+// PrefetchRowRuns is the prefill GEMMs' counterpart: a tile's short row runs requested together before
+// they are unpacked.
 #pragma once
 #include <cstdint>
 
@@ -41,10 +44,6 @@ class BlockPrefetch {
   const char* ahead_;
   int64_t perByte_, perRow_;
 };
-
-}  // namespace AscendC
-
-namespace AscendC {
 
 // The first `bytes` of each of `rows` rows `pitch` bytes apart, requested at once: a GEMM packing a tile's
 // short row runs (a W4 chunk's rows are two cache lines) otherwise waits on each row's first line in turn,
