@@ -147,10 +147,10 @@ void GemmUnitSplit(LinearTilingData& t, LinearEpilogue ep, const AscendC::SocInf
   // the fused 960x576 q/k/v 0.94; M = 512 0.95-1.04; 48 rows measured 0.99-1.10 and is not used. Where 64
   // rows already split evenly (M = 2048: 576x1536 1.07 at 32 rows) they stay. The packed fp32 tiling only:
   // the dp micro-kernels have their own panel multiples.
-  const int64_t nTile = t.nTile, busiest = SplitUnits(t, nTile, segs, soc);
-  if (t.dpBf16 == kDpNone && nTile == 64 && SplitUnits(t, 32, segs, soc) * 20 < busiest * 19)
-    return;  // (split at 32 rows)
-  SplitUnits(t, nTile, segs, soc);
+  const int64_t busiest = SplitUnits(t, t.nTile, segs, soc);
+  if (t.dpBf16 != kDpNone || t.nTile != 64) return;
+  LinearTilingData halved = t;
+  if (SplitUnits(halved, 32, segs, soc) * 20 < busiest * 19) t = halved;
 }
 
 LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int64_t numSegments, LinearEpilogue ep,

@@ -22,7 +22,6 @@
 #include <type_traits>
 #include <vector>
 
-#include "ascendc/block_prefetch.h"
 #include "quant_linear_io.h"
 
 using namespace AscendC;
@@ -126,19 +125,9 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
     float* b = bBuf_[st].template Get<float>().GetPhyAddr();
     float* r = rowBuf_.Get<float>().GetPhyAddr();
     const QuantSegment& q = q_[seg];
-    const int64_t rowBytes = kPad_ * q.bits / 8;
-    const char* chunk = static_cast<const char*>(q.data) + row * rowBytes + k0 * q.bits / 8;
     for (int64_t n0 = 0; n0 < nt; n0 += kQuantPackRows) {
       int64_t nb = std::min(kQuantPackRows, nt - n0);
-      // The block's row runs requested together (without it, 12% of a W4 g32 5632x2048 M=128 GEMM's
-      // time sat in the unpacking, waiting on one row's lines at a time; with it 3%).
-      PrefetchRowRuns(chunk + n0 * rowBytes, rowBytes, nb, kl * q.bits / 8);
-      if (q.group != 0) {  // and their scales (and mins): one short run per row as well
-        const int64_t size = DataTypeSize(q.scaleType), perRow = CeilDiv(kPad_, q.group) * size;
-        const int64_t at = (row + n0) * perRow + k0 / q.group * size, bytes = CeilDiv(kl, q.group) * size;
-        PrefetchRowRuns(static_cast<const char*>(q.scale) + at, perRow, nb, bytes);
-        if (q.min) PrefetchRowRuns(static_cast<const char*>(q.min) + at, perRow, nb, bytes);
-      }
+      PrefetchRowBlock(q, kPad_, row + n0, nb, k0, kl);
       for (int64_t j = 0; j < nb; ++j)
         DequantRow(q, kPad_, row + n0 + j, k0, kl, r + j * t_.kTile, scaleBuf_.Get<float>().GetPhyAddr(),
                    minBuf_.Get<float>().GetPhyAddr());
