@@ -14,8 +14,13 @@
 //
 // PrefetchRowRuns is the prefill GEMMs' counterpart: a tile's short row runs requested together before
 // they are unpacked.
+//
+// A function that does nothing but prefetch must be inlined (ATB_PREFETCH_INLINE): GCC deduces that an
+// out-of-line one has no side effects and deletes the calls, prefetches and all.
 #pragma once
 #include <cstdint>
+
+#define ATB_PREFETCH_INLINE __attribute__((always_inline)) inline
 
 namespace AscendC {
 
@@ -48,7 +53,7 @@ class BlockPrefetch {
 // The first `bytes` of each of `rows` rows `pitch` bytes apart, requested at once: a GEMM packing a tile's
 // short row runs (a W4 chunk's rows are two cache lines) otherwise waits on each row's first line in turn,
 // as its unpacking fills the out-of-order window before the next row's loads issue.
-inline void PrefetchRowRuns(const void* first, int64_t pitch, int64_t rows, int64_t bytes) {
+ATB_PREFETCH_INLINE void PrefetchRowRuns(const void* first, int64_t pitch, int64_t rows, int64_t bytes) {
   const char* p = static_cast<const char*>(first);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + r * pitch + o);

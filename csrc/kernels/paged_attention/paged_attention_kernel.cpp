@@ -13,6 +13,7 @@
 #include <cmath>
 #include <vector>
 
+#include "ascendc/block_prefetch.h"
 #include "ascendc/kernel_operator.h"
 #include "paged_attention_tiling.h"
 #include "kernels/common/tiling_key.h"
@@ -250,7 +251,7 @@ class KernelPagedAttention {
   // to 512) every kv_heads * head_dim elements, a pattern the CPU's stream
   // prefetchers do not follow across pages; without this the cube would stall
   // on every row it reads from DRAM.
-  void PrefetchKv(const PagedAttentionItem& it, int64_t t0, int64_t t1) {
+  ATB_PREFETCH_INLINE void PrefetchKv(const PagedAttentionItem& it, int64_t t0, int64_t t1) {
     const int64_t rowBytes = ItemRowBytes(ItemKvHeads(it, t_->groupSize));
     const int32_t* table = bt_ + int64_t(it.batch) * t_->maxBlocks;
     for (int64_t pos = t0; pos < t1; ++pos) {

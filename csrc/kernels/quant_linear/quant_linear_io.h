@@ -44,23 +44,12 @@ struct TileScales {
   int64_t group;
 };
 
-// The next tile's scales (and mins), requested while this tile's weights stream: they are separate
-// arrays, a quarter of W4 G32's bytes, and the widening above would otherwise wait on each of their lines.
-inline void PrefetchScales(const QuantSegment& q, int64_t i, int64_t n) {
-  const int64_t size = AscendC::DataTypeSize(q.scaleType), bytes = n * size;
-  const char* s = static_cast<const char*>(q.scale) + i * size;
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(s + b, 0, 2);
-  if (q.bits != 4) return;
-  const char* m = static_cast<const char*>(q.min) + i * size;
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(m + b, 0, 2);
-}
-
 // Rows [row, row + nb) of segment q over the K chunk [k0, k0 + kl): their weight runs and, for a grouped
 // segment, their scales' (and mins') runs, requested together. A prefill GEMM calls it before unpacking a row
 // block: a W4 row's 256-value chunk is two cache lines, and unpacking one row filled the out-of-order window
 // before the next row's loads issued, so the block waited on memory a row at a time (a W4 G32 5632x2048 GEMM
 // at M = 128 on Zen 3: 12% of its samples in the unpacking, 3% with this).
-inline void PrefetchRowBlock(const QuantSegment& q, int64_t kPad, int64_t row, int64_t nb, int64_t k0, int64_t kl) {
+ATB_PREFETCH_INLINE void PrefetchRowBlock(const QuantSegment& q, int64_t kPad, int64_t row, int64_t nb, int64_t k0, int64_t kl) {
   const int64_t rowBytes = kPad * q.bits / 8;
   AscendC::PrefetchRowRuns(static_cast<const char*>(q.data) + row * rowBytes + k0 * q.bits / 8, rowBytes, nb,
                            kl * q.bits / 8);
@@ -90,7 +79,6 @@ inline TileScales LoadScales(const QuantSegment& q, int64_t kPad, int64_t row, i
     // contiguous run, widened in one call (per-row calls of ~18 values cost more than the conversion).
     WidenScales(scaleUb, q.scale, q.scaleType, row * perRow, nt * perRow);
     if (q.bits == 4) WidenScales(minUb, q.min, q.scaleType, row * perRow, nt * perRow);
-    PrefetchScales(q, (row + nt) * perRow, nt * perRow);
     return {scaleUb, minUb, perRow, q.group};
   }
   for (int64_t n = 0; n < nt; ++n) {
@@ -109,7 +97,6 @@ inline QuantScaleRows StoredScales(const QuantSegment& q, int64_t kPad, int64_t 
   if (q.group != 0 && q.scaleType != AscendC::DataType::FLOAT32 && kl == kPad) {
     const int64_t perRow = AscendC::CeilDiv(kPad, q.group), size = AscendC::DataTypeSize(q.scaleType);
     const char* mn = q.bits == 4 ? static_cast<const char*>(q.min) + row * perRow * size : nullptr;
-    PrefetchScales(q, (row + nt) * perRow, nt * perRow);
     return {static_cast<const char*>(q.scale) + row * perRow * size, mn, perRow, q.scaleType, scaleUb, minUb};
   }
   TileScales t = LoadScales(q, kPad, row, nt, k0, kl, scaleUb, minUb, ldUb);
