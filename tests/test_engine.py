@@ -313,3 +313,47 @@ def test_generate_multi_step_decode_gives_the_single_step_tokens(model, monkeypa
     assert multi.last_stop_reasons == expected_reasons
     assert calls and all(1 < s <= multi.generate_decode_steps for s in calls)
     assert idle(one) and idle(multi)
+
+
+@pytest.mark.parametrize("graph_mode", [True, False])
+def test_logprobs_are_the_models_and_change_no_token(model, graph_mode):
+    """SamplingParams(logprobs=k): each generated token's log-probability and the k most likely tokens, from
+    the model's own logits (HF forward, float64 log-softmax), one per output token in step order; asking for
+    them changes no token, greedy or sampled, alone or batched."""
+    plain = [params_of(i) for i in range(3)]
+    asked = [SamplingParams(**{**p.__dict__, "logprobs": k}) for p, k in zip(plain, (0, 3, 5))]
+    infer = engine(model, max_batch_size=3, graph_mode=graph_mode)
+    ids = [infer.add_request(PROMPTS[i], asked[i]) for i in range(3)]
+    steps = {}
+    while infer.has_unfinished():
+        for o in infer.step():
+            assert len(o.new_logprobs) == len(o.new_token_ids)
+            steps.setdefault(o.request_id, []).extend(o.new_logprobs)
+    for i, rid in enumerate(ids):
+        toks = solo(model, PROMPTS[i], plain[i], graph_mode=graph_mode)
+        lps = steps[rid]
+        assert [lp.token_id for lp in lps] == toks
+        with torch.no_grad():
+            logits = model(torch.tensor([PROMPTS[i] + toks])).logits[0, len(PROMPTS[i]) - 1:-1]
+        ref = logits.double().log_softmax(-1)
+        for j, (lp, t) in enumerate(zip(lps, toks)):
+            assert lp.logprob == pytest.approx(ref[j, t].item(), abs=1e-4)
+            top = ref[j].topk(asked[i].logprobs)
+            assert [a for a, _ in lp.top] == top.indices.tolist()
+            assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+    assert all(o.new_logprobs is None for o in drain_one(engine(model), PROMPTS[0], plain[0]))
+
+
+def drain_one(infer, prompt, params) -> list[RequestOutput]:
+    infer.add_request(prompt, params)
+    outs = []
+    while infer.has_unfinished():
+        outs.extend(infer.step())
+    return outs
+
+
+def test_logprobs_validation():
+    for bad in (-1, 21, 2.0, True, "3"):
+        with pytest.raises(ValueError, match="logprobs"):
+            SamplingParams(logprobs=bad)
+    assert not SamplingParams(logprobs=0).greedy_only

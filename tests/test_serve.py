@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -193,6 +194,72 @@ def test_chat_matches_generate(served, solo):
     assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
 
 
+def _model_logprobs(model, ids: list[int], out: list[int]) -> torch.Tensor:
+    """HF's log-softmax at each generated position: [len(out), vocab], float64."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + out])).logits[0, len(ids) - 1:-1]
+    return logits.double().log_softmax(-1)
+
+
+def test_completion_logprobs_are_the_models(served, solo, model_tok):
+    """logprobs=k: each generated token's log-probability under the model and the k most likely tokens, as
+    HF computes them, in OpenAI's legacy format; streamed chunks carry the same entries, text offsets
+    counting through the completion."""
+    prompt = "The capital of France is"
+    ids = served.tok(prompt)["input_ids"]
+    want = solo(ids, 8)
+    ref = _model_logprobs(model_tok[0], ids, want)
+    r = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == _text(served.tok, want)
+    assert lp.tokens == [served.tok.decode([t]) for t in want]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(want))]
+    for i, t in enumerate(want):
+        assert lp.token_logprobs[i] == pytest.approx(ref[i, t].item(), abs=1e-3)
+        top = ref[i].topk(3)
+        assert list(lp.top_logprobs[i]) == [served.tok.decode([j]) for j in top.indices.tolist()]
+        assert list(lp.top_logprobs[i].values()) == pytest.approx(top.values.tolist(), abs=1e-3)
+    chunks = list(served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                                   logprobs=3, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sum((c.tokens for c in streamed), []) == lp.tokens
+    assert sum((c.token_logprobs for c in streamed), []) == lp.token_logprobs
+    assert sum((c.text_offset for c in streamed), []) == lp.text_offset
+    # logprobs=0: the chosen tokens only.
+    r0 = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=0)
+    assert r0.choices[0].logprobs.top_logprobs == [{}, {}, {}]
+    assert served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=3).choices[0].logprobs is None
+
+
+def test_chat_logprobs_are_the_models(served, solo, model_tok):
+    question = "What is the capital of France?"
+    ids = _chat_ids(served.tok, question)
+    want = solo(ids, 6)
+    ref = _model_logprobs(model_tok[0], ids, want)
+    msgs = [{"role": "user", "content": question}]
+    r = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
+                                              logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert [c.token for c in content] == [served.tok.decode([t]) for t in want]
+    for i, (c, t) in enumerate(zip(content, want)):
+        assert c.logprob == pytest.approx(ref[i, t].item(), abs=1e-3)
+        assert bytes(c.bytes).decode() == c.token
+        assert [a.token for a in c.top_logprobs] == [served.tok.decode([j]) for j in ref[i].topk(2).indices.tolist()]
+    # Sampling does not change what is reported: the model's distribution, not the warped one.
+    rs = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, temperature=1.5, extra_body={"top_k": 5},
+                                               seed=3, logprobs=True)
+    first = rs.choices[0].logprobs.content[0]
+    top5 = ref[0].topk(5)  # top_k=5 draws among these
+    assert any(served.tok.decode([j]) == first.token and v == pytest.approx(first.logprob, abs=1e-3)
+               for j, v in zip(top5.indices.tolist(), top5.values.tolist()))
+    assert first.top_logprobs == []
+    chunks = list(served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
+                                                        logprobs=True, top_logprobs=2, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(c.token, c.logprob) for c in content]
+    served.wait_idle()
+
+
 def test_stop_string_mid_token(served, solo):
     """A stop string that spans tokens and ends inside one cuts the text there; the blocks are freed."""
     prompt = "The capital of France is"
@@ -323,6 +390,8 @@ BAD = [
     ("prompt too long", {"model": MODEL, "prompt": [42] * MAX_SEQ_LEN}, 400, "prompt"),
     ("no room for max_tokens", {"model": MODEL, "prompt": [42] * 200, "max_tokens": 100}, 400, "max_tokens"),
     ("unknown model", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    ("logprobs > 20", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("logprobs < 0", {"model": MODEL, "prompt": "hi", "logprobs": -1}, 400, "logprobs"),
 ]
 
 
@@ -341,8 +410,10 @@ def test_bad_chat_requests_and_server_keeps_serving(served):
     for body, param in (({"model": MODEL, "messages": []}, "messages"),
                         ({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, "messages"),
                         ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages"),
-                        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
-                         "logprobs")):
+                        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+                         "top_logprobs"),
+                        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                          "top_logprobs": 21}, "top_logprobs")):
         r = served.http.post("/v1/chat/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     with pytest.raises(openai.BadRequestError):

@@ -7,11 +7,11 @@
             ...
 
 ``atb.TransformerInfer`` is the public facade (``generate`` and ``forward`` are
-loops over this API). Modules: ``params`` (SamplingParams, RequestOutput),
+loops over this API). Modules: ``params`` (SamplingParams, RequestOutput, TokenLogprob),
 ``sampling`` (token selection), ``scheduler`` (requests, queues, block
 manager), ``runner`` (weights and executors), ``engine`` (the step loop and
 its lock).
 """
-from atb.engine.params import RequestOutput, SamplingParams
+from atb.engine.params import MAX_LOGPROBS, RequestOutput, SamplingParams, TokenLogprob
 
-__all__ = ["RequestOutput", "SamplingParams"]
+__all__ = ["MAX_LOGPROBS", "RequestOutput", "SamplingParams", "TokenLogprob"]

@@ -31,7 +31,7 @@ import torch
 
 from atb.engine.params import RequestOutput, SamplingParams
 from atb.engine.runner import ModelRunner
-from atb.engine.sampling import generator, select
+from atb.engine.sampling import generator, select, token_logprobs
 from atb.engine.scheduler import Request, Scheduler
 from atb.runtime import pool_launches_off_main_thread
 
@@ -165,9 +165,12 @@ class Engine:
         with self._lock, pool_launches_off_main_thread():
             return [r.output() for r in self._step_locked()]
 
-    def _emit(self, req: Request, tok: int) -> bool:
-        """Appends a token; True when the request is finished (its reason is set, blocks not yet freed)."""
+    def _emit(self, req: Request, tok: int, logprob=None) -> bool:
+        """Appends a token (and its TokenLogprob, when the request asked for them); True when the request is
+        finished (its reason is set, blocks not yet freed)."""
         req.out.append(tok)
+        if req.logprobs is not None:
+            req.logprobs.append(logprob)
         if req.seen is not None and tok not in req.seen:
             req.seen = torch.cat([req.seen, torch.tensor([tok])])
         if tok in req.eos:
@@ -178,12 +181,20 @@ class Engine:
             req.reason = "max_seq_len"
         return req.reason is not None
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-        toks = select(logits.float(), [r.params for r in reqs], [r.seen for r in reqs], [r.gen for r in reqs])
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, object]]:
+        """Each request's token and, when it asked for logprobs, its TokenLogprob (else None)."""
+        logits = logits.float()
+        toks = select(logits, [r.params for r in reqs], [r.seen for r in reqs], [r.gen for r in reqs])
         if self.runner.tp is not None and any(r.params.do_sample for r in reqs):
             # Tensor-parallel ranks hold the same logits, but an unseeded generator is per process: rank 0 decides.
             toks = self.runner.tp.broadcast_tokens(toks)
-        return toks
+        lps = [None] * len(reqs)
+        want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        if want:
+            got = token_logprobs(logits[want], [toks[i] for i in want], [reqs[i].params.logprobs for i in want])
+            for i, lp in zip(want, got):
+                lps[i] = lp
+        return list(zip(toks, lps))
 
     def _decode_steps(self, running: list[Request], greedy: bool, max_steps: int) -> int:
         """How many greedy decode steps the next call may run natively back to back: one unless every running
@@ -216,10 +227,9 @@ class Engine:
             done = [i for i, (r, _, end) in enumerate(chunks) if sched.finish_chunk(r, end)]
             if done:
                 firsts = [chunks[i][0] for i in done]
-                toks = self._sample(logits[done], firsts)
-                for r, t in zip(firsts, toks):
+                for r, (t, lp) in zip(firsts, self._sample(logits[done], firsts)):
                     touched[id(r)] = r
-                    if self._emit(r, t):
+                    if self._emit(r, t, lp):
                         sched.finish(r, r.reason)
         running = sched.running
         if running:
@@ -238,17 +248,18 @@ class Engine:
             greedy = all(r.params.greedy_only for r in running)
             steps = self._decode_steps(running, greedy, max_decode_steps)
             if steps > 1:
-                rows = runner.decode_greedy(steps, tok_ids, positions, bt[:n], ctx, slots)
+                rows = [[(t, None) for t in toks] for toks in runner.decode_greedy(steps, tok_ids, positions, bt[:n],
+                                                                                    ctx, slots)]
             else:
                 logits, toks = runner.decode(tok_ids, positions, bt[:n], ctx, slots, greedy)
-                rows = [toks if toks is not None else self._sample(logits, running)]
+                rows = [[(t, None) for t in toks] if toks is not None else self._sample(logits, running)]
             batch = list(running)
-            for toks in rows:
-                for r, t in zip(batch, toks):
+            for row in rows:
+                for r, (t, lp) in zip(batch, row):
                     if r.finished:
                         continue
                     touched[id(r)] = r
-                    if self._emit(r, t):
+                    if self._emit(r, t, lp):
                         sched.finish(r, r.reason)
         return list(touched.values())
 

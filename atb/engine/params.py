@@ -9,13 +9,30 @@ def _number(v) -> bool:
     return not isinstance(v, bool) and isinstance(v, (int, float))
 
 
+# The most alternatives a request may ask for per generated token (OpenAI's top_logprobs limit).
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the model (log-softmax of the raw logits, before the
+    repetition penalty, temperature, top-k and top-p reshape them for sampling), and the ``top`` most likely
+    tokens at that step as ``(token_id, logprob)``, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request generation settings, HF ``generate`` semantics; validated on construction.
 
     ``eos_token_id`` None means the model's default (its generation config); ``ignore_eos`` generates
     through EOS tokens. ``seed`` seeds this request's own generator (None: drawn from torch's global RNG
-    when the request is added), so its draws do not depend on its batch mates.
+    when the request is added), so its draws do not depend on its batch mates. ``logprobs`` k (0 to
+    ``MAX_LOGPROBS``) reports each generated token's `TokenLogprob` with the k most likely tokens beside it
+    (None: not computed).
     """
 
     max_new_tokens: int = 32
@@ -27,6 +44,7 @@ class SamplingParams:
     seed: int | None = None
     eos_token_id: int | list[int] | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self):
         n = self.max_new_tokens
@@ -48,6 +66,9 @@ class SamplingParams:
             raise ValueError(f"SamplingParams: repetition_penalty must be a finite number > 0, got {r!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise TypeError(f"SamplingParams: seed must be an int or None, got {type(self.seed).__name__}")
+        k = self.logprobs
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+            raise ValueError(f"SamplingParams: logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {k!r}")
         e = self.eos_token_id
         if e is not None:
             ok = (isinstance(e, int) and not isinstance(e, bool)) or (
@@ -58,8 +79,8 @@ class SamplingParams:
 
     @property
     def greedy_only(self) -> bool:
-        """Plain argmax over the logits, nothing else to apply."""
-        return not self.do_sample and self.repetition_penalty == 1.0
+        """Plain argmax over the logits, nothing else to apply or report."""
+        return not self.do_sample and self.repetition_penalty == 1.0 and self.logprobs is None
 
 
 FINISH_REASONS = ("eos", "length", "max_seq_len", "abort")
@@ -72,6 +93,8 @@ class RequestOutput:
     ``finish_reason``: ``"eos"`` (an EOS token was produced; it is included), ``"length"``
     (``max_new_tokens`` reached), ``"max_seq_len"`` (prompt + output reached the engine's ``max_seq_len``),
     ``"abort"``; None while running. When several hold at once the first in that order is reported.
+    ``new_logprobs`` / ``output_logprobs``: one `TokenLogprob` per token of ``new_token_ids`` /
+    ``output_token_ids`` when the request asked for ``logprobs``, else None.
     """
 
     request_id: str
@@ -80,3 +103,5 @@ class RequestOutput:
     prompt_len: int = 0
     finished: bool = False
     finish_reason: str | None = None
+    new_logprobs: list[TokenLogprob] | None = None
+    output_logprobs: list[TokenLogprob] | None = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from atb.engine.params import SamplingParams
+from atb.engine.params import SamplingParams, TokenLogprob
 
 _MASK_SEED = (1 << 63) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # spreads consecutive indices over the seed space
@@ -70,3 +70,18 @@ def _select_one(row: torch.Tensor, params: SamplingParams, seen, gen) -> int:
         return int(row.argmax())
     probs = warp(row.unsqueeze(0), params).softmax(-1)[0]
     return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """Row i's ``tokens[i]`` and its ``ks[i]`` most likely alternatives as log-probabilities under the model:
+    the log-softmax of the raw float32 ``logits [batch, vocab]`` (what sampling then reshapes is not in it)."""
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(1, torch.tensor(tokens, dtype=torch.int64).unsqueeze(1))[:, 0].tolist()
+    out = []
+    for i, (t, k) in enumerate(zip(tokens, ks)):
+        top = ()
+        if k > 0:
+            v, ix = logp[i].topk(k)
+            top = tuple(zip(ix.tolist(), v.tolist()))
+        out.append(TokenLogprob(t, chosen[i], top))
+    return out

@@ -39,8 +39,8 @@ from atb.layers.kv_cache import CacheFullError
 class Request:
     """One prompt being generated: its tokens so far, its sampling state and where it stands."""
 
-    __slots__ = ("request_id", "prompt", "params", "eos", "out", "table", "seen", "gen", "reason", "reported",
-                 "streamed", "keys", "cached", "keyed", "prefilled")
+    __slots__ = ("request_id", "prompt", "params", "eos", "out", "logprobs", "table", "seen", "gen", "reason",
+                 "reported", "streamed", "keys", "cached", "keyed", "prefilled")
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, eos: frozenset,
                  gen: torch.Generator | None):
@@ -49,6 +49,7 @@ class Request:
         self.params = params
         self.eos = eos
         self.out: list[int] = []
+        self.logprobs: list | None = [] if params.logprobs is not None else None  # a TokenLogprob per out token
         self.table: list[int] = []   # the block manager's table of this request (the live list)
         self.seen = torch.tensor(sorted(set(prompt)), dtype=torch.int64) if params.repetition_penalty != 1.0 else None
         self.gen = gen
@@ -74,8 +75,11 @@ class Request:
     def output(self) -> RequestOutput:
         """What happened since the last report (and marks it reported)."""
         new = self.out[self.reported:]
+        lp = self.logprobs
+        out = RequestOutput(self.request_id, new, list(self.out), len(self.prompt), self.finished, self.reason,
+                            None if lp is None else lp[self.reported:], None if lp is None else list(lp))
         self.reported = len(self.out)
-        return RequestOutput(self.request_id, new, list(self.out), len(self.prompt), self.finished, self.reason)
+        return out
 
     def __repr__(self) -> str:
         return f"Request({self.request_id!r}, prompt_len={len(self.prompt)}, out={len(self.out)}, reason={self.reason})"

@@ -20,12 +20,13 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from atb.engine import SamplingParams
+from atb.engine import SamplingParams, TokenLogprob
 from atb.serve import protocol as P
 from atb.serve.detokenize import IncrementalDetokenizer, StopStrings
 from atb.serve.engine_loop import EngineError, EngineLoop, QueueFull, ShuttingDown
@@ -48,6 +49,41 @@ class ServerState:
         self.loop = EngineLoop(engine, max_waiting=max_waiting, followers=followers)
         self.metrics = Metrics()
         self.created = int(time.time())
+
+
+class Piece(NamedTuple):
+    """Text that became final, and the TokenLogprob of each token generated since the last piece (empty unless
+    the request asked for logprobs). The tokens' logprobs run up to and including the token that finished the
+    request, one that completed a stop string included, while text held back (an incomplete UTF-8 sequence,
+    a possible stop string's start) comes in a later piece."""
+    text: str
+    logprobs: list[TokenLogprob]
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def completion_logprobs(tokenizer, lps: list[TokenLogprob], offset: int) -> P.CompletionLogprobs:
+    """The legacy endpoint's logprobs object for ``lps``, text offsets counted from ``offset``."""
+    tokens = [token_text(tokenizer, lp.token_id) for lp in lps]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return P.CompletionLogprobs(
+        tokens=tokens, token_logprobs=[lp.logprob for lp in lps], text_offset=offsets,
+        top_logprobs=[{token_text(tokenizer, t): v for t, v in lp.top} for lp in lps])
+
+
+def chat_logprobs(tokenizer, lps: list[TokenLogprob]) -> P.ChatLogprobs:
+    def entry(token_id: int, logprob: float, cls=P.ChatTopLogprob, **extra):
+        text = token_text(tokenizer, token_id)
+        return cls(token=text, logprob=logprob, bytes=list(text.encode("utf-8")), **extra)
+
+    return P.ChatLogprobs(content=[
+        entry(lp.token_id, lp.logprob, P.ChatTokenLogprob, top_logprobs=[entry(t, v) for t, v in lp.top])
+        for lp in lps])
 
 
 class Generation:
@@ -84,7 +120,7 @@ class Generation:
                 max_new_tokens=max_tokens, do_sample=sample, temperature=temperature if sample else 1.0,
                 top_k=(req.top_k or 0) if sample else 0, top_p=1.0 if req.top_p is None or not sample else req.top_p,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                seed=req.seed, ignore_eos=req.ignore_eos)
+                seed=req.seed, ignore_eos=req.ignore_eos, logprobs=req.top_logprobs_k)
         except (ValueError, TypeError) as e:
             raise P.APIError(400, str(e)) from None
         self._detok = IncrementalDetokenizer(state.tokenizer, prompt_ids)
@@ -101,8 +137,13 @@ class Generation:
             self.state.metrics.reject(503)
             raise P.APIError(503, str(e), type="server_error", code="shutting_down") from None
 
-    async def pieces(self) -> AsyncIterator[str]:
-        """Text as it becomes final; ``finish_reason`` is set when the iteration ends."""
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.params.logprobs is not None
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """Text as it becomes final, with its tokens' logprobs; ``finish_reason`` is set when the iteration
+        ends."""
         metrics, t_prev = self.state.metrics, None
         if self._released:
             return
@@ -134,8 +175,9 @@ class Generation:
                         self.finish_reason = _FINISH[out.finish_reason]
                 if self._stops.stopped:
                     self.finish_reason = "stop"
-                if piece:
-                    yield piece
+                lps = out.new_logprobs or []
+                if piece or lps:
+                    yield Piece(piece, lps)
                 if self.finish_reason is not None:
                     return
         finally:
@@ -197,10 +239,12 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
-async def _collect(gen: Generation, request: Request) -> str | None:
-    """All text of a non-streaming request; None if the client went away first (the request is aborted)."""
+async def _collect(gen: Generation, request: Request) -> Piece | None:
+    """All text (and logprobs) of a non-streaming request; None if the client went away first (the request is
+    aborted)."""
     async def text():
-        return "".join([p async for p in gen.pieces()])
+        pieces = [p async for p in gen.pieces()]
+        return Piece("".join(p.text for p in pieces), [lp for p in pieces for lp in p.logprobs])
 
     work = asyncio.ensure_future(text())
     gone = asyncio.ensure_future(_until_disconnected(request))
@@ -217,13 +261,13 @@ async def _collect(gen: Generation, request: Request) -> str | None:
 
 
 async def _complete(gen: Generation, request: Request, respond) -> Response:
-    """A non-streaming answer: ``respond(text)`` once all text is there, or the error."""
+    """A non-streaming answer: ``respond(piece)`` once all text (and logprobs) is there, or the error."""
     try:
-        text = await _collect(gen, request)
+        whole = await _collect(gen, request)
     except Exception as e:  # noqa: BLE001 - fails this request only
         err = _server_error(e)
         return JSONResponse(err.body(), status_code=err.status)
-    return Response(status_code=499) if text is None else respond(text)
+    return Response(status_code=499) if whole is None else respond(whole)
 
 
 async def _event_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -288,17 +332,25 @@ def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256, fo
         gen = Generation(state, req, check_ids(list(ids), "prompt"), req.max_tokens, "cmpl", t0)
         gen.start()
 
-        def chunk(text: str, finish: str | None, usage=None) -> P.CompletionResponse:
+        offset = 0  # where the next reported token's text starts in the completion
+
+        def chunk(piece: Piece, finish: str | None, usage=None) -> P.CompletionResponse:
+            nonlocal offset
+            lp = None
+            if gen.wants_logprobs and (piece.logprobs or finish is None or not req.stream):
+                lp = completion_logprobs(tokenizer, piece.logprobs, offset)
+                offset += sum(len(t) for t in lp.tokens)
             return P.CompletionResponse(id=gen.id, created=gen.created, model=state.model_name, usage=usage,
-                                        choices=[P.CompletionChoice(text=text, finish_reason=finish)])
+                                        choices=[P.CompletionChoice(text=piece.text, logprobs=lp,
+                                                                    finish_reason=finish)])
 
         if not req.stream:
-            return await _complete(gen, request, lambda text: chunk(text, gen.finish_reason, gen.usage()))
+            return await _complete(gen, request, lambda whole: chunk(whole, gen.finish_reason, gen.usage()))
 
         async def events():
             async for piece in gen.pieces():
                 yield _sse(chunk(piece, None))
-            yield _sse(chunk("", gen.finish_reason))
+            yield _sse(chunk(Piece("", []), gen.finish_reason))
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield _sse(P.CompletionResponse(id=gen.id, created=gen.created, model=state.model_name,
                                                 choices=[], usage=gen.usage()))
@@ -323,20 +375,26 @@ def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256, fo
         gen = Generation(state, req, check_ids(list(ids), "messages"), req.output_limit, "chatcmpl", t0, limit_field)
         gen.start()
 
-        def chunk(delta: P.ChatDelta, finish: str | None = None, usage=None, choices=True) -> P.ChatCompletionChunk:
+        def logprobs(lps: list[TokenLogprob]) -> P.ChatLogprobs | None:
+            return chat_logprobs(tokenizer, lps) if gen.wants_logprobs else None
+
+        def chunk(delta: P.ChatDelta, finish: str | None = None, usage=None, choices=True,
+                  lps: list[TokenLogprob] | None = None) -> P.ChatCompletionChunk:
             return P.ChatCompletionChunk(
                 id=gen.id, created=gen.created, model=state.model_name, usage=usage,
-                choices=[P.ChatChunkChoice(delta=delta, finish_reason=finish)] if choices else [])
+                choices=[P.ChatChunkChoice(delta=delta, logprobs=None if lps is None else logprobs(lps),
+                                           finish_reason=finish)] if choices else [])
 
         if not req.stream:
-            return await _complete(gen, request, lambda text: P.ChatCompletionResponse(
+            return await _complete(gen, request, lambda whole: P.ChatCompletionResponse(
                 id=gen.id, created=gen.created, model=state.model_name, usage=gen.usage(),
-                choices=[P.ChatChoice(message=P.ChatResponseMessage(content=text), finish_reason=gen.finish_reason)]))
+                choices=[P.ChatChoice(message=P.ChatResponseMessage(content=whole.text),
+                                      logprobs=logprobs(whole.logprobs), finish_reason=gen.finish_reason)]))
 
         async def events():
             yield _sse(chunk(P.ChatDelta(role="assistant", content="")))
             async for piece in gen.pieces():
-                yield _sse(chunk(P.ChatDelta(content=piece)))
+                yield _sse(chunk(P.ChatDelta(content=piece.text), lps=piece.logprobs))
             yield _sse(chunk(P.ChatDelta(), gen.finish_reason))
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield _sse(chunk(P.ChatDelta(), usage=gen.usage(), choices=False))

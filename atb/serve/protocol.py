@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
 
+from atb.engine import MAX_LOGPROBS
+
 # OpenAI's documented ranges.
 MAX_STOP_STRINGS = 4
 MAX_TEMPERATURE = 2.0
@@ -92,7 +94,7 @@ class CompletionRequest(_Request):
     prompt: Any
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for the legacy endpoint
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -113,12 +115,15 @@ class CompletionRequest(_Request):
         self._check_noops()
         if self.echo:
             raise APIError(400, "echo: not supported", param="echo")
-        if self.logprobs is not None:
-            raise APIError(400, "logprobs: not supported", param="logprobs")
         if self.suffix is not None:
             raise APIError(400, "suffix: not supported", param="suffix")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of: only 1 is supported", param="best_of")
+
+    @property
+    def top_logprobs_k(self) -> int | None:
+        """Alternatives per generated token to report (None: no logprobs)."""
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -143,12 +148,17 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def validate_semantics(self) -> None:
         self._check_noops()
-        if self.logprobs or self.top_logprobs is not None:
-            raise APIError(400, "logprobs: not supported", param="logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+
+    @property
+    def top_logprobs_k(self) -> int | None:
+        """Alternatives per generated token to report (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def output_limit(self) -> int | None:
@@ -187,10 +197,33 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy endpoint's logprobs: per generated token its text, log-probability, the most likely
+    alternatives (text -> log-probability) and where its text starts in the completion."""
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
 class _Choice(BaseModel):
     """What every choice carries beside its text, message or delta (which serialises last)."""
     index: int = 0
-    logprobs: None = None
+    logprobs: CompletionLogprobs | ChatLogprobs | None = None
     finish_reason: str | None
 
 
