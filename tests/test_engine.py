@@ -357,3 +357,33 @@ def test_logprobs_validation():
         with pytest.raises(ValueError, match="logprobs"):
             SamplingParams(logprobs=bad)
     assert not SamplingParams(logprobs=0).greedy_only
+
+
+@pytest.mark.parametrize("presence,frequency", [(0.0, 1.5), (1.0, 0.0), (-0.5, 0.7)])
+def test_presence_and_frequency_penalties_follow_their_definition(model, presence, frequency):
+    """Greedy with OpenAI's penalties: each step's argmax of logits - presence * [n > 0] - frequency * n over
+    the tokens generated so far (the prompt's not counted), against a loop over the model's own logits; a
+    request beside others gets the same tokens."""
+    prompt, n = PROMPTS[1], 12
+    params = SamplingParams(max_new_tokens=n, presence_penalty=presence, frequency_penalty=frequency, ignore_eos=True)
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([prompt + out])).logits[0, -1].double()
+            counts = torch.bincount(torch.tensor(out, dtype=torch.int64), minlength=logits.numel()).double()
+            out.append(int((logits - presence * (counts > 0) - frequency * counts).argmax()))
+    assert solo(model, prompt, params) == out
+    assert out != solo(model, prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))  # the penalty mattered
+    infer = engine(model, max_batch_size=3)
+    rid = infer.add_request(prompt, params)
+    for i in (0, 2):
+        infer.add_request(PROMPTS[i], params_of(i))
+    assert drain(infer)[rid].output_token_ids == out
+
+
+def test_penalty_validation():
+    for name in ("presence_penalty", "frequency_penalty"):
+        for bad in (2.5, -3, float("nan"), True, "1"):
+            with pytest.raises(ValueError, match=name):
+                SamplingParams(**{name: bad})
+    assert not SamplingParams(frequency_penalty=0.1).greedy_only

@@ -260,6 +260,27 @@ def test_chat_logprobs_are_the_models(served, solo, model_tok):
     served.wait_idle()
 
 
+def test_frequency_penalty_reaches_the_sampler(served, model_tok):
+    """frequency_penalty / presence_penalty are applied (greedy: the same tokens as the engine's own request
+    with those values), not just accepted."""
+    prompt = "1, 2, 3, 4, 5, 6, 7, 8,"
+    ids = served.tok(prompt)["input_ids"]
+    ref = atb.TransformerInfer(model_tok[0], max_seq_len=MAX_SEQ_LEN, max_batch_size=1)
+    texts = []
+    for kw in ({}, {"frequency_penalty": 2.0, "presence_penalty": 1.0}):
+        rid = ref.add_request(ids, atb.engine.SamplingParams(max_new_tokens=12, ignore_eos=True, **kw))
+        last = None
+        while ref.has_unfinished():
+            for o in ref.step():
+                last = o
+        r = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                             extra_body={"ignore_eos": True}, **kw)
+        assert r.choices[0].text == _text(served.tok, last.output_token_ids), (kw, rid)
+        texts.append(r.choices[0].text)
+    assert texts[0] != texts[1]  # the penalties changed the answer
+    served.wait_idle()
+
+
 def test_stop_string_mid_token(served, solo):
     """A stop string that spans tokens and ends inside one cuts the text there; the blocks are freed."""
     prompt = "The capital of France is"
@@ -391,6 +412,9 @@ BAD = [
     ("no room for max_tokens", {"model": MODEL, "prompt": [42] * 200, "max_tokens": 100}, 400, "max_tokens"),
     ("unknown model", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
     ("logprobs > 20", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("presence_penalty > 2", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("frequency_penalty < -2", {"model": MODEL, "prompt": "hi", "frequency_penalty": -3}, 400,
+     "frequency_penalty"),
     ("logprobs < 0", {"model": MODEL, "prompt": "hi", "logprobs": -1}, 400, "logprobs"),
 ]
 

@@ -11,6 +11,8 @@ def _number(v) -> bool:
 
 # The most alternatives a request may ask for per generated token (OpenAI's top_logprobs limit).
 MAX_LOGPROBS = 20
+# OpenAI's range for presence_penalty and frequency_penalty.
+MAX_PENALTY = 2.0
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,10 @@ class SamplingParams:
 
     ``eos_token_id`` None means the model's default (its generation config); ``ignore_eos`` generates
     through EOS tokens. ``seed`` seeds this request's own generator (None: drawn from torch's global RNG
-    when the request is added), so its draws do not depend on its batch mates. ``logprobs`` k (0 to
+    when the request is added), so its draws do not depend on its batch mates. ``presence_penalty`` and
+    ``frequency_penalty`` (OpenAI's, in [-2, 2]) subtract ``presence + frequency * count`` from the logit
+    of every token generated so far (``count`` times; the prompt's tokens are not counted, as in vLLM),
+    after the repetition penalty and before temperature. ``logprobs`` k (0 to
     ``MAX_LOGPROBS``) reports each generated token's `TokenLogprob` with the k most likely tokens beside it
     (None: not computed).
     """
@@ -41,6 +46,8 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     eos_token_id: int | list[int] | None = None
     ignore_eos: bool = False
@@ -64,6 +71,11 @@ class SamplingParams:
         r = self.repetition_penalty
         if not _number(r) or not r > 0 or r == float("inf"):
             raise ValueError(f"SamplingParams: repetition_penalty must be a finite number > 0, got {r!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise ValueError(f"SamplingParams: {name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
+                                 f"got {v!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise TypeError(f"SamplingParams: seed must be an int or None, got {type(self.seed).__name__}")
         k = self.logprobs
@@ -78,9 +90,14 @@ class SamplingParams:
                 raise TypeError(f"SamplingParams: eos_token_id must be an int, a list of ints or None, got {e!r}")
 
     @property
+    def penalized(self) -> bool:
+        """Logits are changed by what the sequence holds (repetition, presence or frequency penalty)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
     def greedy_only(self) -> bool:
         """Plain argmax over the logits, nothing else to apply or report."""
-        return not self.do_sample and self.repetition_penalty == 1.0 and self.logprobs is None
+        return not self.do_sample and not self.penalized and self.logprobs is None
 
 
 FINISH_REASONS = ("eos", "length", "max_seq_len", "abort")

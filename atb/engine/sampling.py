@@ -2,6 +2,7 @@
 
 The order of operations is HF ``generate``'s: repetition penalty on the raw
 logits (over every token already in the sequence, prompt included), then
+OpenAI's presence and frequency penalties (over the generated tokens), then
 temperature, top-k, top-p, softmax, multinomial draw. Each request has its own
 parameters and draws from its own ``torch.Generator``, so its tokens do not
 depend on which other requests happen to share its batch.
@@ -53,19 +54,33 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def select(logits: torch.Tensor, params: list[SamplingParams], seen: list, generators: list) -> list[int]:
+def apply_presence_frequency(row: torch.Tensor, generated: list[int], presence: float, frequency: float) -> None:
+    """In place, OpenAI semantics: each token generated ``n`` times loses ``presence + frequency * n``."""
+    if not generated:
+        return
+    ids, counts = torch.tensor(generated, dtype=torch.int64).unique(return_counts=True)
+    row.index_add_(0, ids, -(presence + frequency * counts.to(row.dtype)))
+
+
+def select(logits: torch.Tensor, params: list[SamplingParams], seen: list, generators: list,
+           generated: list | None = None) -> list[int]:
     """One token per row of float32 ``logits [batch, vocab]``, row i with ``params[i]``, ``seen[i]`` (token ids
-    for the repetition penalty, or None) and ``generators[i]``."""
+    for the repetition penalty, or None), ``generators[i]`` and ``generated[i]`` (the tokens generated so far,
+    for the presence and frequency penalties)."""
     if all(p.greedy_only for p in params):
         return logits.argmax(-1).tolist()
-    return [_select_one(row, p, s, g) for row, p, s, g in zip(logits, params, seen, generators)]
+    if generated is None:
+        generated = [()] * len(params)
+    return [_select_one(row, p, s, g, o) for row, p, s, g, o in zip(logits, params, seen, generators, generated)]
 
 
-def _select_one(row: torch.Tensor, params: SamplingParams, seen, gen) -> int:
+def _select_one(row: torch.Tensor, params: SamplingParams, seen, gen, generated=()) -> int:
+    if params.penalized:
+        row = row.clone()
     if params.repetition_penalty != 1.0:
-        row = row.clone().unsqueeze(0)
-        apply_repetition_penalty(row, [seen], params.repetition_penalty)
-        row = row[0]
+        apply_repetition_penalty(row.unsqueeze(0), [seen], params.repetition_penalty)
+    if params.presence_penalty != 0 or params.frequency_penalty != 0:
+        apply_presence_frequency(row, list(generated), params.presence_penalty, params.frequency_penalty)
     if not params.do_sample:
         return int(row.argmax())
     probs = warp(row.unsqueeze(0), params).softmax(-1)[0]

@@ -120,6 +120,7 @@ class Generation:
                 max_new_tokens=max_tokens, do_sample=sample, temperature=temperature if sample else 1.0,
                 top_k=(req.top_k or 0) if sample else 0, top_p=1.0 if req.top_p is None or not sample else req.top_p,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                 seed=req.seed, ignore_eos=req.ignore_eos, logprobs=req.top_logprobs_k)
         except (ValueError, TypeError) as e:
             raise P.APIError(400, str(e)) from None

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
 
-from atb.engine import MAX_LOGPROBS
+from atb.engine import MAX_LOGPROBS, MAX_PENALTY
 
 # OpenAI's documented ranges.
 MAX_STOP_STRINGS = 4
@@ -56,9 +56,9 @@ class _Request(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Accepted for compatibility only at their no-op values (``_check_noops``).
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    # Accepted for compatibility only at its no-op value (``_check_noops``).
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -82,9 +82,6 @@ class _Request(BaseModel):
         return v
 
     def _check_noops(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise APIError(400, f"{name}: not supported (only 0)", param=name)
         if self.logit_bias:
             raise APIError(400, "logit_bias: not supported", param="logit_bias")
 
