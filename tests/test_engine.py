@@ -387,3 +387,29 @@ def test_penalty_validation():
             with pytest.raises(ValueError, match=name):
                 SamplingParams(**{name: bad})
     assert not SamplingParams(frequency_penalty=0.1).greedy_only
+
+
+def test_logit_bias_is_added_before_selection(model):
+    """logit_bias: greedy picks argmax(logits + bias) at every step (a loop over the model's own logits); a
+    large bias forces its token; ids past the vocabulary are refused by add_request before anything runs."""
+    prompt, n = PROMPTS[3], 8
+    plain = solo(model, prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))
+    bias = {plain[0]: -100.0, 7: 3.5, 50: -2.0}
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([prompt + out])).logits[0, -1].double()
+            for t, b in bias.items():
+                logits[t] += b
+            out.append(int(logits.argmax()))
+    got = solo(model, prompt, SamplingParams(max_new_tokens=n, ignore_eos=True, logit_bias=bias))
+    assert got == out and got[0] != plain[0]
+    forced = solo(model, prompt, SamplingParams(max_new_tokens=3, ignore_eos=True, logit_bias={42: 100}))
+    assert forced == [42, 42, 42]
+    infer = engine(model)
+    with pytest.raises(ValueError, match="logit_bias names token id 128"):
+        infer.add_request(prompt, SamplingParams(logit_bias={128: 1.0}))
+    assert idle(infer)
+    for bad in ({-1: 1.0}, {3: 101.0}, {3: float("nan")}, {"3": 1.0}, {True: 1.0}, [(3,)]):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)

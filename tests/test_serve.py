@@ -281,6 +281,22 @@ def test_frequency_penalty_reaches_the_sampler(served, model_tok):
     served.wait_idle()
 
 
+def test_logit_bias_forces_and_bans_tokens(served, solo):
+    prompt = "The capital of France is"
+    ids = served.tok(prompt)["input_ids"]
+    first = solo(ids, 1)[0]
+    forced = served.tok(" Berlin", add_special_tokens=False)["input_ids"][0]
+    r = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                         logit_bias={str(forced): 100})
+    assert r.choices[0].text == served.tok.decode([forced, forced])
+    r = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                         logit_bias={str(first): -100}, logprobs=1)
+    assert r.choices[0].text != served.tok.decode([first])
+    # logprobs stay the model's: the banned token is still the most likely there.
+    assert list(r.choices[0].logprobs.top_logprobs[0]) == [served.tok.decode([first])]
+    served.wait_idle()
+
+
 def test_stop_string_mid_token(served, solo):
     """A stop string that spans tokens and ends inside one cuts the text there; the blocks are freed."""
     prompt = "The capital of France is"
@@ -413,6 +429,9 @@ BAD = [
     ("unknown model", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
     ("logprobs > 20", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("presence_penalty > 2", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("logit_bias key", {"model": MODEL, "prompt": "hi", "logit_bias": {"the": 1}}, 400, "logit_bias"),
+    ("logit_bias > 100", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("logit_bias id", {"model": MODEL, "prompt": "hi", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
     ("frequency_penalty < -2", {"model": MODEL, "prompt": "hi", "frequency_penalty": -3}, 400,
      "frequency_penalty"),
     ("logprobs < 0", {"model": MODEL, "prompt": "hi", "logprobs": -1}, 400, "logprobs"),

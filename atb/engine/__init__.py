@@ -12,6 +12,7 @@ loops over this API). Modules: ``params`` (SamplingParams, RequestOutput, TokenL
 manager), ``runner`` (weights and executors), ``engine`` (the step loop and
 its lock).
 """
-from atb.engine.params import MAX_LOGPROBS, MAX_PENALTY, RequestOutput, SamplingParams, TokenLogprob
+from atb.engine.params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, RequestOutput, SamplingParams,
+                               TokenLogprob)
 
-__all__ = ["MAX_LOGPROBS", "MAX_PENALTY", "RequestOutput", "SamplingParams", "TokenLogprob"]
+__all__ = ["MAX_LOGIT_BIAS", "MAX_LOGPROBS", "MAX_PENALTY", "RequestOutput", "SamplingParams", "TokenLogprob"]

@@ -120,6 +120,10 @@ class Engine:
                             f"{type(sampling_params).__name__}")
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"add_request: request_id must be a str or None, got {type(request_id).__name__}")
+        outside = [t for t, _ in sampling_params.logit_bias if t >= self.runner.vocab_size]
+        if outside:
+            raise ValueError(f"add_request: sampling_params.logit_bias names token id {outside[0]}, outside the "
+                             f"vocabulary [0, {self.runner.vocab_size})")
         with self._lock:
             return self._new_request(request_id, prompt, sampling_params).request_id
 

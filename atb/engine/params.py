@@ -11,8 +11,9 @@ def _number(v) -> bool:
 
 # The most alternatives a request may ask for per generated token (OpenAI's top_logprobs limit).
 MAX_LOGPROBS = 20
-# OpenAI's range for presence_penalty and frequency_penalty.
+# OpenAI's ranges for presence_penalty / frequency_penalty and for logit_bias values.
 MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,8 @@ class SamplingParams:
     when the request is added), so its draws do not depend on its batch mates. ``presence_penalty`` and
     ``frequency_penalty`` (OpenAI's, in [-2, 2]) subtract ``presence + frequency * count`` from the logit
     of every token generated so far (``count`` times; the prompt's tokens are not counted, as in vLLM),
-    after the repetition penalty and before temperature. ``logprobs`` k (0 to
+    after the repetition penalty and before temperature. ``logit_bias``: ``(token_id, bias)`` pairs (a dict
+    is taken too) added to those tokens' logits first of all, bias in [-100, 100]. ``logprobs`` k (0 to
     ``MAX_LOGPROBS``) reports each generated token's `TokenLogprob` with the k most likely tokens beside it
     (None: not computed).
     """
@@ -48,6 +50,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     eos_token_id: int | list[int] | None = None
     ignore_eos: bool = False
@@ -71,6 +74,15 @@ class SamplingParams:
         r = self.repetition_penalty
         if not _number(r) or not r > 0 or r == float("inf"):
             raise ValueError(f"SamplingParams: repetition_penalty must be a finite number > 0, got {r!r}")
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = tuple(bias.items())
+            object.__setattr__(self, "logit_bias", bias)
+        if not isinstance(bias, tuple) or not all(
+                isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], int) and not isinstance(p[0], bool)
+                and p[0] >= 0 and _number(p[1]) and -MAX_LOGIT_BIAS <= p[1] <= MAX_LOGIT_BIAS for p in bias):
+            raise ValueError(f"SamplingParams: logit_bias must map token ids >= 0 to numbers in "
+                             f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {self.logit_bias!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
@@ -91,8 +103,9 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Logits are changed by what the sequence holds (repetition, presence or frequency penalty)."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
+        """Logits are changed before selection (logit bias; repetition, presence or frequency penalty)."""
+        return (bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.presence_penalty != 0
+                or self.frequency_penalty != 0)
 
     @property
     def greedy_only(self) -> bool:

@@ -1,7 +1,7 @@
 """Token selection: greedy and sampling with HF semantics, per request.
 
-The order of operations is HF ``generate``'s: repetition penalty on the raw
-logits (over every token already in the sequence, prompt included), then
+The order of operations: OpenAI's logit bias, then HF ``generate``'s order:
+repetition penalty (over every token already in the sequence, prompt included), then
 OpenAI's presence and frequency penalties (over the generated tokens), then
 temperature, top-k, top-p, softmax, multinomial draw. Each request has its own
 parameters and draws from its own ``torch.Generator``, so its tokens do not
@@ -77,6 +77,9 @@ def select(logits: torch.Tensor, params: list[SamplingParams], seen: list, gener
 def _select_one(row: torch.Tensor, params: SamplingParams, seen, gen, generated=()) -> int:
     if params.penalized:
         row = row.clone()
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias)
+        row.index_add_(0, torch.tensor(ids, dtype=torch.int64), torch.tensor(bias, dtype=row.dtype))
     if params.repetition_penalty != 1.0:
         apply_repetition_penalty(row.unsqueeze(0), [seen], params.repetition_penalty)
     if params.presence_penalty != 0 or params.frequency_penalty != 0:

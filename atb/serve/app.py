@@ -121,9 +121,14 @@ class Generation:
                 top_k=(req.top_k or 0) if sample else 0, top_p=1.0 if req.top_p is None or not sample else req.top_p,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                seed=req.seed, ignore_eos=req.ignore_eos, logprobs=req.top_logprobs_k)
+                logit_bias=req.logit_bias_pairs, seed=req.seed, ignore_eos=req.ignore_eos,
+                logprobs=req.top_logprobs_k)
         except (ValueError, TypeError) as e:
             raise P.APIError(400, str(e)) from None
+        outside = [t for t, _ in self.params.logit_bias if t >= state.engine.vocab_size]
+        if outside:
+            raise P.APIError(400, f"logit_bias: token id {outside[0]} is outside the vocabulary "
+                                  f"[0, {state.engine.vocab_size})", param="logit_bias")
         self._detok = IncrementalDetokenizer(state.tokenizer, prompt_ids)
         self._stops = StopStrings(req.stop)
 

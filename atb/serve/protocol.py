@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
 
-from atb.engine import MAX_LOGPROBS, MAX_PENALTY
+from atb.engine import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
 
 # OpenAI's documented ranges.
 MAX_STOP_STRINGS = 4
@@ -58,7 +58,7 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    # Accepted for compatibility only at its no-op value (``_check_noops``).
+    # Token ids (as JSON object keys) -> bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -81,9 +81,21 @@ class _Request(BaseModel):
                 raise ValueError("stop strings must not be empty")
         return v
 
-    def _check_noops(self) -> None:
-        if self.logit_bias:
-            raise APIError(400, "logit_bias: not supported", param="logit_bias")
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        if v is None:
+            return v
+        for key, bias in v.items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"bias of token {key} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
+        return v
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items())
 
 
 class CompletionRequest(_Request):
@@ -109,7 +121,6 @@ class CompletionRequest(_Request):
         raise ValueError("must be a string or a list of token ids")
 
     def validate_semantics(self) -> None:
-        self._check_noops()
         if self.echo:
             raise APIError(400, "echo: not supported", param="echo")
         if self.suffix is not None:
@@ -148,7 +159,6 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def validate_semantics(self) -> None:
-        self._check_noops()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
 
