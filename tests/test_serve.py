@@ -297,6 +297,56 @@ def test_logit_bias_forces_and_bans_tokens(served, solo):
     served.wait_idle()
 
 
+def test_n_choices_are_seeded_engine_requests(served, model_tok):
+    """n > 1: n engine requests under one response; with a seed, choice i samples from request_seed(seed, i)
+    (the choices differ, each reproducible); streamed chunks carry each choice's index; usage counts the
+    prompt once."""
+    from atb.engine.sampling import request_seed
+
+    prompt = "Once upon a time"
+    ids = served.tok(prompt)["input_ids"]
+    ref = atb.TransformerInfer(model_tok[0], max_seq_len=MAX_SEQ_LEN, max_batch_size=1)
+
+    def engine_text(seed):
+        rid = ref.add_request(ids, atb.engine.SamplingParams(max_new_tokens=10, do_sample=True, temperature=0.9,
+                                                             seed=seed, ignore_eos=True))
+        last = None
+        while ref.has_unfinished():
+            last = next((o for o in ref.step() if o.request_id == rid), last)
+        return _text(served.tok, last.output_token_ids)
+
+    want = [engine_text(request_seed(11, i)) for i in range(3)]
+    assert len(set(want)) == 3
+    r = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0.9, seed=11, n=3,
+                                         extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == want
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 30)
+    chunks = list(served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0.9,
+                                                   seed=11, n=3, stream=True, extra_body={"ignore_eos": True},
+                                                   stream_options={"include_usage": True}))
+    texts, finished = ["", "", ""], set()
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+            if ch.finish_reason:
+                finished.add(ch.index)
+    assert texts == want and finished == {0, 1, 2} and chunks[-1].usage.completion_tokens == 30
+    # Chat, greedy: every choice is the one greedy answer.
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    one = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+    two = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0, n=2)
+    assert [c.message.content for c in two.choices] == [one.choices[0].message.content] * 2
+    streamed = list(served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0,
+                                                          n=2, stream=True))
+    by_index = ["", ""]
+    for c in streamed:
+        for ch in c.choices:
+            by_index[ch.index] += ch.delta.content or ""
+    assert by_index == [one.choices[0].message.content] * 2
+    served.wait_idle()
+
+
 def test_stop_string_mid_token(served, solo):
     """A stop string that spans tokens and ends inside one cuts the text there; the blocks are freed."""
     prompt = "The capital of France is"
@@ -419,7 +469,8 @@ BAD = [
     ("top_p > 1", {"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ("top_k < 0", {"model": MODEL, "prompt": "hi", "top_k": -3}, 400, "top_k"),
     ("max_tokens 0", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
-    ("n=2", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ("n > 16", {"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
+    ("best_of != n", {"model": MODEL, "prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of"),
     ("stop not strings", {"model": MODEL, "prompt": "hi", "stop": [1]}, 400, "stop"),
     ("two prompts", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
     ("token out of vocab", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt"),
@@ -460,7 +511,7 @@ def test_bad_chat_requests_and_server_keeps_serving(served):
         r = served.http.post("/v1/chat/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     with pytest.raises(openai.BadRequestError):
-        served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3)
+        served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=0)
     r = served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=3, temperature=0)
     assert r.usage.completion_tokens >= 1

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from atb.engine import SamplingParams, TokenLogprob
+from atb.engine.sampling import request_seed
 from atb.serve import protocol as P
 from atb.serve.detokenize import IncrementalDetokenizer, StopStrings
 from atb.serve.engine_loop import EngineError, EngineLoop, QueueFull, ShuttingDown
@@ -87,12 +88,13 @@ def chat_logprobs(tokenizer, lps: list[TokenLogprob]) -> P.ChatLogprobs:
 
 
 class Generation:
-    """One request from validated fields to text pieces: tokens in, detokenized, stop strings cut, metrics."""
+    """One choice of a request, from validated fields to text pieces: tokens in, detokenized, stop strings
+    cut, metrics. ``engine_id`` is its engine request; ``seed`` its own (a request's n choices draw apart)."""
 
     def __init__(self, state: ServerState, req: P._Request, prompt_ids: list[int], max_tokens: int | None,
-                 prefix: str, t_arrival: float, max_tokens_field: str = "max_tokens"):
+                 engine_id: str, t_arrival: float, max_tokens_field: str = "max_tokens", seed: int | None = None):
         self.state = state
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.id = engine_id
         self.prompt_ids = prompt_ids
         self.t0 = t_arrival
         self.created = int(time.time())
@@ -121,7 +123,7 @@ class Generation:
                 top_k=(req.top_k or 0) if sample else 0, top_p=1.0 if req.top_p is None or not sample else req.top_p,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                logit_bias=req.logit_bias_pairs, seed=req.seed, ignore_eos=req.ignore_eos,
+                logit_bias=req.logit_bias_pairs, seed=seed, ignore_eos=req.ignore_eos,
                 logprobs=req.top_logprobs_k)
         except (ValueError, TypeError) as e:
             raise P.APIError(400, str(e)) from None
@@ -208,11 +210,82 @@ class Generation:
                        total_tokens=self.prompt_tokens + self.completion_tokens)
 
 
+class Choices:
+    """A request's ``n`` choices: one engine request (`Generation`) each, under one response id. With a
+    ``seed`` choice i samples from ``request_seed(seed, i)``, so the choices differ and each is reproducible;
+    the prompt is counted once in ``usage``."""
+
+    def __init__(self, state: ServerState, req: P._Request, prompt_ids: list[int], max_tokens: int | None,
+                 prefix: str, t_arrival: float, max_tokens_field: str = "max_tokens"):
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        seeds = [req.seed if req.n == 1 or req.seed is None else request_seed(req.seed, i) for i in range(req.n)]
+        self.gens = [Generation(state, req, prompt_ids, max_tokens, self.id if req.n == 1 else f"{self.id}-{i}",
+                                t_arrival, max_tokens_field, seed) for i, seed in enumerate(seeds)]
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.gens[0].wants_logprobs
+
+    def start(self) -> None:
+        """Queues every choice, or none (APIError 429/503 when they cannot all be taken)."""
+        try:
+            for g in self.gens:
+                g.start()
+        except P.APIError:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        for g in self.gens:
+            g.release()
+
+    def usage(self) -> P.Usage:
+        done = sum(g.completion_tokens for g in self.gens)
+        prompt = self.gens[0].prompt_tokens
+        return P.Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
+
+    async def pieces(self) -> AsyncIterator[tuple[int, Piece | None]]:
+        """``(choice, piece)`` as each choice's text becomes final, ``(choice, None)`` when it ends (its
+        ``finish_reason`` is set); each choice's pieces keep their order, the choices interleave as the engine
+        steps them."""
+        if len(self.gens) == 1:
+            async for p in self.gens[0].pieces():
+                yield 0, p
+            yield 0, None
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, g: Generation):
+            try:
+                async for p in g.pieces():
+                    await queue.put((i, p, None))
+                await queue.put((i, None, None))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                await queue.put((i, None, e))
+
+        tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(self.gens)]
+        try:
+            ended = 0
+            while ended < len(tasks):
+                i, p, err = await queue.get()
+                if err is not None:
+                    raise err
+                ended += p is None
+                yield i, p
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+
+
 class _EventStream(StreamingResponse):
     """A streaming response that closes its event iterator and releases its request however it ends (done,
     client gone, server stopping), even if the iterator never started."""
 
-    def __init__(self, content: AsyncIterator[str], gen: Generation):
+    def __init__(self, content: AsyncIterator[str], gen: Choices):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._content = content
@@ -245,12 +318,15 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
-async def _collect(gen: Generation, request: Request) -> Piece | None:
-    """All text (and logprobs) of a non-streaming request; None if the client went away first (the request is
-    aborted)."""
+async def _collect(gen: Choices, request: Request) -> list[Piece] | None:
+    """All text (and logprobs) of each choice of a non-streaming request; None if the client went away first
+    (the request is aborted)."""
     async def text():
-        pieces = [p async for p in gen.pieces()]
-        return Piece("".join(p.text for p in pieces), [lp for p in pieces for lp in p.logprobs])
+        pieces = [[] for _ in gen.gens]
+        async for i, p in gen.pieces():
+            if p is not None:
+                pieces[i].append(p)
+        return [Piece("".join(p.text for p in ps), [lp for p in ps for lp in p.logprobs]) for ps in pieces]
 
     work = asyncio.ensure_future(text())
     gone = asyncio.ensure_future(_until_disconnected(request))
@@ -266,8 +342,9 @@ async def _collect(gen: Generation, request: Request) -> Piece | None:
     return None if work.cancelled() else work.result()
 
 
-async def _complete(gen: Generation, request: Request, respond) -> Response:
-    """A non-streaming answer: ``respond(piece)`` once all text (and logprobs) is there, or the error."""
+async def _complete(gen: Choices, request: Request, respond) -> Response:
+    """A non-streaming answer: ``respond(pieces)`` (one per choice) once all text (and logprobs) is there, or
+    the error."""
     try:
         whole = await _collect(gen, request)
     except Exception as e:  # noqa: BLE001 - fails this request only
@@ -335,28 +412,31 @@ def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256, fo
         req = P.parse_request(await request.body(), P.CompletionRequest)
         check_model(req)
         ids = req.prompt if isinstance(req.prompt, list) else tokenizer(req.prompt)["input_ids"]
-        gen = Generation(state, req, check_ids(list(ids), "prompt"), req.max_tokens, "cmpl", t0)
+        gen = Choices(state, req, check_ids(list(ids), "prompt"), req.max_tokens, "cmpl", t0)
         gen.start()
+        offsets = [0] * req.n  # where each choice's next reported token's text starts in its completion
 
-        offset = 0  # where the next reported token's text starts in the completion
-
-        def chunk(piece: Piece, finish: str | None, usage=None) -> P.CompletionResponse:
-            nonlocal offset
+        def choice(i: int, piece: Piece, finish: str | None) -> P.CompletionChoice:
             lp = None
             if gen.wants_logprobs and (piece.logprobs or finish is None or not req.stream):
-                lp = completion_logprobs(tokenizer, piece.logprobs, offset)
-                offset += sum(len(t) for t in lp.tokens)
+                lp = completion_logprobs(tokenizer, piece.logprobs, offsets[i])
+                offsets[i] += sum(len(t) for t in lp.tokens)
+            return P.CompletionChoice(index=i, text=piece.text, logprobs=lp, finish_reason=finish)
+
+        def response(choices: list[P.CompletionChoice], usage=None) -> P.CompletionResponse:
             return P.CompletionResponse(id=gen.id, created=gen.created, model=state.model_name, usage=usage,
-                                        choices=[P.CompletionChoice(text=piece.text, logprobs=lp,
-                                                                    finish_reason=finish)])
+                                        choices=choices)
 
         if not req.stream:
-            return await _complete(gen, request, lambda whole: chunk(whole, gen.finish_reason, gen.usage()))
+            return await _complete(gen, request, lambda pieces: response(
+                [choice(i, p, g.finish_reason) for i, (p, g) in enumerate(zip(pieces, gen.gens))], gen.usage()))
 
         async def events():
-            async for piece in gen.pieces():
-                yield _sse(chunk(piece, None))
-            yield _sse(chunk(Piece("", []), gen.finish_reason))
+            async for i, piece in gen.pieces():
+                if piece is None:
+                    yield _sse(response([choice(i, Piece("", []), gen.gens[i].finish_reason)]))
+                else:
+                    yield _sse(response([choice(i, piece, None)]))
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield _sse(P.CompletionResponse(id=gen.id, created=gen.created, model=state.model_name,
                                                 choices=[], usage=gen.usage()))
@@ -378,32 +458,36 @@ def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256, fo
             raise P.APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
         ids = enc["input_ids"] if hasattr(enc, "keys") else enc
         limit_field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
-        gen = Generation(state, req, check_ids(list(ids), "messages"), req.output_limit, "chatcmpl", t0, limit_field)
+        gen = Choices(state, req, check_ids(list(ids), "messages"), req.output_limit, "chatcmpl", t0, limit_field)
         gen.start()
 
         def logprobs(lps: list[TokenLogprob]) -> P.ChatLogprobs | None:
             return chat_logprobs(tokenizer, lps) if gen.wants_logprobs else None
 
-        def chunk(delta: P.ChatDelta, finish: str | None = None, usage=None, choices=True,
+        def chunk(i: int | None, delta: P.ChatDelta | None = None, finish: str | None = None, usage=None,
                   lps: list[TokenLogprob] | None = None) -> P.ChatCompletionChunk:
             return P.ChatCompletionChunk(
                 id=gen.id, created=gen.created, model=state.model_name, usage=usage,
-                choices=[P.ChatChunkChoice(delta=delta, logprobs=None if lps is None else logprobs(lps),
-                                           finish_reason=finish)] if choices else [])
+                choices=[] if i is None else [P.ChatChunkChoice(
+                    index=i, delta=delta, logprobs=None if lps is None else logprobs(lps), finish_reason=finish)])
 
         if not req.stream:
-            return await _complete(gen, request, lambda whole: P.ChatCompletionResponse(
+            return await _complete(gen, request, lambda pieces: P.ChatCompletionResponse(
                 id=gen.id, created=gen.created, model=state.model_name, usage=gen.usage(),
-                choices=[P.ChatChoice(message=P.ChatResponseMessage(content=whole.text),
-                                      logprobs=logprobs(whole.logprobs), finish_reason=gen.finish_reason)]))
+                choices=[P.ChatChoice(index=i, message=P.ChatResponseMessage(content=p.text),
+                                      logprobs=logprobs(p.logprobs), finish_reason=g.finish_reason)
+                         for i, (p, g) in enumerate(zip(pieces, gen.gens))]))
 
         async def events():
-            yield _sse(chunk(P.ChatDelta(role="assistant", content="")))
-            async for piece in gen.pieces():
-                yield _sse(chunk(P.ChatDelta(content=piece.text), lps=piece.logprobs))
-            yield _sse(chunk(P.ChatDelta(), gen.finish_reason))
+            for i in range(req.n):
+                yield _sse(chunk(i, P.ChatDelta(role="assistant", content="")))
+            async for i, piece in gen.pieces():
+                if piece is None:
+                    yield _sse(chunk(i, P.ChatDelta(), gen.gens[i].finish_reason))
+                else:
+                    yield _sse(chunk(i, P.ChatDelta(content=piece.text), lps=piece.logprobs))
             if req.stream_options is not None and req.stream_options.include_usage:
-                yield _sse(chunk(P.ChatDelta(), usage=gen.usage(), choices=False))
+                yield _sse(chunk(None, usage=gen.usage()))
 
         return _EventStream(_event_stream(events()), gen)
 

@@ -20,6 +20,8 @@ from atb.engine import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
 # OpenAI's documented ranges.
 MAX_STOP_STRINGS = 4
 MAX_TEMPERATURE = 2.0
+# Choices per request: each is an engine request of its own.
+MAX_CHOICES = 16
 
 
 class APIError(Exception):
@@ -53,7 +55,7 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
@@ -61,13 +63,6 @@ class _Request(BaseModel):
     # Token ids (as JSON object keys) -> bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"only n=1 is supported, got {v}")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -125,8 +120,8 @@ class CompletionRequest(_Request):
             raise APIError(400, "echo: not supported", param="echo")
         if self.suffix is not None:
             raise APIError(400, "suffix: not supported", param="suffix")
-        if self.best_of not in (None, 1):
-            raise APIError(400, "best_of: only 1 is supported", param="best_of")
+        if self.best_of not in (None, self.n):
+            raise APIError(400, f"best_of: only equal to n ({self.n}) is supported", param="best_of")
 
     @property
     def top_logprobs_k(self) -> int | None:
