@@ -506,6 +506,8 @@ def test_bad_chat_requests_and_server_keeps_serving(served):
                         ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages"),
                         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
                          "top_logprobs"),
+                        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                          "response_format": {"type": "json_object"}}, "response_format"),
                         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                           "top_logprobs": 21}, "top_logprobs")):
         r = served.http.post("/v1/chat/completions", json=body)
@@ -513,7 +515,7 @@ def test_bad_chat_requests_and_server_keeps_serving(served):
     with pytest.raises(openai.BadRequestError):
         served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=0)
     r = served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                              max_tokens=3, temperature=0)
+                                              max_tokens=3, temperature=0, response_format={"type": "text"})
     assert r.usage.completion_tokens >= 1
     served.wait_idle()
 

@@ -152,10 +152,15 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # Plain text only: {"type": "text"} (OpenAI's default, which clients send explicitly).
+    response_format: dict[str, Any] | None = None
 
     def validate_semantics(self) -> None:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            raise APIError(400, f"response_format: only {{\"type\": \"text\"}} is supported, got "
+                                f"{json.dumps(self.response_format)}", param="response_format")
 
     @property
     def top_logprobs_k(self) -> int | None:
