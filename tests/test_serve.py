@@ -530,6 +530,18 @@ def test_full_waiting_queue_answers_429(served):
     finally:
         served.state.loop.max_waiting = limit
     assert served.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+    # n choices are queued all or none: with room for 2 of 3 the request is refused and nothing stays queued.
+    before = served.wait_idle()
+    served.state.loop.max_waiting = 2
+    try:
+        with pytest.raises(openai.RateLimitError):
+            served.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=3)
+    finally:
+        served.state.loop.max_waiting = limit
+    after = served.wait_idle()
+    assert served.state.loop.queued == 0 and after["atb_kv_blocks_free"] == after["atb_kv_blocks_total"]
+    aborted = 'atb_requests_finished_total{finish_reason="abort"}'
+    assert after.get(aborted, 0) - before.get(aborted, 0) == 2  # the two queued choices, aborted
 
 
 def test_engine_failures_fail_only_their_requests(served, monkeypatch):

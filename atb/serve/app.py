@@ -191,6 +191,10 @@ class Generation:
         finally:
             self.release()
 
+    def discard(self) -> None:
+        """A choice that was never queued: nothing to abort, count or log."""
+        self._released = True
+
     def release(self) -> None:
         """However the request ended (done, stop string, client gone, error, never read): the engine forgets
         it, freeing its blocks unless it already finished there; one log line. Idempotent."""
@@ -228,13 +232,17 @@ class Choices:
         return self.gens[0].wants_logprobs
 
     def start(self) -> None:
-        """Queues every choice, or none (APIError 429/503 when they cannot all be taken)."""
-        try:
-            for g in self.gens:
+        """Queues every choice, or none (APIError 429/503 when they cannot all be taken: those already queued
+        are aborted, the rest never reach the engine or the metrics)."""
+        for i, g in enumerate(self.gens):
+            try:
                 g.start()
-        except P.APIError:
-            self.release()
-            raise
+            except P.APIError:
+                for queued in self.gens[:i]:
+                    queued.release()
+                for never in self.gens[i:]:
+                    never.discard()
+                raise
 
     def release(self) -> None:
         for g in self.gens:
