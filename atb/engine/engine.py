@@ -188,8 +188,7 @@ class Engine:
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, object]]:
         """Each request's token and, when it asked for logprobs, its TokenLogprob (else None)."""
         logits = logits.float()
-        toks = select(logits, [r.params for r in reqs], [r.seen for r in reqs], [r.gen for r in reqs],
-                      [r.out for r in reqs])
+        toks = select(logits, reqs)
         if self.runner.tp is not None and any(r.params.do_sample for r in reqs):
             # Tensor-parallel ranks hold the same logits, but an unseeded generator is per process: rank 0 decides.
             toks = self.runner.tp.broadcast_tokens(toks)

@@ -62,32 +62,37 @@ def apply_presence_frequency(row: torch.Tensor, generated: list[int], presence: 
     row.index_add_(0, ids, -(presence + frequency * counts.to(row.dtype)))
 
 
-def select(logits: torch.Tensor, params: list[SamplingParams], seen: list, generators: list,
-           generated: list | None = None) -> list[int]:
-    """One token per row of float32 ``logits [batch, vocab]``, row i with ``params[i]``, ``seen[i]`` (token ids
-    for the repetition penalty, or None), ``generators[i]`` and ``generated[i]`` (the tokens generated so far,
-    for the presence and frequency penalties)."""
-    if all(p.greedy_only for p in params):
+def logit_bias_tensors(params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``params.logit_bias`` as (token ids, biases), built once per request; None without a bias."""
+    if not params.logit_bias:
+        return None
+    ids, bias = zip(*params.logit_bias)
+    return torch.tensor(ids, dtype=torch.int64), torch.tensor(bias, dtype=torch.float32)
+
+
+def select(logits: torch.Tensor, reqs: list) -> list[int]:
+    """One token per row of float32 ``logits [batch, vocab]``, row i for ``reqs[i]``: its ``params``, ``seen``
+    (token ids for the repetition penalty, or None), ``gen`` (its generator), ``out`` (the tokens generated
+    so far, for the presence and frequency penalties) and ``bias`` (`logit_bias_tensors`)."""
+    if all(r.params.greedy_only for r in reqs):
         return logits.argmax(-1).tolist()
-    if generated is None:
-        generated = [()] * len(params)
-    return [_select_one(row, p, s, g, o) for row, p, s, g, o in zip(logits, params, seen, generators, generated)]
+    return [_select_one(row, r) for row, r in zip(logits, reqs)]
 
 
-def _select_one(row: torch.Tensor, params: SamplingParams, seen, gen, generated=()) -> int:
+def _select_one(row: torch.Tensor, req) -> int:
+    params = req.params
     if params.penalized:
         row = row.clone()
-    if params.logit_bias:
-        ids, bias = zip(*params.logit_bias)
-        row.index_add_(0, torch.tensor(ids, dtype=torch.int64), torch.tensor(bias, dtype=row.dtype))
+    if req.bias is not None:
+        row.index_add_(0, *req.bias)
     if params.repetition_penalty != 1.0:
-        apply_repetition_penalty(row.unsqueeze(0), [seen], params.repetition_penalty)
+        apply_repetition_penalty(row.unsqueeze(0), [req.seen], params.repetition_penalty)
     if params.presence_penalty != 0 or params.frequency_penalty != 0:
-        apply_presence_frequency(row, list(generated), params.presence_penalty, params.frequency_penalty)
+        apply_presence_frequency(row, req.out, params.presence_penalty, params.frequency_penalty)
     if not params.do_sample:
         return int(row.argmax())
     probs = warp(row.unsqueeze(0), params).softmax(-1)[0]
-    return int(torch.multinomial(probs, 1, generator=gen))
+    return int(torch.multinomial(probs, 1, generator=req.gen))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:

@@ -33,14 +33,15 @@ import torch
 
 from atb.engine.params import RequestOutput, SamplingParams
 from atb.engine.block_manager import BlockManager
+from atb.engine.sampling import logit_bias_tensors
 from atb.layers.kv_cache import CacheFullError
 
 
 class Request:
     """One prompt being generated: its tokens so far, its sampling state and where it stands."""
 
-    __slots__ = ("request_id", "prompt", "params", "eos", "out", "logprobs", "table", "seen", "gen", "reason",
-                 "reported", "streamed", "keys", "cached", "keyed", "prefilled")
+    __slots__ = ("request_id", "prompt", "params", "eos", "out", "logprobs", "table", "seen", "bias", "gen",
+                 "reason", "reported", "streamed", "keys", "cached", "keyed", "prefilled")
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, eos: frozenset,
                  gen: torch.Generator | None):
@@ -52,6 +53,7 @@ class Request:
         self.logprobs: list | None = [] if params.logprobs is not None else None  # a TokenLogprob per out token
         self.table: list[int] = []   # the block manager's table of this request (the live list)
         self.seen = torch.tensor(sorted(set(prompt)), dtype=torch.int64) if params.repetition_penalty != 1.0 else None
+        self.bias = logit_bias_tensors(params)
         self.gen = gen
         self.reason: str | None = None
         self.reported = 0            # tokens already handed out in a RequestOutput

@@ -257,11 +257,6 @@ class Choices:
         """``(choice, piece)`` as each choice's text becomes final, ``(choice, None)`` when it ends (its
         ``finish_reason`` is set); each choice's pieces keep their order, the choices interleave as the engine
         steps them."""
-        if len(self.gens) == 1:
-            async for p in self.gens[0].pieces():
-                yield 0, p
-            yield 0, None
-            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, g: Generation):
