@@ -344,6 +344,75 @@ def test_logprobs_are_the_models_and_change_no_token(model, graph_mode):
     assert all(o.new_logprobs is None for o in drain_one(engine(model), PROMPTS[0], plain[0]))
 
 
+def check_prompt_logprobs(model, prompt, lps, k):
+    """``lps`` are ``prompt``'s log-probabilities under the model (HF forward, float64 log-softmax)."""
+    assert len(lps) == len(prompt) and lps[0] is None
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0, :-1].double().log_softmax(-1)
+    for j, lp in enumerate(lps[1:]):
+        assert lp.token_id == prompt[j + 1]
+        assert lp.logprob == pytest.approx(ref[j, prompt[j + 1]].item(), abs=1e-4)
+        top = ref[j].topk(k)
+        assert [a for a, _ in lp.top] == top.indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+LONG = [(7 * i + 3) % 128 for i in range(37)]
+
+
+@pytest.mark.parametrize("kw", [{}, dict(max_prefill_tokens=8), dict(enable_prefix_caching=True)],
+                         ids=["whole", "chunked", "prefix-cached"])
+def test_prompt_logprobs_score_the_prompt_and_change_no_token(model, kw):
+    """SamplingParams(prompt_logprobs=k): each prompt token's log-probability given the tokens before it, with
+    the k most likely, reported once the prompt is prefilled: whole, split into chunks, or after the same
+    prompt was cached (its tokens are recomputed, not read from the cache). The generated tokens are those of
+    the same request without it, batched with others."""
+    infer = engine(model, **kw)
+    if kw.get("enable_prefix_caching"):
+        infer.add_request(LONG, SamplingParams(max_new_tokens=2))
+        drain(infer)
+        assert infer.stats()["kv_blocks_cached"] > 0
+    plain = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    ids = [infer.add_request(LONG, SamplingParams(max_new_tokens=5, ignore_eos=True, prompt_logprobs=3)),
+           infer.add_request(PROMPTS[1], params_of(1)),
+           infer.add_request(PROMPTS[3], SamplingParams(max_new_tokens=4, ignore_eos=True, prompt_logprobs=0))]
+    firsts = {}
+    while infer.has_unfinished():
+        for o in infer.step():
+            if o.new_token_ids and o.request_id not in firsts:
+                firsts[o.request_id] = o
+            if o.request_id == ids[1]:
+                assert o.prompt_logprobs is None   # not asked for
+            elif o.request_id not in firsts:
+                assert o.prompt_logprobs is None   # the prompt is not done yet
+    check_prompt_logprobs(model, LONG, firsts[ids[0]].prompt_logprobs, 3)
+    check_prompt_logprobs(model, PROMPTS[3], firsts[ids[2]].prompt_logprobs, 0)
+    s = infer.stats()
+    assert (s["running"], s["waiting"], s["kv_blocks_used"]) == (0, 0, 0)
+    if kw.get("enable_prefix_caching"):
+        assert s["prefix_cache_hits"] == 0   # the scoring requests did not read the cached prompt
+    infer = engine(model, **kw)
+    rid = infer.add_request(LONG, SamplingParams(max_new_tokens=5, ignore_eos=True, prompt_logprobs=1))
+    assert drain(infer)[rid].output_token_ids == solo(model, LONG, plain)
+
+
+def test_prompt_logprobs_with_no_token_to_generate(model):
+    """max_new_tokens=0 (and a prompt that fills max_seq_len) with prompt_logprobs: the prompt is prefilled
+    and scored, the request finishes with no token; without prompt_logprobs it finishes at once."""
+    infer = engine(model)
+    a = infer.add_request(LONG, SamplingParams(max_new_tokens=0, prompt_logprobs=2))
+    full = [(5 * i + 1) % 128 for i in range(64)]
+    b = infer.add_request(full, SamplingParams(max_new_tokens=4, prompt_logprobs=0))
+    c = infer.add_request(LONG, SamplingParams(max_new_tokens=0))
+    out = drain(infer)
+    assert (out[a].finish_reason, out[a].output_token_ids) == ("length", [])
+    assert (out[b].finish_reason, out[b].output_token_ids) == ("max_seq_len", [])
+    assert (out[c].finish_reason, out[c].prompt_logprobs) == ("length", None)
+    check_prompt_logprobs(model, LONG, out[a].prompt_logprobs, 2)
+    check_prompt_logprobs(model, full, out[b].prompt_logprobs, 0)
+    assert idle(infer)
+
+
 def drain_one(infer, prompt, params) -> list[RequestOutput]:
     infer.add_request(prompt, params)
     outs = []
@@ -353,9 +422,10 @@ def drain_one(infer, prompt, params) -> list[RequestOutput]:
 
 
 def test_logprobs_validation():
-    for bad in (-1, 21, 2.0, True, "3"):
-        with pytest.raises(ValueError, match="logprobs"):
-            SamplingParams(logprobs=bad)
+    for name in ("logprobs", "prompt_logprobs"):
+        for bad in (-1, 21, 2.0, True, "3"):
+            with pytest.raises(ValueError, match=name):
+                SamplingParams(**{name: bad})
     assert not SamplingParams(logprobs=0).greedy_only
 
 

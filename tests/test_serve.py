@@ -347,6 +347,93 @@ def test_n_choices_are_seeded_engine_requests(served, model_tok):
     served.wait_idle()
 
 
+def _prompt_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """HF's log-softmax at each prompt position but the last: row j predicts ids[j + 1]; float64."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, :-1].double().log_softmax(-1)
+
+
+def test_echo_scores_the_prompt(served, solo, model_tok):
+    """echo: the choice's text starts with the prompt; with logprobs=k its logprobs start with the prompt's
+    tokens, each scored given the ones before it as HF computes it (the first null), then the generated
+    ones, text offsets running through both. max_tokens=0 with echo scores the prompt alone. Streamed, the
+    echo comes first and the entries are the same."""
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    ids = served.tok(prompt)["input_ids"]
+    ref = _prompt_logprobs(model_tok[0], ids)
+    want = solo(ids, 5)
+    plain = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=2)
+    r = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=2,
+                                         echo=True)
+    c = r.choices[0]
+    assert c.text == prompt + _text(served.tok, want) == prompt + plain.choices[0].text
+    lp = c.logprobs
+    n = len(ids)
+    assert lp.tokens[:n] == [served.tok.decode([t]) for t in ids] and lp.tokens[n:] == plain.choices[0].logprobs.tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for j in range(1, n):
+        assert lp.token_logprobs[j] == pytest.approx(ref[j - 1, ids[j]].item(), abs=1e-3)
+        top = ref[j - 1].topk(2)
+        assert list(lp.top_logprobs[j]) == [served.tok.decode([t]) for t in top.indices.tolist()]
+        assert list(lp.top_logprobs[j].values()) == pytest.approx(top.values.tolist(), abs=1e-3)
+    assert lp.token_logprobs[n:] == plain.choices[0].logprobs.token_logprobs
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n, 5)
+    chunks = list(served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
+                                                   logprobs=2, echo=True, stream=True))
+    assert chunks[0].choices[0].text == prompt
+    assert "".join(ch.choices[0].text for ch in chunks) == c.text
+    streamed = [ch.choices[0].logprobs for ch in chunks if ch.choices[0].logprobs]
+    assert sum((x.token_logprobs for x in streamed), []) == lp.token_logprobs
+    assert sum((x.text_offset for x in streamed), []) == lp.text_offset
+    # Scoring alone: nothing generated.
+    only = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=0)
+    assert only.choices[0].text == served.tok.decode(ids) and only.choices[0].finish_reason == "length"
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n]
+    assert only.choices[0].logprobs.top_logprobs[1:] == [{}] * (n - 1)
+    assert only.usage.completion_tokens == 0
+    bare = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True)
+    assert bare.choices[0].text == prompt and bare.choices[0].logprobs is None
+    served.wait_idle()
+
+
+def test_batched_prompts_loglikelihood_requests(served, solo, model_tok):
+    """OpenAI's batch form, as evaluation harnesses send it to score continuations: several token-id prompts
+    with echo, max_tokens=1 and logprobs=1. Choice p is prompt p's; the continuation's log-likelihood summed
+    from its echoed entries equals HF's, and greedy choices of text prompts are each prompt's solo tokens."""
+    context = served.tok("Question: What is the capital of France?\nAnswer:")["input_ids"]
+    conts = [served.tok(" Paris")["input_ids"], served.tok(" a large green frog")["input_ids"]]
+    body = {"model": MODEL, "prompt": [context + c for c in conts], "echo": True, "max_tokens": 1, "logprobs": 1,
+            "temperature": 0, "seed": 1234}
+    r = served.http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [ch["index"] for ch in choices] == [0, 1]
+    scores = []
+    for ch, cont in zip(choices, conts):
+        ids = context + cont
+        ref = _prompt_logprobs(model_tok[0], ids)
+        got = sum(ch["logprobs"]["token_logprobs"][len(context):-1])
+        want = sum(ref[j - 1, ids[j]].item() for j in range(len(context), len(ids)))
+        assert got == pytest.approx(want, abs=1e-3)
+        scores.append(got)
+    assert scores[0] > scores[1]
+    texts = ["Once upon a time", "The capital of France is", "def fib(n):"]
+    r = served.client.completions.create(model=MODEL, prompt=texts, max_tokens=6, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for c, t in zip(r.choices, texts):
+        assert c.text == _text(served.tok, solo(served.tok(t)["input_ids"], 6))
+    assert r.usage.prompt_tokens == sum(len(served.tok(t)["input_ids"]) for t in texts)
+    # n choices per prompt: prompt p's i-th is choice p * n + i, each seeded as its own request would be.
+    two = served.client.completions.create(model=MODEL, prompt=texts[:2], max_tokens=6, temperature=0.8, seed=5,
+                                           n=2)
+    alone = [served.client.completions.create(model=MODEL, prompt=t, max_tokens=6, temperature=0.8, seed=5, n=2)
+             for t in texts[:2]]
+    assert [c.index for c in two.choices] == [0, 1, 2, 3]
+    assert [c.text for c in two.choices] == [c.text for a in alone for c in a.choices]
+    served.wait_idle()
+
+
 def test_stop_string_mid_token(served, solo):
     """A stop string that spans tokens and ends inside one cuts the text there; the blocks are freed."""
     prompt = "The capital of France is"
@@ -472,11 +559,16 @@ BAD = [
     ("n > 16", {"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
     ("best_of != n", {"model": MODEL, "prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of"),
     ("stop not strings", {"model": MODEL, "prompt": "hi", "stop": [1]}, 400, "stop"),
-    ("two prompts", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("65 prompts", {"model": MODEL, "prompt": ["a"] * 65}, 400, "prompt"),
+    ("prompts of mixed kinds", {"model": MODEL, "prompt": ["a", 3]}, 400, "prompt"),
+    ("empty prompt list", {"model": MODEL, "prompt": []}, 400, "prompt"),
+    ("empty prompt in a batch", {"model": MODEL, "prompt": ["a", []]}, 400, "prompt"),
     ("token out of vocab", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt"),
     ("empty prompt", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("prompt too long", {"model": MODEL, "prompt": [42] * MAX_SEQ_LEN}, 400, "prompt"),
     ("no room for max_tokens", {"model": MODEL, "prompt": [42] * 200, "max_tokens": 100}, 400, "max_tokens"),
+    ("echo max_tokens < 0", {"model": MODEL, "prompt": "hi", "max_tokens": -1, "echo": True}, 400, "max_tokens"),
+    ("second prompt too long", {"model": MODEL, "prompt": [[42], [42] * MAX_SEQ_LEN]}, 400, "prompt"),
     ("unknown model", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
     ("logprobs > 20", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("presence_penalty > 2", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),

@@ -118,7 +118,7 @@ class BlockManager(PagedKVCache):
 
     # ---- allocation ---------------------------------------------------------
     def allocate_prompt(self, seq_id, prompt: list[int], keys: list[bytes], num_tokens: int,
-                        key_upto: int | None = None) -> tuple[list[int], int]:
+                        key_upto: int | None = None, share: bool = True) -> tuple[list[int], int]:
         """Creates the table of a new sequence whose first tokens are ``prompt`` (``keys``: its
         :meth:`block_keys`) with room for ``num_tokens`` tokens; returns ``(table, cached_tokens)``.
 
@@ -126,14 +126,15 @@ class BlockManager(PagedKVCache):
         (all of them by default) are keyed, pending until :meth:`commit` (a chunked prefill keys the rest with
         :meth:`key_prompt_blocks` as its chunks reach them). ``cached_tokens`` may equal ``len(prompt)`` (a
         prompt of whole blocks, all cached): the caller must then recompute the last token without writing its
-        K/V. All or nothing: CacheFullError leaves every block as it was.
+        K/V. With ``share`` False the cache is not looked up (every block is new, ``cached_tokens`` is 0), but
+        the prompt's blocks are keyed all the same. All or nothing: CacheFullError leaves every block as it was.
         """
         if seq_id in self._tables:
             raise ValueError(f"BlockManager.allocate_prompt: sequence {seq_id!r} already has blocks")
         if num_tokens < len(prompt):
             raise ValueError(f"BlockManager.allocate_prompt: num_tokens={num_tokens} is less than the prompt's "
                              f"{len(prompt)} tokens")
-        hit = self.cached_prefix(keys)
+        hit = self.cached_prefix(keys) if share else []
         need = self.blocks_needed(num_tokens) - len(hit)
         # Cached blocks that this request revives are no longer available to take.
         revived = sum(1 for b in hit if self._refs[b] == 0)
@@ -147,7 +148,7 @@ class BlockManager(PagedKVCache):
         self._tables[seq_id] = table
         if self.enable_prefix_caching:
             self.key_prompt_blocks(seq_id, keys, len(hit), len(keys) if key_upto is None else key_upto)
-            self.query_tokens += len(prompt)
+            self.query_tokens += len(prompt) if share else 0
             self.hit_tokens += len(hit) * self.block_size
         return table, len(hit) * self.block_size
 

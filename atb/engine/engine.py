@@ -177,12 +177,7 @@ class Engine:
             req.logprobs.append(logprob)
         if req.seen is not None and tok not in req.seen:
             req.seen = torch.cat([req.seen, torch.tensor([tok])])
-        if tok in req.eos:
-            req.reason = "eos"
-        elif len(req.out) >= req.params.max_new_tokens:
-            req.reason = "length"
-        elif req.length >= self.runner.max_seq_len:
-            req.reason = "max_seq_len"
+        req.reason = "eos" if tok in req.eos else self.scheduler.no_room(req)
         return req.reason is not None
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, object]]:
@@ -227,12 +222,20 @@ class Engine:
                 sched.cache.discard_pending()
                 raise
             sched.cache.commit()
-            # Requests whose last prompt token was in this step sample their first token from its logits.
-            done = [i for i, (r, _, end) in enumerate(chunks) if sched.finish_chunk(r, end)]
+            # Requests whose last prompt token was in this step sample their first token from its logits, unless
+            # none may follow (a scored prompt with max_new_tokens=0 or at max_seq_len).
+            done = []
+            for i, (r, _, end) in enumerate(chunks):
+                if sched.finish_chunk(r, end):
+                    touched[id(r)] = r
+                    reason = sched.no_room(r)
+                    if reason is None:
+                        done.append(i)
+                    else:
+                        sched.finish(r, reason)
             if done:
                 firsts = [chunks[i][0] for i in done]
                 for r, (t, lp) in zip(firsts, self._sample(logits[done], firsts)):
-                    touched[id(r)] = r
                     if self._emit(r, t, lp):
                         sched.finish(r, r.reason)
         running = sched.running
@@ -273,7 +276,9 @@ class Engine:
         A chunk computes prompt tokens ``[start, end)`` and attends to its whole context ``[0, end)`` through
         the paged cache: the cached prefix (prefix caching) and the earlier chunks (chunked prefill) are read
         there. A prompt cached entirely (whole blocks) recomputes its last token for the logits but does not
-        write its K/V: that slot is in a shared block, which holds it already.
+        write its K/V: that slot is in a shared block, which holds it already. A request that scores its prompt
+        gets the logits of every row of its chunk (the LM head's row-invariant route computes the last row as it
+        would alone), turned into its prompt tokens' TokenLogprobs here.
         """
         cache = self.scheduler.cache
         reqs = [r for r, _, _ in chunks]
@@ -288,4 +293,30 @@ class Engine:
             if r.cached == n:
                 slots[e - 1] = -1
         paged = (cache.block_tables(reqs), torch.tensor(lens, dtype=torch.int32), q_lens)
-        return self.runner.prefill(tokens, positions, None, slots, (ends - 1).long(), paged=paged)
+        # Logits of each chunk's last row, and of all its rows when its request scores the prompt.
+        rows, last = [], []
+        for (r, a, n), e in zip(chunks, ends.tolist()):
+            if r.scores_prompt:
+                rows.extend(range(e - (n - a), e))
+            else:
+                rows.append(e - 1)
+            last.append(len(rows) - 1)
+        logits = self.runner.prefill(tokens, positions, None, slots, torch.tensor(rows), paged=paged)
+        first = 0
+        for (r, a, n), end in zip(chunks, last):
+            if r.scores_prompt:
+                self._score_prompt(r, logits[first:end + 1], a, n)
+            first = end + 1
+        return logits.index_select(0, torch.tensor(last))
+
+    # Rows of logits turned into float32 log-probabilities at a time (a long prompt's would take GBs at once).
+    _SCORE_ROWS = 256
+
+    def _score_prompt(self, req: Request, logits: torch.Tensor, start: int, end: int) -> None:
+        """Appends the TokenLogprobs of the prompt tokens that rows ``[start, end)`` predict (``start + 1`` up to
+        ``end``, the last one only if the prompt goes on) to ``req.prompt_lps``."""
+        targets = req.prompt[start + 1:end + 1]
+        k = req.params.prompt_logprobs
+        for i in range(0, len(targets), self._SCORE_ROWS):
+            part = targets[i:i + self._SCORE_ROWS]
+            req.prompt_lps += token_logprobs(logits[i:i + len(part)].float(), part, [k] * len(part))

@@ -39,7 +39,10 @@ class SamplingParams:
     after the repetition penalty and before temperature. ``logit_bias``: ``(token_id, bias)`` pairs (a dict
     is taken too) added to those tokens' logits first of all, bias in [-100, 100]. ``logprobs`` k (0 to
     ``MAX_LOGPROBS``) reports each generated token's `TokenLogprob` with the k most likely tokens beside it
-    (None: not computed).
+    (None: not computed). ``prompt_logprobs`` k (same range; vLLM's name) scores the prompt: every prompt
+    token's `TokenLogprob` given the tokens before it, with k alternatives. Such a request computes its whole
+    prompt (it does not read the prefix cache, whose tokens have no logits), and may ask for
+    ``max_new_tokens=0``: it is prefilled, scored and finished with no token generated.
     """
 
     max_new_tokens: int = 32
@@ -55,6 +58,7 @@ class SamplingParams:
     eos_token_id: int | list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         n = self.max_new_tokens
@@ -90,9 +94,10 @@ class SamplingParams:
                                  f"got {v!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise TypeError(f"SamplingParams: seed must be an int or None, got {type(self.seed).__name__}")
-        k = self.logprobs
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
-            raise ValueError(f"SamplingParams: logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {k!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"SamplingParams: {name} must be None or an int in [0, {MAX_LOGPROBS}], got {k!r}")
         e = self.eos_token_id
         if e is not None:
             ok = (isinstance(e, int) and not isinstance(e, bool)) or (
@@ -124,7 +129,9 @@ class RequestOutput:
     (``max_new_tokens`` reached), ``"max_seq_len"`` (prompt + output reached the engine's ``max_seq_len``),
     ``"abort"``; None while running. When several hold at once the first in that order is reported.
     ``new_logprobs`` / ``output_logprobs``: one `TokenLogprob` per token of ``new_token_ids`` /
-    ``output_token_ids`` when the request asked for ``logprobs``, else None.
+    ``output_token_ids`` when the request asked for ``logprobs``, else None. ``prompt_logprobs``: when the
+    request asked for them, from the output that follows its prompt's prefill on, one entry per prompt token,
+    the first None (nothing predicts it); else None.
     """
 
     request_id: str
@@ -135,3 +142,4 @@ class RequestOutput:
     finish_reason: str | None = None
     new_logprobs: list[TokenLogprob] | None = None
     output_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None

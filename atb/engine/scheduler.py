@@ -40,7 +40,8 @@ from atb.layers.kv_cache import CacheFullError
 class Request:
     """One prompt being generated: its tokens so far, its sampling state and where it stands."""
 
-    __slots__ = ("request_id", "prompt", "params", "eos", "out", "logprobs", "table", "seen", "bias", "gen",
+    __slots__ = ("request_id", "prompt", "params", "eos", "out", "logprobs", "prompt_lps", "table", "seen", "bias",
+                 "gen",
                  "reason", "reported", "streamed", "keys", "cached", "keyed", "prefilled")
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, eos: frozenset,
@@ -51,6 +52,8 @@ class Request:
         self.eos = eos
         self.out: list[int] = []
         self.logprobs: list | None = [] if params.logprobs is not None else None  # a TokenLogprob per out token
+        # Scoring the prompt: a TokenLogprob per prompt token computed so far (nothing predicts the first).
+        self.prompt_lps: list | None = [None] if params.prompt_logprobs is not None else None
         self.table: list[int] = []   # the block manager's table of this request (the live list)
         self.seen = torch.tensor(sorted(set(prompt)), dtype=torch.int64) if params.repetition_penalty != 1.0 else None
         self.bias = logit_bias_tensors(params)
@@ -74,12 +77,17 @@ class Request:
     def finished(self) -> bool:
         return self.reason is not None
 
+    @property
+    def scores_prompt(self) -> bool:
+        return self.prompt_lps is not None
+
     def output(self) -> RequestOutput:
         """What happened since the last report (and marks it reported)."""
         new = self.out[self.reported:]
-        lp = self.logprobs
+        lp, plp = self.logprobs, self.prompt_lps
         out = RequestOutput(self.request_id, new, list(self.out), len(self.prompt), self.finished, self.reason,
-                            None if lp is None else lp[self.reported:], None if lp is None else list(lp))
+                            None if lp is None else lp[self.reported:], None if lp is None else list(lp),
+                            list(plp) if plp is not None and len(plp) == len(self.prompt) else None)
         self.reported = len(self.out)
         return out
 
@@ -104,18 +112,26 @@ class Scheduler:
         self.rows_dirty = True
 
     def add(self, req: Request, report: bool = True) -> None:
-        """Queues a request; one that is finished before it starts is reported by the next step if ``report``."""
-        p = req.params
-        if p.max_new_tokens == 0:
-            req.reason = "length"
-        elif req.length >= self.max_seq_len:
-            req.reason = "max_seq_len"
+        """Queues a request; one that is finished before it starts is reported by the next step if ``report``.
+        A request that scores its prompt is prefilled even when no token may follow (`Engine` finishes it
+        then, with the same reason)."""
+        reason = self.no_room(req)
+        if reason is not None and not req.scores_prompt:
+            req.reason = reason
         if req.finished:
             if report:
                 self.done.append(req)
         else:
             self.requests[req.request_id] = req
             self.waiting.append(req)
+
+    def no_room(self, req: Request) -> str | None:
+        """Why a request may generate no (further) token: ``"length"`` or ``"max_seq_len"``; None if it may."""
+        if len(req.out) >= req.params.max_new_tokens:
+            return "length"
+        if req.length >= self.max_seq_len:
+            return "max_seq_len"
+        return None
 
     def reserve_tokens(self, req: Request) -> int:
         return min(len(req.prompt) + req.params.max_new_tokens, self.max_seq_len)
@@ -151,8 +167,10 @@ class Scheduler:
             if req.keys is None:
                 req.keys = cache.block_keys(req.prompt) if cache.enable_prefix_caching else []
             try:
+                # A prompt to score computes every token (cached ones would have no logits); its blocks are
+                # still keyed for others.
                 req.table, req.cached = cache.allocate_prompt(req, req.prompt, req.keys, self.reserve_tokens(req),
-                                                              key_upto=0)
+                                                              key_upto=0, share=not req.scores_prompt)
             except CacheFullError as e:
                 if not chunks and not self.running:
                     raise CacheFullError(f"TransformerInfer: request {req.request_id!r} does not fit in the KV pool "

@@ -56,25 +56,29 @@ class Piece(NamedTuple):
     """Text that became final, and the TokenLogprob of each token generated since the last piece (empty unless
     the request asked for logprobs). The tokens' logprobs run up to and including the token that finished the
     request, one that completed a stop string included, while text held back (an incomplete UTF-8 sequence,
-    a possible stop string's start) comes in a later piece."""
+    a possible stop string's start) comes in a later piece. An echoed prompt is a choice's first piece, its
+    first token a bare id (it has no log-probability)."""
     text: str
-    logprobs: list[TokenLogprob]
+    logprobs: list[TokenLogprob | int]
 
 
 def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-def completion_logprobs(tokenizer, lps: list[TokenLogprob], offset: int) -> P.CompletionLogprobs:
-    """The legacy endpoint's logprobs object for ``lps``, text offsets counted from ``offset``."""
-    tokens = [token_text(tokenizer, lp.token_id) for lp in lps]
+def completion_logprobs(tokenizer, lps: list[TokenLogprob | int], offset: int) -> P.CompletionLogprobs:
+    """The legacy endpoint's logprobs object for ``lps`` (a bare token id has no log-probability: null), text
+    offsets counted from ``offset``."""
+    tokens = [token_text(tokenizer, lp if isinstance(lp, int) else lp.token_id) for lp in lps]
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
     return P.CompletionLogprobs(
-        tokens=tokens, token_logprobs=[lp.logprob for lp in lps], text_offset=offsets,
-        top_logprobs=[{token_text(tokenizer, t): v for t, v in lp.top} for lp in lps])
+        tokens=tokens, token_logprobs=[None if isinstance(lp, int) else lp.logprob for lp in lps],
+        text_offset=offsets,
+        top_logprobs=[None if isinstance(lp, int) else {token_text(tokenizer, t): v for t, v in lp.top}
+                      for lp in lps])
 
 
 def chat_logprobs(tokenizer, lps: list[TokenLogprob]) -> P.ChatLogprobs:
@@ -89,10 +93,12 @@ def chat_logprobs(tokenizer, lps: list[TokenLogprob]) -> P.ChatLogprobs:
 
 class Generation:
     """One choice of a request, from validated fields to text pieces: tokens in, detokenized, stop strings
-    cut, metrics. ``engine_id`` is its engine request; ``seed`` its own (a request's n choices draw apart)."""
+    cut, metrics. ``engine_id`` is its engine request; ``seed`` its own (a request's n choices draw apart);
+    ``echo`` the prompt's text to start the choice's text with (None: not echoed)."""
 
     def __init__(self, state: ServerState, req: P._Request, prompt_ids: list[int], max_tokens: int | None,
-                 engine_id: str, t_arrival: float, max_tokens_field: str = "max_tokens", seed: int | None = None):
+                 engine_id: str, t_arrival: float, max_tokens_field: str = "max_tokens", seed: int | None = None,
+                 echo: str | None = None):
         self.state = state
         self.id = engine_id
         self.prompt_ids = prompt_ids
@@ -103,8 +109,9 @@ class Generation:
         self.finish_reason: str | None = None
         self.ttft: float | None = None
         self._released = False
+        self._echo = echo
         room = state.max_seq_len - len(prompt_ids)
-        if room < 1:
+        if room < (max_tokens != 0):
             param = "messages" if isinstance(req, P.ChatCompletionRequest) else "prompt"
             raise P.APIError(400, f"{param}: the prompt has {len(prompt_ids)} tokens; this model's context is "
                                   f"{state.max_seq_len} tokens and at least one must be left for the output",
@@ -124,7 +131,7 @@ class Generation:
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                 logit_bias=req.logit_bias_pairs, seed=seed, ignore_eos=req.ignore_eos,
-                logprobs=req.top_logprobs_k)
+                logprobs=req.top_logprobs_k, prompt_logprobs=req.prompt_logprobs_k if echo is not None else None)
         except (ValueError, TypeError) as e:
             raise P.APIError(400, str(e)) from None
         outside = [t for t, _ in self.params.logit_bias if t >= state.engine.vocab_size]
@@ -160,6 +167,11 @@ class Generation:
                 out = await self._queue.get()
                 if isinstance(out, Exception):
                     raise out
+                if self._echo is not None:
+                    # The first output carries the prompt's logprobs (when asked for): they lead the echo.
+                    plp = out.prompt_logprobs
+                    yield Piece(self._echo, [] if plp is None else [self.prompt_ids[0]] + plp[1:])
+                    self._echo = None
                 now = time.perf_counter()
                 new = out.new_token_ids
                 if new:
@@ -215,17 +227,23 @@ class Generation:
 
 
 class Choices:
-    """A request's ``n`` choices: one engine request (`Generation`) each, under one response id. With a
-    ``seed`` choice i samples from ``request_seed(seed, i)``, so the choices differ and each is reproducible;
-    the prompt is counted once in ``usage``."""
+    """A request's choices, ``n`` per prompt: one engine request (`Generation`) each, under one response id;
+    choice ``p * n + i`` is prompt p's i-th (OpenAI's order). With a ``seed`` a prompt's choice i samples from
+    ``request_seed(seed, i)``, so the choices differ and each is reproducible (the only choice of a prompt
+    uses the seed itself, as a request of its own would); each prompt is counted once in ``usage``.
+    ``echoes``: each prompt's text when the choices start with it."""
 
-    def __init__(self, state: ServerState, req: P._Request, prompt_ids: list[int], max_tokens: int | None,
-                 prefix: str, t_arrival: float, max_tokens_field: str = "max_tokens"):
+    def __init__(self, state: ServerState, req: P._Request, prompts: list[list[int]], max_tokens: int | None,
+                 prefix: str, t_arrival: float, max_tokens_field: str = "max_tokens",
+                 echoes: list[str] | None = None):
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        seeds = [req.seed if req.n == 1 or req.seed is None else request_seed(req.seed, i) for i in range(req.n)]
-        self.gens = [Generation(state, req, prompt_ids, max_tokens, self.id if req.n == 1 else f"{self.id}-{i}",
-                                t_arrival, max_tokens_field, seed) for i, seed in enumerate(seeds)]
+        self.n = n = req.n
+        seeds = [req.seed if n == 1 or req.seed is None else request_seed(req.seed, i) for i in range(n)]
+        single = len(prompts) * n == 1
+        self.gens = [Generation(state, req, ids, max_tokens, self.id if single else f"{self.id}-{p * n + i}",
+                                t_arrival, max_tokens_field, seed, None if echoes is None else echoes[p])
+                     for p, ids in enumerate(prompts) for i, seed in enumerate(seeds)]
 
     @property
     def wants_logprobs(self) -> bool:
@@ -250,7 +268,7 @@ class Choices:
 
     def usage(self) -> P.Usage:
         done = sum(g.completion_tokens for g in self.gens)
-        prompt = self.gens[0].prompt_tokens
+        prompt = sum(g.prompt_tokens for g in self.gens[::self.n])
         return P.Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
 
     async def pieces(self) -> AsyncIterator[tuple[int, Piece | None]]:
@@ -414,10 +432,16 @@ def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256, fo
         t0 = time.perf_counter()
         req = P.parse_request(await request.body(), P.CompletionRequest)
         check_model(req)
-        ids = req.prompt if isinstance(req.prompt, list) else tokenizer(req.prompt)["input_ids"]
-        gen = Choices(state, req, check_ids(list(ids), "prompt"), req.max_tokens, "cmpl", t0)
+        prompts = [check_ids(list(p) if isinstance(p, list) else tokenizer(p)["input_ids"], "prompt")
+                   for p in req.prompt]
+        echoes = None
+        if req.echo:
+            echoes = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False,
+                                                                    clean_up_tokenization_spaces=False)
+                      for p in req.prompt]
+        gen = Choices(state, req, prompts, req.max_tokens, "cmpl", t0, echoes=echoes)
         gen.start()
-        offsets = [0] * req.n  # where each choice's next reported token's text starts in its completion
+        offsets = [0] * len(gen.gens)  # where each choice's next reported token's text starts in its text
 
         def choice(i: int, piece: Piece, finish: str | None) -> P.CompletionChoice:
             lp = None
@@ -461,7 +485,7 @@ def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256, fo
             raise P.APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
         ids = enc["input_ids"] if hasattr(enc, "keys") else enc
         limit_field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
-        gen = Choices(state, req, check_ids(list(ids), "messages"), req.output_limit, "chatcmpl", t0, limit_field)
+        gen = Choices(state, req, [check_ids(list(ids), "messages")], req.output_limit, "chatcmpl", t0, limit_field)
         gen.start()
 
         def logprobs(lps: list[TokenLogprob]) -> P.ChatLogprobs | None:

@@ -219,18 +219,20 @@ class EngineLoop:
                     engine.abort(rid)
                 except Exception:  # noqa: BLE001 - the other commands still apply
                     log.exception("abort of %s failed", rid)
-        failed = []
+        failed, added = [], False
         for rid, ids, params in cmds.adds:
             if rid in aborted:
                 continue  # gone before it was ever scheduled
             try:
                 engine.add_request(ids, params, request_id=rid)
                 self._in_engine.add(rid)
+                added = True
             except Exception as e:  # noqa: BLE001 - fails this request only
                 log.warning("request %s rejected by the engine: %s", rid, e)
                 failed.append((rid, EngineError(str(e))))
         self._post(failed)
-        if engine.has_unfinished():
+        # A request finished as it was added (nothing to generate) is reported by the next step all the same.
+        if engine.has_unfinished() or added:
             outputs = engine.step()
             self._in_engine.difference_update(o.request_id for o in outputs if o.finished)
             self._post([(o.request_id, o) for o in outputs])

@@ -22,6 +22,8 @@ MAX_STOP_STRINGS = 4
 MAX_TEMPERATURE = 2.0
 # Choices per request: each is an engine request of its own.
 MAX_CHOICES = 16
+# Prompts per completions request (OpenAI's batch form): each prompt's n choices are engine requests.
+MAX_PROMPTS = 64
 
 
 class APIError(Exception):
@@ -94,9 +96,11 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    # One prompt: text, or token ids. OpenAI's batch form (a list of several prompts) is refused.
+    # Prompts: one (text, or token ids) or a list of them (OpenAI's batch form); validated into a list of
+    # prompts, each a string or a list of token ids.
     prompt: Any
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for the legacy endpoint
+    # OpenAI's default for the legacy endpoint; 0 only with echo (the prompt scored, nothing generated).
+    max_tokens: int | None = Field(default=16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
@@ -104,29 +108,37 @@ class CompletionRequest(_Request):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-            v = v[0]  # ["text"] or [[ids]]: a batch of one
-        if isinstance(v, str):
+    def _prompts(cls, v):
+        def ids(p):
+            return isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+        if isinstance(v, str) or (ids(v) and v):
+            return [v]
+        if isinstance(v, list) and v and all(isinstance(p, str) or ids(p) for p in v):
+            if len(v) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(v)}")
             return v
-        if isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-            return v
-        if isinstance(v, list) and all(isinstance(p, (str, list)) for p in v):
-            raise ValueError("only one prompt per request is supported")
-        raise ValueError("must be a string or a list of token ids")
+        if v == []:
+            raise ValueError("the prompt is empty")
+        raise ValueError("must be a string, a list of token ids, or a list of either")
 
     def validate_semantics(self) -> None:
-        if self.echo:
-            raise APIError(400, "echo: not supported", param="echo")
         if self.suffix is not None:
             raise APIError(400, "suffix: not supported", param="suffix")
         if self.best_of not in (None, self.n):
             raise APIError(400, f"best_of: only equal to n ({self.n}) is supported", param="best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens: 0 is only allowed with echo (to score the prompt)", param="max_tokens")
 
     @property
     def top_logprobs_k(self) -> int | None:
         """Alternatives per generated token to report (None: no logprobs)."""
         return self.logprobs
+
+    @property
+    def prompt_logprobs_k(self) -> int | None:
+        """Alternatives per prompt token to report: echoed prompts carry logprobs too."""
+        return self.logprobs if self.echo else None
 
 
 class ChatMessage(BaseModel):
@@ -168,6 +180,11 @@ class ChatCompletionRequest(_Request):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
+    def prompt_logprobs_k(self) -> None:
+        """Chat does not echo its prompt."""
+        return None
+
+    @property
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
@@ -205,11 +222,12 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy endpoint's logprobs: per generated token its text, log-probability, the most likely
-    alternatives (text -> log-probability) and where its text starts in the completion."""
+    """The legacy endpoint's logprobs: per token (an echoed prompt's, then the generated ones) its text,
+    log-probability, the most likely alternatives (text -> log-probability) and where its text starts in the
+    choice's text. The first prompt token has none (null): nothing predicts it."""
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
