@@ -40,13 +40,13 @@ def _free_socket() -> socket.socket:
 
 
 class Served:
-    def __init__(self, model, tok):
+    def __init__(self, model, tok, api_key=None):
         self.tok = tok
         # A small prefill budget, so concurrent prompts are chunked over steps (as the CLI's 512 does with long
         # prompts) and every test below checks chunked prefill through HTTP too.
         self.infer = atb.TransformerInfer(model, max_seq_len=MAX_SEQ_LEN, max_batch_size=MAX_BATCH,
                                           max_prefill_tokens=24)
-        self.app = create_app(self.infer, tok, model_name=MODEL, max_waiting=64)
+        self.app = create_app(self.infer, tok, model_name=MODEL, max_waiting=64, api_key=api_key)
         self.state = self.app.state.atb
         sock = _free_socket()
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -57,8 +57,10 @@ class Served:
         while not self.server.started:
             assert time.time() < deadline and self.thread.is_alive(), "server did not start"
             time.sleep(0.05)
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        self.aclient = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key or "unused", max_retries=0,
+                                    timeout=120)
+        self.aclient = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key or "unused", max_retries=0,
+                                          timeout=120)
         self.http = httpx.Client(base_url=self.url, timeout=60)
 
     def metrics(self) -> dict:
@@ -432,6 +434,33 @@ def test_batched_prompts_loglikelihood_requests(served, solo, model_tok):
     assert [c.index for c in two.choices] == [0, 1, 2, 3]
     assert [c.text for c in two.choices] == [c.text for a in alone for c in a.choices]
     served.wait_idle()
+
+
+def test_api_key_guards_the_v1_routes(model_tok, solo):
+    """create_app(api_key=...): /v1/* needs 'Authorization: Bearer <key>' (none or a wrong one: 401 with
+    OpenAI's error JSON, which the openai client raises as AuthenticationError, and nothing reaches the
+    engine); /health and /metrics stay open; the right key is served as usual."""
+    s = Served(*model_tok, api_key="s3cret-key")
+    try:
+        ids = s.tok("The capital of France is")["input_ids"]
+        r = s.client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
+        assert r.choices[0].text == _text(s.tok, solo(ids, 4))
+        for key in ("wrong", "s3cret-key-and-more"):
+            bad = openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0)
+            with pytest.raises(openai.AuthenticationError):
+                bad.completions.create(model=MODEL, prompt=ids, max_tokens=4)
+            with pytest.raises(openai.AuthenticationError):
+                bad.models.list()
+        r = s.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert r.json()["error"]["code"] == "invalid_api_key" and "no API key" in r.json()["error"]["message"]
+        assert s.http.get("/health").status_code == 200
+        m = s.metrics()
+        assert m["atb_prompt_tokens_total"] == len(ids)   # only the authorised request reached the engine
+    finally:
+        s.close()
+    with pytest.raises(ValueError, match="api_key"):
+        create_app(s.infer, s.tok, model_name=MODEL, api_key="")
 
 
 def test_stop_string_mid_token(served, solo):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import signal
@@ -384,10 +385,38 @@ async def _event_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
-def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256, followers=None) -> FastAPI:
+class RequireApiKey:
+    """ASGI middleware: ``/v1/*`` answers 401 with OpenAI's error JSON unless the request carries
+    ``Authorization: Bearer <key>`` (compared in constant time). A plain ASGI class rather than Starlette's
+    BaseHTTPMiddleware, which would stand between the handlers and ``receive`` (disconnect detection)."""
+
+    def __init__(self, app, key: str):
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            sent = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(sent, self.expected):
+                what = "no API key was sent" if not sent else "the API key is not valid"
+                body = json.dumps(P.APIError(401, f"{what}: send 'Authorization: Bearer <key>'",
+                                             code="invalid_api_key").body()).encode()
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256, followers=None,
+               api_key: str | None = None) -> FastAPI:
     """The OpenAI-compatible app over ``engine`` (a ``TransformerInfer``); its engine thread runs with the app.
 
-    Under tensor parallelism ``engine`` and ``followers`` are rank 0's ``atb.serve.tp.Leader``."""
+    With ``api_key`` every ``/v1/*`` request must carry it as a bearer token (`RequireApiKey`). Under tensor
+    parallelism ``engine`` and ``followers`` are rank 0's ``atb.serve.tp.Leader``."""
+    if api_key is not None and not api_key:
+        raise ValueError("create_app: api_key must be a non-empty string or None")
     state = ServerState(engine, tokenizer, model_name, max_waiting, followers)
 
     @contextlib.asynccontextmanager
@@ -400,6 +429,8 @@ def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256, fo
 
     app = FastAPI(title="atb", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.atb = state
+    if api_key is not None:
+        app.add_middleware(RequireApiKey, key=api_key)
 
     @app.exception_handler(P.APIError)
     async def _api_error(request, e: P.APIError):

@@ -33,6 +33,9 @@ def add_parser(sub, model_args, quantize_arg) -> None:
                    help="turn off automatic prefix caching (on by default: shared prompt prefixes skip prefill)")
     s.add_argument("--max-waiting", type=int, default=256,
                    help="requests waiting for a batch slot before new ones get 429 (default 256)")
+    s.add_argument("--api-key", default=os.environ.get("ATB_API_KEY") or None,
+                   help="clients must send 'Authorization: Bearer KEY' to /v1/* (default: $ATB_API_KEY; unset: "
+                        "no key); /health and /metrics stay open")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--log-level", default="info", choices=LOG_LEVELS)
@@ -98,7 +101,8 @@ def cmd_serve(args) -> int:
         args.host, args.port)
     if args.tp > 1:
         return _serve_tp(args, engine, tok, label, lead)
-    app = create_app(engine, tok, model_name=args.served_model_name or label, max_waiting=args.max_waiting)
+    app = create_app(engine, tok, model_name=args.served_model_name or label, max_waiting=args.max_waiting,
+                     api_key=args.api_key)
     _run_server(app, args)
     return 0
 
@@ -139,7 +143,7 @@ def _serve_tp(args, engine, tok, label: str, lead: bool) -> int:
     logging.getLogger("atb.serve").info("tensor parallel: rank 0 of %d serves; the other ranks follow its steps",
                                         tp.world)
     app = create_app(leader, tok, model_name=args.served_model_name or label, max_waiting=args.max_waiting,
-                     followers=leader)
+                     followers=leader, api_key=args.api_key)
     _run_server(app, args)
     fatal = app.state.atb.loop.fatal
     if fatal is not None:
