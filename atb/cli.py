@@ -49,6 +49,7 @@ _POSITIVE = _number(int, 1, what=">= 1")
 _NON_NEGATIVE_INT = _number(int, 0, what=">= 0 (0 = off)")
 _TEMPERATURE = _number(float, 0.0, what=">= 0 (0 = greedy)")
 _TOP_P = _number(float, 0.0, 1.0, low_open=True, what="in (0, 1]")
+_MIN_P = _number(float, 0.0, 1.0, what="in [0, 1] (0 = off)")
 _PENALTY = _number(float, 0.0, low_open=True, what="> 0 (1 = off)")
 
 
@@ -284,7 +285,7 @@ def _stream_reply(infer, tok, ids: list[int], args, lead: bool = True) -> tuple[
 
     t0 = time.perf_counter()
     out = infer.generate([ids], max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
-                         temperature=max(args.temperature, 1e-5), top_k=args.top_k, top_p=args.top_p,
+                         temperature=max(args.temperature, 1e-5), top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                          repetition_penalty=args.repetition_penalty, seed=args.seed, stream=on_token)
     dt = time.perf_counter() - t0
     if lead:
@@ -535,6 +536,8 @@ def _engine_args(sp):
     sp.add_argument("--temperature", type=_TEMPERATURE, default=0.0, help="0 = greedy")
     sp.add_argument("--top-k", type=_NON_NEGATIVE_INT, default=0, help="sample from the k most likely (0 = off)")
     sp.add_argument("--top-p", type=_TOP_P, default=1.0, help="nucleus sampling mass in (0, 1]")
+    sp.add_argument("--min-p", type=_MIN_P, default=0.0,
+                    help="drop tokens less likely than min-p times the most likely one (0 = off)")
     sp.add_argument("--repetition-penalty", type=_PENALTY, default=1.0, help="> 1 discourages repeats (1 = off)")
     sp.add_argument("--seed", type=int, default=None)
     sp.add_argument("--soc-type", default="host")

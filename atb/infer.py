@@ -357,7 +357,7 @@ class TransformerInfer(Engine):
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens: int = 32, *, attention_mask: torch.Tensor | None = None,
                  do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                 repetition_penalty: float = 1.0, eos_token_id: int | Sequence[int] | None = None,
+                 min_p: float = 0.0, repetition_penalty: float = 1.0, eos_token_id: int | Sequence[int] | None = None,
                  seed: int | None = None, stream: Callable[[int, int], None] | None = None) -> list[list[int]]:
         """New tokens of each prompt (EOS included when produced), in prompt order.
 
@@ -386,7 +386,8 @@ class TransformerInfer(Engine):
             raise TypeError(f"generate: stream must be callable(seq_index, token), got {type(stream).__name__}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"generate: seed must be an int, got {type(seed).__name__}")
-        base = SamplingParams(max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
+        base = SamplingParams(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                              top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                               eos_token_id=eos)
         if do_sample and seed is None:
             seed = int(torch.randint(0, 2**62, (1,)))  # follows torch.manual_seed

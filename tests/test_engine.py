@@ -451,6 +451,12 @@ def test_presence_and_frequency_penalties_follow_their_definition(model, presenc
     assert drain(infer)[rid].output_token_ids == out
 
 
+def test_min_p_validation():
+    for bad in (-0.1, 1.5, float("nan"), True, "0.1"):
+        with pytest.raises(ValueError, match="min_p"):
+            SamplingParams(min_p=bad)
+
+
 def test_penalty_validation():
     for name in ("presence_penalty", "frequency_penalty"):
         for bad in (2.5, -3, float("nan"), True, "1"):

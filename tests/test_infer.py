@@ -197,10 +197,12 @@ def test_tensor_prompts_with_mask_and_stream(tiny_llama):
 
 # ---- sampling ---------------------------------------------------------------
 @pytest.mark.parametrize("kw", [dict(temperature=0.6), dict(top_k=5), dict(top_p=0.8), dict(top_p=0.3, top_k=20),
-                                dict(temperature=1.7, top_k=50, top_p=0.9)])
+                                dict(temperature=1.7, top_k=50, top_p=0.9), dict(min_p=0.1),
+                                dict(temperature=0.5, min_p=0.05), dict(temperature=1.4, top_k=40, top_p=0.95, min_p=0.2),
+                                dict(min_p=1.0)])
 def test_warp_matches_hf_logits_processors(kw):
-    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
-                                                        TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper,
+                                                        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
     from atb.engine import SamplingParams
     from atb.engine.sampling import warp
@@ -213,6 +215,8 @@ def test_warp_matches_hf_logits_processors(kw):
         hf.append(TopKLogitsWarper(params.top_k))
     if params.top_p < 1.0:
         hf.append(TopPLogitsWarper(params.top_p))
+    if params.min_p > 0:
+        hf.append(MinPLogitsWarper(params.min_p))
     logits = torch.randn(3, 100) * 3
     ours, ref = warp(logits, params), hf(None, logits.clone())
     assert torch.equal(torch.isinf(ours), torch.isinf(ref))
@@ -230,6 +234,7 @@ def test_sampling_seeded_and_top_k_1_is_greedy(tiny_llama):
     one = atb.TransformerInfer(tiny_llama, max_seq_len=64, max_batch_size=1, block_size=8)
     assert one.generate(prompts, 12, seed=123, **kw) == a
     assert infer.generate(prompts, 12, do_sample=True, top_k=1, seed=5) == infer.generate(prompts, 12)
+    assert infer.generate(prompts, 12, do_sample=True, min_p=1.0, seed=5) == infer.generate(prompts, 12)
     assert full(infer)
 
 
@@ -259,6 +264,11 @@ def test_sampling_distribution_matches_softmax():
     keep = int((nucleus.values.cumsum(0) < 0.5).sum()) + 1
     draws = {o[0] for o in infer.generate([p] * 64, 1, do_sample=True, top_p=0.5, seed=3, eos_token_id=[])}
     assert draws <= set(nucleus.indices[:keep].tolist())
+    # min_p between the 2nd and 3rd most likely tokens' probabilities (relative to the top): those two remain.
+    ratio = nucleus.values / nucleus.values[0]
+    min_p = float(ratio[1] + ratio[2]) / 2
+    draws = {o[0] for o in infer.generate([p] * 64, 1, do_sample=True, min_p=min_p, seed=4, eos_token_id=[])}
+    assert draws == set(nucleus.indices[:2].tolist())
     assert full(infer)
 
 

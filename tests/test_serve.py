@@ -494,6 +494,10 @@ def test_sampling_is_reproducible_with_seed(served):
     a = served.client.completions.create(**kw).choices[0].text
     b = served.client.completions.create(**kw).choices[0].text
     assert a == b
+    # vLLM's min_p reaches the sampler: at 1 only the most likely token survives, so sampling is greedy.
+    greedy = served.client.completions.create(model=MODEL, prompt=kw["prompt"], max_tokens=8, temperature=0)
+    hot = dict(kw, temperature=1.8, extra_body={"min_p": 1.0})
+    assert served.client.completions.create(**hot).choices[0].text == greedy.choices[0].text
 
 
 # ---------------------------------------------------------------- continuous batching
@@ -584,6 +588,7 @@ BAD = [
     ("temperature < 0", {"model": MODEL, "prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     ("top_p > 1", {"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ("top_k < 0", {"model": MODEL, "prompt": "hi", "top_k": -3}, 400, "top_k"),
+    ("min_p > 1", {"model": MODEL, "prompt": "hi", "min_p": 1.5}, 400, "min_p"),
     ("max_tokens 0", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("n > 16", {"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
     ("best_of != n", {"model": MODEL, "prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of"),

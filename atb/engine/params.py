@@ -32,7 +32,8 @@ class SamplingParams:
     """Per-request generation settings, HF ``generate`` semantics; validated on construction.
 
     ``eos_token_id`` None means the model's default (its generation config); ``ignore_eos`` generates
-    through EOS tokens. ``seed`` seeds this request's own generator (None: drawn from torch's global RNG
+    through EOS tokens. ``min_p`` (HF's MinP, after ``top_p``; 0 disables it) keeps the tokens whose
+    probability is at least ``min_p`` times the most likely one's. ``seed`` seeds this request's own generator (None: drawn from torch's global RNG
     when the request is added), so its draws do not depend on its batch mates. ``presence_penalty`` and
     ``frequency_penalty`` (OpenAI's, in [-2, 2]) subtract ``presence + frequency * count`` from the logit
     of every token generated so far (``count`` times; the prompt's tokens are not counted, as in vLLM),
@@ -59,6 +60,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    min_p: float = 0.0
 
     def __post_init__(self):
         n = self.max_new_tokens
@@ -75,6 +77,8 @@ class SamplingParams:
         p = self.top_p
         if not _number(p) or not 0 < p <= 1:
             raise ValueError(f"SamplingParams: top_p must be in (0, 1], got {p!r}")
+        if not _number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"SamplingParams: min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
         r = self.repetition_penalty
         if not _number(r) or not r > 0 or r == float("inf"):
             raise ValueError(f"SamplingParams: repetition_penalty must be a finite number > 0, got {r!r}")

@@ -3,7 +3,7 @@
 The order of operations: OpenAI's logit bias, then HF ``generate``'s order:
 repetition penalty (over every token already in the sequence, prompt included), then
 OpenAI's presence and frequency penalties (over the generated tokens), then
-temperature, top-k, top-p, softmax, multinomial draw. Each request has its own
+temperature, top-k, top-p, min-p, softmax, multinomial draw. Each request has its own
 parameters and draws from its own ``torch.Generator``, so its tokens do not
 depend on which other requests happen to share its batch.
 """
@@ -36,7 +36,7 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: list[torch.Tensor], pen
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (HF order); removed tokens get -inf."""
+    """Temperature, then top-k, then top-p, then min-p (HF order); removed tokens get -inf."""
     if params.temperature != 1.0:
         logits = logits / params.temperature
     vocab = logits.shape[-1]
@@ -51,6 +51,10 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = cum <= 1 - params.top_p
         drop[..., -1] = False
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    if params.min_p > 0:
+        # Below min_p times the most likely token's probability; that token itself always survives.
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     return logits
 
 

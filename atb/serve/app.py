@@ -129,6 +129,7 @@ class Generation:
             self.params = SamplingParams(
                 max_new_tokens=max_tokens, do_sample=sample, temperature=temperature if sample else 1.0,
                 top_k=(req.top_k or 0) if sample else 0, top_p=1.0 if req.top_p is None or not sample else req.top_p,
+                min_p=(req.min_p or 0.0) if sample else 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                 logit_bias=req.logit_bias_pairs, seed=seed, ignore_eos=req.ignore_eos,

@@ -53,6 +53,7 @@ class _Request(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     # Not in OpenAI's API; vLLM's extensions of the same names.
     top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     ignore_eos: bool = False
     seed: int | None = None
