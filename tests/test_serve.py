@@ -463,6 +463,34 @@ def test_api_key_guards_the_v1_routes(model_tok, solo):
         create_app(s.infer, s.tok, model_name=MODEL, api_key="")
 
 
+def test_tokenize_and_detokenize(served):
+    """vLLM's /tokenize (a text prompt, or chat messages through the template) and /detokenize: the
+    tokenizer's own ids and text, the round trip exact; bad requests answer 400/404 naming the field."""
+    text = "Hello there, how are you?"
+    r = served.http.post("/tokenize", json={"model": MODEL, "prompt": text})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == served.tok(text)["input_ids"] and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == MAX_SEQ_LEN
+    back = served.http.post("/detokenize", json={"model": MODEL, "tokens": body["tokens"]}).json()
+    assert back == {"prompt": text}
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = served.http.post("/tokenize", json={"messages": msgs}).json()
+    assert chat["tokens"] == _chat_ids(served.tok, msgs[0]["content"])
+    bare = served.http.post("/tokenize", json={"messages": msgs, "add_generation_prompt": False}).json()
+    assert chat["tokens"][:bare["count"]] == bare["tokens"] and bare["count"] < chat["count"]
+    assert served.http.post("/detokenize", json={"tokens": []}).json() == {"prompt": ""}
+    for path, body, status, param in (
+            ("/tokenize", {"prompt": "a", "messages": msgs}, 400, "prompt"),
+            ("/tokenize", {}, 400, "prompt"),
+            ("/tokenize", {"prompt": 5}, 400, "prompt"),
+            ("/tokenize", {"prompt": "a", "model": "gpt-4"}, 404, "model"),
+            ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+            ("/detokenize", {"tokens": "abc"}, 400, "tokens")):
+        r = served.http.post(path, json=body)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (path, body, r.text)
+
+
 def test_stop_string_mid_token(served, solo):
     """A stop string that spans tokens and ends inside one cuts the text there; the blocks are freed."""
     prompt = "The capital of France is"

@@ -450,6 +450,19 @@ def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256, fo
                                   f"'{state.model_name}'", param="model", type="not_found_error",
                              code="model_not_found")
 
+    def chat_ids(messages: list[P.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        """The tokenizer's chat template over ``messages`` (APIError 400 naming ``messages`` when it has none or
+        rejects them)."""
+        if not tokenizer.chat_template:
+            raise P.APIError(400, "messages: this model's tokenizer has no chat template; use a text prompt",
+                             param="messages")
+        try:
+            enc = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
+                                                add_generation_prompt=add_generation_prompt, tokenize=True)
+        except Exception as e:  # noqa: BLE001 - a template may reject a conversation (roles, order) by raising
+            raise P.APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
+        return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
     def check_ids(ids: list[int], param: str) -> list[int]:
         if not ids:
             raise P.APIError(400, f"{param}: the prompt is empty", param=param)
@@ -507,15 +520,7 @@ def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256, fo
         t0 = time.perf_counter()
         req = P.parse_request(await request.body(), P.ChatCompletionRequest)
         check_model(req)
-        if not tokenizer.chat_template:
-            raise P.APIError(400, "messages: this model's tokenizer has no chat template; use /v1/completions",
-                             param="messages")
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
-        try:
-            enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as e:  # noqa: BLE001 - a template may reject a conversation (roles, order) by raising
-            raise P.APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
-        ids = enc["input_ids"] if hasattr(enc, "keys") else enc
+        ids = chat_ids(req.messages)
         limit_field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         gen = Choices(state, req, [check_ids(list(ids), "messages")], req.output_limit, "chatcmpl", t0, limit_field)
         gen.start()
@@ -549,6 +554,24 @@ def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256, fo
                 yield _sse(chunk(None, usage=gen.usage()))
 
         return _EventStream(_event_stream(events()), gen)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = P.parse_request(await request.body(), P.TokenizeRequest)
+        check_model(req)
+        if req.messages is not None:
+            ids = chat_ids(req.messages, req.add_generation_prompt)
+        else:
+            ids = tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+        return P.TokenizeResponse(count=len(ids), max_model_len=state.max_seq_len, tokens=list(ids))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = P.parse_request(await request.body(), P.DetokenizeRequest)
+        check_model(req)
+        ids = check_ids(req.tokens, "tokens") if req.tokens else []
+        return P.DetokenizeResponse(prompt=tokenizer.decode(ids, skip_special_tokens=False,
+                                                            clean_up_tokenization_spaces=False))
 
     @app.get("/v1/models")
     async def models():

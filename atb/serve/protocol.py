@@ -190,6 +190,30 @@ class ChatCompletionRequest(_Request):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: a text ``prompt`` or chat ``messages`` (through the chat template)."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True       # the tokenizer's own (BOS, ...) around a text prompt
+    add_generation_prompt: bool = True    # the chat template's assistant header after the messages
+
+    def validate_semantics(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "prompt: exactly one of prompt and messages is required", param="prompt")
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``: token ids back to text (special tokens kept)."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+    def validate_semantics(self) -> None:
+        pass
+
+
 def parse_request(raw: bytes, cls: type[_Request]) -> _Request:
     """The request body as ``cls``; malformed JSON or any invalid field raises APIError(400) naming it."""
     try:
@@ -305,6 +329,16 @@ class ChatCompletionChunk(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):
