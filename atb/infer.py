@@ -118,6 +118,8 @@ class TransformerInfer(Engine):
         tp: tensor-parallel size. ``tp > 1`` without ``tp_group`` uses the default process group (joined
             from torchrun's environment if not yet initialized, ``atb.distributed.init_process_group``);
             it must have ``tp`` ranks.
+        tokenizer: the model's HF (fast) tokenizer; only structured output needs it
+            (``SamplingParams(json_schema=...)`` / ``regex=``). ``infer.tokenizer`` may be set later.
         tp_group: the ``torch.distributed`` process group to split the model over (its size is the tp size).
             Query heads must divide evenly over it, and KV heads too (or the ranks over the KV heads, each
             KV head then replicated); the intermediate and the vocabulary split as evenly as they can.
@@ -131,7 +133,7 @@ class TransformerInfer(Engine):
     def __init__(self, model, max_seq_len: int = 2048, soc_type: str = "host", *, max_batch_size: int = 8,
                  block_size: int = 128, dtype: torch.dtype | None = None, graph_mode: bool = True,
                  max_prefill_tokens: int | None = None, quantize=None, enable_prefix_caching: bool = False,
-                 tp: int | None = None, tp_group=None):
+                 tp: int | None = None, tp_group=None, tokenizer=None):
         from atb.registry import get_adapter
 
         from_path = isinstance(model, (str, os.PathLike))
@@ -200,7 +202,7 @@ class TransformerInfer(Engine):
                              max_batch_size=max_batch_size, cache=cache, graph_mode=graph_mode, quantize=quantize,
                              tp=tp_comm)
         self._init_engine(runner, Scheduler(cache, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                                            max_prefill_tokens=max_prefill_tokens))
+                                            max_prefill_tokens=max_prefill_tokens), tokenizer)
         self.graph_mode = graph_mode
         from atb.quant.engine import describe
 

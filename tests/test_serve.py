@@ -491,6 +491,36 @@ def test_tokenize_and_detokenize(served):
         assert r.status_code == status and r.json()["error"]["param"] == param, (path, body, r.text)
 
 
+def test_response_format_json(served):
+    """response_format json_schema / json_object (llguidance's grammar masks): the content parses and follows
+    the schema, finish_reason "stop" when the JSON is complete; streamed chunks add up to the same text; the
+    same schema on the legacy endpoint."""
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "country", "population"],
+              "properties": {"city": {"type": "string"}, "country": {"type": "string"},
+                             "population": {"type": "integer", "minimum": 0, "maximum": 10**9}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}
+    msgs = [{"role": "user", "content": "Tell me about Paris."}]
+    r = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=80, temperature=0,
+                                              response_format=fmt)
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"city", "country", "population"} and isinstance(value["population"], int)
+    assert r.choices[0].finish_reason == "stop"
+    chunks = list(served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=80, temperature=0,
+                                                        response_format=fmt, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
+    obj = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60, temperature=0.7, seed=3,
+                                                response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    else:
+        assert obj.choices[0].message.content.lstrip().startswith("{")
+    legacy = served.client.completions.create(model=MODEL, prompt="Facts about Paris as JSON:\n", max_tokens=80,
+                                              temperature=0, extra_body={"response_format": fmt})
+    assert set(json.loads(legacy.choices[0].text)) == {"city", "country", "population"}
+    served.wait_idle()
+
+
 def test_stop_string_mid_token(served, solo):
     """A stop string that spans tokens and ends inside one cuts the text there; the blocks are freed."""
     prompt = "The capital of France is"
@@ -661,7 +691,13 @@ def test_bad_chat_requests_and_server_keeps_serving(served):
                         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
                          "top_logprobs"),
                         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                          "response_format": {"type": "json_object"}}, "response_format"),
+                          "response_format": {"type": "json_schema"}}, "response_format"),
+                        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                          "response_format": {"type": "xml"}}, "response_format"),
+                        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                          "response_format": {"type": "json_schema",
+                                              "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
+                         "response_format"),
                         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                           "top_logprobs": 21}, "top_logprobs")):
         r = served.http.post("/v1/chat/completions", json=body)

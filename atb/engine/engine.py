@@ -25,6 +25,7 @@ batch crosses that size. Each request samples from its own generator.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 
 import torch
@@ -35,6 +36,8 @@ from atb.engine.sampling import generator, select, token_logprobs
 from atb.engine.scheduler import Request, Scheduler
 from atb.runtime import pool_launches_off_main_thread
 
+log = logging.getLogger("atb.engine")
+
 
 class Engine:
     """Scheduler + model runner behind one lock. ``TransformerInfer`` is the public face of this class."""
@@ -42,9 +45,11 @@ class Engine:
     runner: ModelRunner
     scheduler: Scheduler
 
-    def _init_engine(self, runner: ModelRunner, scheduler: Scheduler) -> None:
+    def _init_engine(self, runner: ModelRunner, scheduler: Scheduler, tokenizer=None) -> None:
         self.runner = runner
         self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self._grammars = None     # built from the tokenizer by the first constrained request
         self._lock = threading.RLock()
         self._local = threading.local()   # per thread: inside a stream callback?
         self._ids = itertools.count()
@@ -79,8 +84,26 @@ class Engine:
                              f"[0, {self.runner.vocab_size})")
         return prompt
 
+    def constraint(self, params: SamplingParams, op: str = "add_request"):
+        """A new grammar state for ``params``' ``json_schema`` / ``regex`` (None without one); ValueError when the
+        engine cannot constrain (no tokenizer, tensor parallelism) or the grammar is unusable."""
+        if not params.constrained:
+            return None
+        field = "json_schema" if params.json_schema is not None else "regex"
+        if self.runner.tp is not None:
+            raise ValueError(f"{op}: sampling_params.{field}: structured output is not supported with tensor "
+                             f"parallelism")
+        if self._grammars is None or self._grammars.tokenizer is not self.tokenizer:
+            if self.tokenizer is None:
+                raise ValueError(f"{op}: sampling_params.{field} needs the engine's tokenizer: "
+                                 f"TransformerInfer(model, tokenizer=tok), or set infer.tokenizer")
+            from atb.engine.structured import Grammars
+
+            self._grammars = Grammars(self.tokenizer, self.runner.vocab_size, self.runner.default_eos)
+        return self._grammars.constraint(params, op)
+
     def _new_request(self, request_id: str | None, prompt: list[int], params: SamplingParams,
-                     report: bool = True) -> Request:
+                     report: bool = True, constraint=None) -> Request:
         """Under the lock: a Request with its generator and EOS set, queued."""
         sched = self.scheduler
         if request_id is None:
@@ -102,6 +125,7 @@ class Engine:
         else:
             eos = frozenset(params.eos_token_id)
         req = Request(request_id, prompt, params, eos, gen)
+        req.constraint = constraint
         sched.add(req, report)
         return req
 
@@ -124,8 +148,9 @@ class Engine:
         if outside:
             raise ValueError(f"add_request: sampling_params.logit_bias names token id {outside[0]}, outside the "
                              f"vocabulary [0, {self.runner.vocab_size})")
+        constraint = self.constraint(sampling_params)   # compiled outside the lock: steps go on meanwhile
         with self._lock:
-            return self._new_request(request_id, prompt, sampling_params).request_id
+            return self._new_request(request_id, prompt, sampling_params, constraint=constraint).request_id
 
     def abort(self, request_id: str) -> bool:
         """Stops a waiting or running request and frees its KV blocks at once; False if no such request.
@@ -177,7 +202,19 @@ class Engine:
             req.logprobs.append(logprob)
         if req.seen is not None and tok not in req.seen:
             req.seen = torch.cat([req.seen, torch.tensor([tok])])
-        req.reason = "eos" if tok in req.eos else self.scheduler.no_room(req)
+        grammar = req.constraint
+        if grammar is not None and not grammar.accept(tok):
+            # The mask allows only tokens the grammar accepts; a state that breaks anyway ends the request
+            # rather than let it produce text outside the grammar.
+            log.error("request %s: its grammar refused token %d: %s", req.request_id, tok, grammar.error)
+            req.reason = "abort"
+            return True
+        if tok in req.eos:
+            req.reason = "eos"
+        elif grammar is not None and grammar.complete:
+            req.reason = "grammar"
+        else:
+            req.reason = self.scheduler.no_room(req)
         return req.reason is not None
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, object]]:

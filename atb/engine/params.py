@@ -1,6 +1,7 @@
 """What a request asks for (`SamplingParams`) and what a step reports about it (`RequestOutput`)."""
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -43,7 +44,10 @@ class SamplingParams:
     (None: not computed). ``prompt_logprobs`` k (same range; vLLM's name) scores the prompt: every prompt
     token's `TokenLogprob` given the tokens before it, with k alternatives. Such a request computes its whole
     prompt (it does not read the prefix cache, whose tokens have no logits), and may ask for
-    ``max_new_tokens=0``: it is prefilled, scored and finished with no token generated.
+    ``max_new_tokens=0``: it is prefilled, scored and finished with no token generated. ``json_schema`` (a
+    JSON schema, as a dict or its JSON text) or ``regex`` constrains the output to text the schema or the
+    expression accepts (`atb.engine.structured`; the engine needs a tokenizer); such a request finishes with
+    reason ``"grammar"`` once the output is complete.
     """
 
     max_new_tokens: int = 32
@@ -61,6 +65,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     min_p: float = 0.0
+    json_schema: str | None = None
+    regex: str | None = None
 
     def __post_init__(self):
         n = self.max_new_tokens
@@ -102,6 +108,21 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
                 raise ValueError(f"SamplingParams: {name} must be None or an int in [0, {MAX_LOGPROBS}], got {k!r}")
+        schema = self.json_schema
+        if isinstance(schema, dict):
+            object.__setattr__(self, "json_schema", json.dumps(schema))
+        elif schema is not None:
+            try:
+                parsed = json.loads(schema) if isinstance(schema, str) else None
+            except ValueError:
+                parsed = None
+            if not isinstance(parsed, dict):
+                raise ValueError(f"SamplingParams: json_schema must be a JSON schema (a dict or the JSON text of "
+                                 f"an object), got {schema!r:.80}")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise TypeError(f"SamplingParams: regex must be a str or None, got {type(self.regex).__name__}")
+        if self.json_schema is not None and self.regex is not None:
+            raise ValueError("SamplingParams: json_schema and regex are exclusive; give one")
         e = self.eos_token_id
         if e is not None:
             ok = (isinstance(e, int) and not isinstance(e, bool)) or (
@@ -117,19 +138,25 @@ class SamplingParams:
                 or self.frequency_penalty != 0)
 
     @property
+    def constrained(self) -> bool:
+        """The output must follow a grammar (``json_schema`` or ``regex``)."""
+        return self.json_schema is not None or self.regex is not None
+
+    @property
     def greedy_only(self) -> bool:
         """Plain argmax over the logits, nothing else to apply or report."""
-        return not self.do_sample and not self.penalized and self.logprobs is None
+        return not self.do_sample and not self.penalized and self.logprobs is None and not self.constrained
 
 
-FINISH_REASONS = ("eos", "length", "max_seq_len", "abort")
+FINISH_REASONS = ("eos", "grammar", "length", "max_seq_len", "abort")
 
 
 @dataclass
 class RequestOutput:
     """One request's progress after a step: the tokens it produced in that step and all so far.
 
-    ``finish_reason``: ``"eos"`` (an EOS token was produced; it is included), ``"length"``
+    ``finish_reason``: ``"eos"`` (an EOS token was produced; it is included), ``"grammar"`` (a structured
+    output is complete: its grammar allows nothing more), ``"length"``
     (``max_new_tokens`` reached), ``"max_seq_len"`` (prompt + output reached the engine's ``max_seq_len``),
     ``"abort"``; None while running. When several hold at once the first in that order is reported.
     ``new_logprobs`` / ``output_logprobs``: one `TokenLogprob` per token of ``new_token_ids`` /

@@ -77,7 +77,8 @@ def logit_bias_tensors(params: SamplingParams) -> tuple[torch.Tensor, torch.Tens
 def select(logits: torch.Tensor, reqs: list) -> list[int]:
     """One token per row of float32 ``logits [batch, vocab]``, row i for ``reqs[i]``: its ``params``, ``seen``
     (token ids for the repetition penalty, or None), ``gen`` (its generator), ``out`` (the tokens generated
-    so far, for the presence and frequency penalties) and ``bias`` (`logit_bias_tensors`)."""
+    so far, for the presence and frequency penalties), ``bias`` (`logit_bias_tensors`) and ``constraint``
+    (its `atb.engine.structured.TokenConstraint`, or None)."""
     if all(r.params.greedy_only for r in reqs):
         return logits.argmax(-1).tolist()
     return [_select_one(row, r) for row, r in zip(logits, reqs)]
@@ -85,8 +86,11 @@ def select(logits: torch.Tensor, reqs: list) -> list[int]:
 
 def _select_one(row: torch.Tensor, req) -> int:
     params = req.params
-    if params.penalized:
+    if params.penalized or req.constraint is not None:
         row = row.clone()
+    if req.constraint is not None:
+        # Tokens the grammar does not allow next are out before anything else reshapes the logits.
+        row.masked_fill_(~req.constraint.allowed(), float("-inf"))
     if req.bias is not None:
         row.index_add_(0, *req.bias)
     if params.repetition_penalty != 1.0:

@@ -41,7 +41,7 @@ class Request:
     """One prompt being generated: its tokens so far, its sampling state and where it stands."""
 
     __slots__ = ("request_id", "prompt", "params", "eos", "out", "logprobs", "prompt_lps", "table", "seen", "bias",
-                 "gen",
+                 "constraint", "gen",
                  "reason", "reported", "streamed", "keys", "cached", "keyed", "prefilled")
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, eos: frozenset,
@@ -57,6 +57,7 @@ class Request:
         self.table: list[int] = []   # the block manager's table of this request (the live list)
         self.seen = torch.tensor(sorted(set(prompt)), dtype=torch.int64) if params.repetition_penalty != 1.0 else None
         self.bias = logit_bias_tensors(params)
+        self.constraint = None       # its grammar state (atb.engine.structured), when the output is constrained
         self.gen = gen
         self.reason: str | None = None
         self.reported = 0            # tokens already handed out in a RequestOutput

@@ -37,7 +37,7 @@ from atb.serve.metrics import CONTENT_TYPE, Metrics
 log = logging.getLogger("atb.serve")
 
 # The engine's finish reasons in OpenAI's words.
-_FINISH = {"eos": "stop", "length": "length", "max_seq_len": "length"}
+_FINISH = {"eos": "stop", "grammar": "stop", "length": "length", "max_seq_len": "length"}
 
 
 class ServerState:
@@ -133,9 +133,16 @@ class Generation:
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                 logit_bias=req.logit_bias_pairs, seed=seed, ignore_eos=req.ignore_eos,
-                logprobs=req.top_logprobs_k, prompt_logprobs=req.prompt_logprobs_k if echo is not None else None)
+                logprobs=req.top_logprobs_k, prompt_logprobs=req.prompt_logprobs_k if echo is not None else None,
+                json_schema=req.json_schema)
         except (ValueError, TypeError) as e:
             raise P.APIError(400, str(e)) from None
+        try:
+            state.engine.constraint(self.params, "response_format")   # a schema it cannot use is the client's
+        except ValueError as e:
+            raise P.APIError(400, str(e), param="response_format") from None
+        except ImportError as e:   # the optional dependency is missing on this server
+            raise P.APIError(501, str(e), param="response_format", type="server_error") from None
         outside = [t for t, _ in self.params.logit_bias if t >= state.engine.vocab_size]
         if outside:
             raise P.APIError(400, f"logit_bias: token id {outside[0]} is outside the vocabulary "
@@ -419,6 +426,8 @@ def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256, fo
     if api_key is not None and not api_key:
         raise ValueError("create_app: api_key must be a non-empty string or None")
     state = ServerState(engine, tokenizer, model_name, max_waiting, followers)
+    if getattr(engine, "tokenizer", None) is None:
+        engine.tokenizer = tokenizer   # structured output (response_format) builds its grammars over it
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

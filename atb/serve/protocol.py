@@ -43,6 +43,29 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")   # {} allows any JSON value
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON that a schema accepts."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def output_schema(self) -> dict | None:
+        """The JSON schema the output must follow (None: free text)."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        if self.type == "json_schema":
+            return self.json_schema.schema_
+        return None
+
+
 class _Request(BaseModel):
     # json.loads accepts NaN and Infinity; no sampling value may be either.
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -65,6 +88,7 @@ class _Request(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     # Token ids (as JSON object keys) -> bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
 
     @field_validator("stop")
@@ -90,6 +114,17 @@ class _Request(BaseModel):
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"bias of token {key} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
         return v
+
+    def validate_semantics(self) -> None:
+        rf = self.response_format
+        if rf is not None and (rf.type == "json_schema") != (rf.json_schema is not None):
+            raise APIError(400, "response_format: json_schema is required with type 'json_schema' and only then",
+                           param="response_format")
+
+    @property
+    def json_schema(self) -> dict | None:
+        """The JSON schema the output must follow (``response_format``), or None."""
+        return None if self.response_format is None else self.response_format.output_schema()
 
     @property
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
@@ -124,6 +159,7 @@ class CompletionRequest(_Request):
         raise ValueError("must be a string, a list of token ids, or a list of either")
 
     def validate_semantics(self) -> None:
+        super().validate_semantics()
         if self.suffix is not None:
             raise APIError(400, "suffix: not supported", param="suffix")
         if self.best_of not in (None, self.n):
@@ -165,15 +201,11 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    # Plain text only: {"type": "text"} (OpenAI's default, which clients send explicitly).
-    response_format: dict[str, Any] | None = None
 
     def validate_semantics(self) -> None:
+        super().validate_semantics()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            raise APIError(400, f"response_format: only {{\"type\": \"text\"}} is supported, got "
-                                f"{json.dumps(self.response_format)}", param="response_format")
 
     @property
     def top_logprobs_k(self) -> int | None:
