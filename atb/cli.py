@@ -320,6 +320,51 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_perplexity(args) -> int:
+    """Perplexity of the model over a text file (or --text), windowed through the engine's prompt scoring."""
+    import atb
+    from atb.perplexity import perplexity
+
+    if (args.file is None) == (args.text is None):
+        raise UserError("perplexity needs the text to score: give --file or --text (one of them)")
+    if args.file is not None:
+        try:
+            text = sys.stdin.read() if args.file == "-" else open(args.file, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--file {args.file}: {e}") from None
+    else:
+        text = args.text
+    if args.stride is not None and args.stride > args.context:
+        raise UserError(f"--stride {args.stride} must be at most --context {args.context}")
+    dtype = _torch_dtype(args.dtype)
+    _check_soc_dtype(args.soc_type, dtype)
+    config = _preflight(args)
+    check_quantize_args(args)
+    limit = getattr(config, "max_position_embeddings", None) if config is not None else None
+    if limit and args.context > limit:
+        raise UserError(f"--context {args.context} exceeds the model's max_position_embeddings={limit}")
+    if args.threads:
+        atb.set_num_threads(args.threads)
+    progress = Progress(not args.quiet)
+    model, tok, label = _load(args, dtype, progress)
+    if tok is None:
+        raise UserError("perplexity needs a tokenizer: use the default model or --model with a tokenizer")
+    ids = _token_ids(tok(text))
+    if args.max_tokens is not None:
+        ids = ids[:args.max_tokens]
+    if len(ids) < 2:
+        raise UserError(f"the text has {len(ids)} token(s); at least 2 are needed to score one")
+    progress("building engine")
+    infer = atb.TransformerInfer(model, max_seq_len=args.context, soc_type=args.soc_type, dtype=dtype,
+                                 quantize=args.quantize, max_batch_size=args.batch,
+                                 block_size=min(128, 1 << (args.context - 1).bit_length()))
+    result = perplexity(infer, ids, context=args.context, stride=args.stride,
+                        progress=lambda done, total: progress("scoring windows", done - 1, total))
+    progress.done()
+    print(f"{result}; {label}, dtype={args.dtype}" + (f", quantize={args.quantize}" if args.quantize else ""))
+    return 0
+
+
 def cmd_chat(args) -> int:
     """Multi-turn chat on stdin: one user message per line, replies streamed; ends at end of input (Ctrl-D)."""
     infer, tok, max_seq_len, _ = _engine(args)
@@ -586,6 +631,24 @@ def _add_chat(sub):
     c.set_defaults(func=cmd_chat)
 
 
+def _add_perplexity(sub):
+    p = sub.add_parser("perplexity", help="perplexity of the model over a text (what a dtype or --quantize costs)",
+                       description="Scores a text in windows of --context tokens that start --stride tokens apart; "
+                                   "each token is scored once, with at least context - stride tokens before it "
+                                   "past the first window.")
+    _model_args(p)
+    p.add_argument("--file", help="UTF-8 text file to score ('-': standard input)")
+    p.add_argument("--text", help="the text itself")
+    p.add_argument("--context", type=_number(int, 2, what=">= 2"), default=512, help="window length (default 512)")
+    p.add_argument("--stride", type=_POSITIVE, default=None, help="window start spacing (default: context / 2)")
+    p.add_argument("--max-tokens", type=_POSITIVE, default=None, help="score only the text's first N tokens")
+    p.add_argument("--batch", type=_POSITIVE, default=8, help="windows scored together (default 8)")
+    p.add_argument("--soc-type", default="host")
+    p.add_argument("--threads", type=_threads, default=None, help="atb threads (default: as set)")
+    _quantize_arg(p)
+    p.set_defaults(func=cmd_perplexity)
+
+
 def _add_convert(sub):
     from atb.convert import DEFAULT_MAX_SHARD
 
@@ -632,7 +695,8 @@ def _add_serve(sub):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="atb", description="Ascend Transformer Boost-style acceleration on the CPU")
     sub = p.add_subparsers(dest="command")
-    for add in (_add_bench, _add_generate, _add_chat, _add_convert, _add_serve, _add_check, _add_socs):
+    for add in (_add_bench, _add_generate, _add_chat, _add_perplexity, _add_convert, _add_serve, _add_check,
+                _add_socs):
         add(sub)
     return p
 
