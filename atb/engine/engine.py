@@ -330,21 +330,20 @@ class Engine:
             if r.cached == n:
                 slots[e - 1] = -1
         paged = (cache.block_tables(reqs), torch.tensor(lens, dtype=torch.int32), q_lens)
-        # Logits of each chunk's last row, and of all its rows when its request scores the prompt.
-        rows, last = [], []
-        for (r, a, n), e in zip(chunks, ends.tolist()):
-            if r.scores_prompt:
-                rows.extend(range(e - (n - a), e))
-            else:
-                rows.append(e - 1)
-            last.append(len(rows) - 1)
-        logits = self.runner.prefill(tokens, positions, None, slots, torch.tensor(rows), paged=paged)
+        last = (ends - 1).long()
+        # Every row of a chunk whose request scores its prompt (its last row is in both sets: that one picks
+        # the next token, computed as for any other request).
+        scored = [range(e - (n - a), e) for (r, a, n), e in zip(chunks, ends.tolist()) if r.scores_prompt]
+        if not scored:
+            return self.runner.prefill(tokens, positions, None, slots, last, paged=paged)
+        logits, score_logits = self.runner.prefill(tokens, positions, None, slots, last, paged=paged,
+                                                   score=torch.tensor([i for rows in scored for i in rows]))
         first = 0
-        for (r, a, n), end in zip(chunks, last):
+        for r, a, n in chunks:
             if r.scores_prompt:
-                self._score_prompt(r, logits[first:end + 1], a, n)
-            first = end + 1
-        return logits.index_select(0, torch.tensor(last))
+                self._score_prompt(r, score_logits[first:first + n - a], a, n)
+                first += n - a
+        return logits
 
     # Rows of logits turned into float32 log-probabilities at a time (a long prompt's would take GBs at once).
     _SCORE_ROWS = 256

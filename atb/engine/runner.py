@@ -166,9 +166,12 @@ class ModelRunner:
 
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor | None,
                 slot_mapping: torch.Tensor | None, last: torch.Tensor | None,
-                paged: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                paged: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                score: torch.Tensor | None = None):
         """Packed prompt tokens through every layer; logits of the rows ``last`` (all rows when None), in the
-        compute dtype.
+        compute dtype. With ``score``, ``(those logits, the logits of the rows score)``: rows wanted for their
+        log-probabilities (a prompt being scored), not to pick a token, so their LM head takes the routing
+        policy's kernel (one GEMM over them all) instead of the engine prefill's row-invariant few rows per call.
 
         Stateless (``forward``): whole prompts packed by ``cu_seqlens``, flash attention, nothing cached
         (``slot_mapping`` None). Engine prefill: ``paged = (block_tables, context_lens, q_lens)``; sequence b's
@@ -202,9 +205,8 @@ class ModelRunner:
 
         route = ROUTE_POLICY if paged is None else ROUTE_ROW_INVARIANT
         x = self._layers(tokens, positions, attend_for, route)
-        if last is not None:
-            x = x.index_select(0, last)
-        return self._logits(x, route=route)
+        logits = self._logits(x if last is None else x.index_select(0, last), route=route)
+        return logits if score is None else (logits, self._logits(x.index_select(0, score)))
 
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor, slot_mapping: torch.Tensor, greedy: bool):
