@@ -431,6 +431,11 @@ def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256, fo
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        if followers is None:
+            # response_format's grammars compile over the tokenizer's vocabulary: once, here, off the event loop,
+            # instead of stalling every stream inside the first request that asks for it.
+            with contextlib.suppress(ImportError, ValueError):
+                await asyncio.to_thread(engine.grammars)
         state.loop.start()
         try:
             yield
