@@ -451,6 +451,36 @@ def test_presence_and_frequency_penalties_follow_their_definition(model, presenc
     assert drain(infer)[rid].output_token_ids == out
 
 
+def test_min_tokens_hold_off_eos(model):
+    """min_tokens (vLLM's): the EOS tokens are not picked before that many tokens; past it they stop the
+    request as usual. Against a greedy loop over the model's own logits with EOS masked for those steps."""
+    prompt = PROMPTS[3]
+    free = solo(model, prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    # A token that greedy first produces at step j < 6, as EOS: a plain request stops there.
+    j = next(i for i in range(1, 6) if free[i] not in free[:i])
+    eos = free[j]
+    assert solo(model, prompt, SamplingParams(max_new_tokens=12, eos_token_id=eos)) == free[:j + 1]
+    out = []
+    with torch.no_grad():
+        while len(out) < 12:
+            logits = model(torch.tensor([prompt + out])).logits[0, -1]
+            if len(out) < 6:
+                logits[eos] = float("-inf")
+            out.append(int(logits.argmax()))
+            if out[-1] == eos:
+                break
+    params = SamplingParams(max_new_tokens=12, eos_token_id=eos, min_tokens=6)
+    got = solo(model, prompt, params)
+    assert got == out and len(got) >= 6 and eos not in got[:6]
+    infer = engine(model, max_batch_size=3)
+    rid = infer.add_request(prompt, params)
+    infer.add_request(PROMPTS[0], params_of(0))
+    assert drain(infer)[rid].output_token_ids == out
+    for bad in (-1, 13, True, 2.0):
+        with pytest.raises(ValueError, match="min_tokens"):
+            SamplingParams(max_new_tokens=12, min_tokens=bad)
+
+
 def test_min_p_validation():
     for bad in (-0.1, 1.5, float("nan"), True, "0.1"):
         with pytest.raises(ValueError, match="min_p"):

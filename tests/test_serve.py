@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -521,6 +522,42 @@ def test_response_format_json(served):
     served.wait_idle()
 
 
+def test_vllm_extensions_min_tokens_stop_token_ids_guided(served, solo, model_tok):
+    """vLLM's extensions: stop_token_ids end the output at a token of the greedy answer (kept in the token
+    count, as vLLM does); min_tokens holds that token (and EOS) off for that many tokens, the rest following
+    a greedy loop with it masked; guided_choice answers one of its strings, guided_regex matches."""
+    pytest.importorskip("llguidance")
+    prompt = "The capital of France is"
+    ids = served.tok(prompt)["input_ids"]
+    want = solo(ids, 12)
+    j = next(i for i in range(2, 12) if want[i] not in want[:i])
+    r = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                         extra_body={"stop_token_ids": [want[j]], "ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == j + 1
+    out = []
+    with torch.no_grad():
+        while len(out) < 12:
+            logits = model_tok[0](torch.tensor([ids + out])).logits[0, -1]
+            if len(out) < j + 2:
+                logits[[want[j], *served.infer.runner.default_eos]] = float("-inf")
+            out.append(int(logits.argmax()))
+            if out[-1] == want[j] or out[-1] in served.infer.runner.default_eos:
+                break
+    held = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                            extra_body={"stop_token_ids": [want[j]], "min_tokens": j + 2})
+    assert held.usage.completion_tokens == len(out)
+    assert held.choices[0].text == served.tok.decode(out, skip_special_tokens=True)
+    choices = ["Paris", "London", "C++ (a language)"]
+    pick = served.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=10,
+        temperature=0, extra_body={"guided_choice": choices})
+    assert pick.choices[0].message.content in choices and pick.choices[0].finish_reason == "stop"
+    date = served.client.completions.create(model=MODEL, prompt="Today's date:", max_tokens=16, temperature=0,
+                                            extra_body={"guided_regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"})
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", date.choices[0].text)
+    served.wait_idle()
+
+
 def test_stop_string_mid_token(served, solo):
     """A stop string that spans tokens and ends inside one cuts the text there; the blocks are freed."""
     prompt = "The capital of France is"
@@ -647,6 +684,15 @@ BAD = [
     ("top_p > 1", {"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ("top_k < 0", {"model": MODEL, "prompt": "hi", "top_k": -3}, 400, "top_k"),
     ("min_p > 1", {"model": MODEL, "prompt": "hi", "min_p": 1.5}, 400, "min_p"),
+    ("min_tokens > max_tokens", {"model": MODEL, "prompt": "hi", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    ("min_tokens past the context", {"model": MODEL, "prompt": [42] * 200, "max_tokens": None, "min_tokens": 60}, 400,
+     "min_tokens"),
+    ("stop_token_ids id", {"model": MODEL, "prompt": "hi", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
+    ("two constraints", {"model": MODEL, "prompt": "hi", "guided_regex": "a", "guided_choice": ["b"]}, 400,
+     "guided_choice"),
+    ("guided_json not a schema", {"model": MODEL, "prompt": "hi", "guided_json": "[1]"}, 400, "guided_json"),
+    ("guided_regex unusable", {"model": MODEL, "prompt": "hi", "guided_regex": "(unclosed"}, 400, "guided_regex"),
+    ("guided_choice empty", {"model": MODEL, "prompt": "hi", "guided_choice": []}, 400, "guided_choice"),
     ("max_tokens 0", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("n > 16", {"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
     ("best_of != n", {"model": MODEL, "prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of"),

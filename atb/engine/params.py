@@ -47,7 +47,8 @@ class SamplingParams:
     ``max_new_tokens=0``: it is prefilled, scored and finished with no token generated. ``json_schema`` (a
     JSON schema, as a dict or its JSON text) or ``regex`` constrains the output to text the schema or the
     expression accepts (`atb.engine.structured`; the engine needs a tokenizer); such a request finishes with
-    reason ``"grammar"`` once the output is complete.
+    reason ``"grammar"`` once the output is complete. ``min_tokens`` (vLLM's): the EOS tokens are not
+    generated before that many tokens are.
     """
 
     max_new_tokens: int = 32
@@ -67,6 +68,7 @@ class SamplingParams:
     min_p: float = 0.0
     json_schema: str | None = None
     regex: str | None = None
+    min_tokens: int = 0
 
     def __post_init__(self):
         n = self.max_new_tokens
@@ -121,6 +123,9 @@ class SamplingParams:
                                  f"an object), got {schema!r:.80}")
         if self.regex is not None and not isinstance(self.regex, str):
             raise TypeError(f"SamplingParams: regex must be a str or None, got {type(self.regex).__name__}")
+        m = self.min_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= max(n, 0):
+            raise ValueError(f"SamplingParams: min_tokens must be an int in [0, max_new_tokens={n}], got {m!r}")
         if self.json_schema is not None and self.regex is not None:
             raise ValueError("SamplingParams: json_schema and regex are exclusive; give one")
         e = self.eos_token_id
@@ -145,7 +150,8 @@ class SamplingParams:
     @property
     def greedy_only(self) -> bool:
         """Plain argmax over the logits, nothing else to apply or report."""
-        return not self.do_sample and not self.penalized and self.logprobs is None and not self.constrained
+        return (not self.do_sample and not self.penalized and self.logprobs is None and not self.constrained
+                and self.min_tokens == 0)
 
 
 FINISH_REASONS = ("eos", "grammar", "length", "max_seq_len", "abort")

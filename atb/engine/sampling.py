@@ -78,7 +78,8 @@ def select(logits: torch.Tensor, reqs: list) -> list[int]:
     """One token per row of float32 ``logits [batch, vocab]``, row i for ``reqs[i]``: its ``params``, ``seen``
     (token ids for the repetition penalty, or None), ``gen`` (its generator), ``out`` (the tokens generated
     so far, for the presence and frequency penalties), ``bias`` (`logit_bias_tensors`) and ``constraint``
-    (its `atb.engine.structured.TokenConstraint`, or None)."""
+    (its `atb.engine.structured.TokenConstraint`, or None); ``eos`` (its EOS ids, held off before
+    ``params.min_tokens``)."""
     if all(r.params.greedy_only for r in reqs):
         return logits.argmax(-1).tolist()
     return [_select_one(row, r) for row, r in zip(logits, reqs)]
@@ -86,8 +87,11 @@ def select(logits: torch.Tensor, reqs: list) -> list[int]:
 
 def _select_one(row: torch.Tensor, req) -> int:
     params = req.params
-    if params.penalized or req.constraint is not None:
+    hold_eos = len(req.out) < params.min_tokens and req.eos
+    if params.penalized or req.constraint is not None or hold_eos:
         row = row.clone()
+    if hold_eos:
+        row[[t for t in req.eos if t < row.numel()]] = float("-inf")
     if req.constraint is not None:
         # Tokens the grammar does not allow next are out before anything else reshapes the logits.
         row.masked_fill_(~req.constraint.allowed(), float("-inf"))

@@ -123,6 +123,16 @@ class Generation:
             raise P.APIError(400, f"{max_tokens_field}: {max_tokens} plus the prompt's {len(prompt_ids)} tokens "
                                   f"exceeds this model's context of {state.max_seq_len} tokens (at most {room})",
                              param=max_tokens_field)
+        if req.min_tokens > max_tokens:
+            raise P.APIError(400, f"min_tokens: {req.min_tokens} is more than the {max_tokens} tokens this prompt "
+                                  f"leaves room for", param="min_tokens")
+        stops = req.stop_token_ids or []
+        outside = [t for t in stops if not 0 <= t < state.engine.vocab_size]
+        if outside:
+            raise P.APIError(400, f"stop_token_ids: token id {outside[0]} is outside the vocabulary "
+                                  f"[0, {state.engine.vocab_size})", param="stop_token_ids")
+        # stop_token_ids end the output beside the model's EOS (and still do under ignore_eos, as in vLLM).
+        eos = ([] if req.ignore_eos else list(state.engine.runner.default_eos)) + stops if stops else None
         temperature = 1.0 if req.temperature is None else req.temperature
         sample = temperature > 0  # OpenAI's temperature 0 is greedy
         try:
@@ -132,17 +142,19 @@ class Generation:
                 min_p=(req.min_p or 0.0) if sample else 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                logit_bias=req.logit_bias_pairs, seed=seed, ignore_eos=req.ignore_eos,
+                logit_bias=req.logit_bias_pairs, seed=seed, ignore_eos=req.ignore_eos and not stops,
+                eos_token_id=eos, min_tokens=req.min_tokens, regex=req.regex,
                 logprobs=req.top_logprobs_k, prompt_logprobs=req.prompt_logprobs_k if echo is not None else None,
                 json_schema=req.json_schema)
         except (ValueError, TypeError) as e:
             raise P.APIError(400, str(e)) from None
+        constraint = req.constraint_field
         try:
-            state.engine.constraint(self.params, "response_format")   # a schema it cannot use is the client's
+            state.engine.constraint(self.params, constraint)   # a schema or regex it cannot use is the client's
         except ValueError as e:
-            raise P.APIError(400, str(e), param="response_format") from None
+            raise P.APIError(400, str(e), param=constraint) from None
         except ImportError as e:   # the optional dependency is missing on this server
-            raise P.APIError(501, str(e), param="response_format", type="server_error") from None
+            raise P.APIError(501, str(e), param=constraint, type="server_error") from None
         outside = [t for t, _ in self.params.logit_bias if t >= state.engine.vocab_size]
         if outside:
             raise P.APIError(400, f"logit_bias: token id {outside[0]} is outside the vocabulary "

@@ -66,6 +66,14 @@ class ResponseFormat(BaseModel):
         return None
 
 
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def _regex_literal(text: str) -> str:
+    """``text`` as a regular expression matching it literally (llguidance's Rust syntax)."""
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
+
+
 class _Request(BaseModel):
     # json.loads accepts NaN and Infinity; no sampling value may be either.
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -89,6 +97,13 @@ class _Request(BaseModel):
     # Token ids (as JSON object keys) -> bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's extensions: EOS (and stop_token_ids) held off for min_tokens; more token ids that end the output;
+    # output constrained to a JSON schema, a regular expression or one of several strings.
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
     user: str | None = None
 
     @field_validator("stop")
@@ -120,11 +135,54 @@ class _Request(BaseModel):
         if rf is not None and (rf.type == "json_schema") != (rf.json_schema is not None):
             raise APIError(400, "response_format: json_schema is required with type 'json_schema' and only then",
                            param="response_format")
+        given = [name for name, v in (("response_format", rf is not None and rf.type != "text"),
+                                      ("guided_json", self.guided_json is not None),
+                                      ("guided_regex", self.guided_regex is not None),
+                                      ("guided_choice", self.guided_choice is not None)) if v]
+        if len(given) > 1:
+            raise APIError(400, f"{given[1]}: only one output constraint per request, {given[0]} is given too",
+                           param=given[1])
+        if isinstance(self.guided_json, str):
+            try:
+                schema = json.loads(self.guided_json)
+            except ValueError:
+                schema = None
+            if not isinstance(schema, dict):
+                raise APIError(400, "guided_json: must be a JSON schema (an object, or its JSON text)",
+                               param="guided_json")
+        if self.guided_choice is not None and any(c == "" for c in self.guided_choice):
+            raise APIError(400, "guided_choice: the choices must not be empty strings", param="guided_choice")
+        limit = self.output_limit
+        if limit is not None and self.min_tokens > limit:
+            raise APIError(400, f"min_tokens: {self.min_tokens} is more than the {limit} tokens allowed",
+                           param="min_tokens")
 
     @property
-    def json_schema(self) -> dict | None:
-        """The JSON schema the output must follow (``response_format``), or None."""
+    def output_limit(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def json_schema(self) -> dict | str | None:
+        """The JSON schema the output must follow (``response_format`` or ``guided_json``), or None."""
+        if self.guided_json is not None:
+            return self.guided_json
         return None if self.response_format is None else self.response_format.output_schema()
+
+    @property
+    def constraint_field(self) -> str:
+        """The field that constrains the output (named in errors about it)."""
+        for name in ("guided_json", "guided_regex", "guided_choice"):
+            if getattr(self, name) is not None:
+                return name
+        return "response_format"
+
+    @property
+    def regex(self) -> str | None:
+        """The regular expression the output must match (``guided_regex``, or ``guided_choice`` as one), or
+        None."""
+        if self.guided_choice is not None:
+            return "(" + "|".join(_regex_literal(c) for c in self.guided_choice) + ")"
+        return self.guided_regex
 
     @property
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
