@@ -319,8 +319,8 @@ class Engine:
         the paged cache: the cached prefix (prefix caching) and the earlier chunks (chunked prefill) are read
         there. A prompt cached entirely (whole blocks) recomputes its last token for the logits but does not
         write its K/V: that slot is in a shared block, which holds it already. A request that scores its prompt
-        gets the logits of every row of its chunk (the LM head's row-invariant route computes the last row as it
-        would alone), turned into its prompt tokens' TokenLogprobs here.
+        also gets the logits of every row of its chunk (through the routing policy's LM head: those rows pick
+        no token), turned into its prompt tokens' TokenLogprobs here.
         """
         cache = self.scheduler.cache
         reqs = [r for r, _, _ in chunks]
