@@ -558,6 +558,61 @@ def test_vllm_extensions_min_tokens_stop_token_ids_guided(served, solo, model_to
     served.wait_idle()
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 40},
+                                  "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "additionalProperties": False, "required": ["timezone"],
+                                       "properties": {"timezone": {"type": "string", "maxLength": 40}}}}}
+
+
+def test_forced_tool_calls(served):
+    """tool_choice naming a function, or "required": the answer is a tool call whose arguments follow the
+    function's parameter schema (constrained decoding), finish_reason "stop" / "tool_calls"; streamed, the
+    call comes whole in one delta; a conversation carrying the call and its result is answered as text."""
+    pytest.importorskip("llguidance")
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = served.client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME], tool_choice=named,
+                                              max_tokens=60, temperature=0)
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and c.message.content is None and len(c.message.tool_calls) == 1
+    call = c.message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and call.type == "function" and call.id.startswith("call_")
+    assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+    req = served.client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME],
+                                                tool_choice="required", max_tokens=60, temperature=0)
+    rc = req.choices[0]
+    assert rc.finish_reason == "tool_calls" and rc.message.tool_calls[0].function.name in ("get_weather", "get_time")
+    json.loads(rc.message.tool_calls[0].function.arguments)
+    chunks = list(served.client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER],
+                                                        tool_choice=named, max_tokens=60, temperature=0, stream=True))
+    deltas = [d for ch in chunks for d in (ch.choices[0].delta.tool_calls or [])]
+    assert len(deltas) == 1 and deltas[0].function.name == "get_weather"
+    assert json.loads(deltas[0].function.arguments) == args and chunks[-1].choices[0].finish_reason == "stop"
+    history = msgs + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                      {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
+    reply = served.client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",
+                                                  max_tokens=12, temperature=0)
+    assert reply.choices[0].message.content and reply.choices[0].message.tool_calls is None
+    for body, param in (({"messages": msgs, "tools": [WEATHER]}, "tool_choice"),
+                        ({"messages": msgs, "tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+                        ({"messages": msgs, "tool_choice": "required"}, "tool_choice"),
+                        ({"messages": msgs, "tools": [WEATHER],
+                          "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+                        ({"messages": msgs, "tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
+                        ({"messages": msgs, "tools": [WEATHER], "tool_choice": "required",
+                          "response_format": {"type": "json_object"}}, "tool_choice"),
+                        ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+                        ({"messages": [{"role": "user"}]}, "messages")):
+        r = served.http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    served.wait_idle()
+
+
 def test_stop_string_mid_token(served, solo):
     """A stop string that spans tokens and ends inside one cuts the text there; the blocks are freed."""
     prompt = "The capital of France is"

@@ -323,6 +323,20 @@ class Choices:
                     await t
 
 
+def tool_call(req: P.ChatCompletionRequest, text: str) -> P.ToolCall | None:
+    """The call a forced tool choice's output makes: a named function's arguments as generated, or
+    "required"'s ``{"name", "arguments"}``; None if the text is not complete JSON (cut by max_tokens)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if isinstance(req.tool_choice, P.NamedToolChoice):
+        name, arguments = req.tool_choice.function.name, text.strip()
+    else:
+        name, arguments = value["name"], json.dumps(value["arguments"])
+    return P.ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=P.FunctionCall(name=name, arguments=arguments))
+
+
 class _EventStream(StreamingResponse):
     """A streaming response that closes its event iterator and releases its request however it ends (done,
     client gone, server stopping), even if the iterator never started."""
@@ -476,14 +490,17 @@ def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256, fo
                                   f"'{state.model_name}'", param="model", type="not_found_error",
                              code="model_not_found")
 
-    def chat_ids(messages: list[P.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        """The tokenizer's chat template over ``messages`` (APIError 400 naming ``messages`` when it has none or
-        rejects them)."""
+    def chat_ids(messages: list[P.ChatMessage], add_generation_prompt: bool = True,
+                 tools: list[P.Tool] | None = None) -> list[int]:
+        """The tokenizer's chat template over ``messages`` (and ``tools``, for templates that show them; APIError
+        400 naming ``messages`` when it has none or rejects them)."""
         if not tokenizer.chat_template:
             raise P.APIError(400, "messages: this model's tokenizer has no chat template; use a text prompt",
                              param="messages")
         try:
-            enc = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
+            enc = tokenizer.apply_chat_template([m.template_dict() for m in messages],
+                                                tools=[t.model_dump(exclude_none=True) for t in tools] if tools
+                                                else None,
                                                 add_generation_prompt=add_generation_prompt, tokenize=True)
         except Exception as e:  # noqa: BLE001 - a template may reject a conversation (roles, order) by raising
             raise P.APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
@@ -546,7 +563,7 @@ def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256, fo
         t0 = time.perf_counter()
         req = P.parse_request(await request.body(), P.ChatCompletionRequest)
         check_model(req)
-        ids = chat_ids(req.messages)
+        ids = chat_ids(req.messages, tools=req.tools)
         limit_field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         gen = Choices(state, req, [check_ids(list(ids), "messages")], req.output_limit, "chatcmpl", t0, limit_field)
         gen.start()
@@ -561,19 +578,46 @@ def create_app(engine, tokenizer, *, model_name: str, max_waiting: int = 256, fo
                 choices=[] if i is None else [P.ChatChunkChoice(
                     index=i, delta=delta, logprobs=None if lps is None else logprobs(lps), finish_reason=finish)])
 
+        calls = bool(req.forced_tools)
+
+        def answer(text: str, finish: str | None) -> tuple[P.ChatResponseMessage, str | None]:
+            """A choice's message and finish reason: its text, or the tool call the text makes (a forced call
+            cut short by max_tokens stays text, with finish_reason "length")."""
+            call = tool_call(req, text) if calls else None
+            if call is None:
+                return P.ChatResponseMessage(content=text), finish
+            # OpenAI's reasons: a call the model had to make among several is "tool_calls", a named one "stop".
+            return P.ChatResponseMessage(content=None, tool_calls=[call]), (
+                "stop" if isinstance(req.tool_choice, P.NamedToolChoice) else "tool_calls")
+
         if not req.stream:
-            return await _complete(gen, request, lambda pieces: P.ChatCompletionResponse(
-                id=gen.id, created=gen.created, model=state.model_name, usage=gen.usage(),
-                choices=[P.ChatChoice(index=i, message=P.ChatResponseMessage(content=p.text),
-                                      logprobs=logprobs(p.logprobs), finish_reason=g.finish_reason)
-                         for i, (p, g) in enumerate(zip(pieces, gen.gens))]))
+            def respond(pieces):
+                choices = []
+                for i, (p, g) in enumerate(zip(pieces, gen.gens)):
+                    message, finish = answer(p.text, g.finish_reason)
+                    choices.append(P.ChatChoice(index=i, message=message, logprobs=logprobs(p.logprobs),
+                                                finish_reason=finish))
+                return P.ChatCompletionResponse(id=gen.id, created=gen.created, model=state.model_name,
+                                                usage=gen.usage(), choices=choices)
+            return await _complete(gen, request, respond)
 
         async def events():
             for i in range(req.n):
                 yield _sse(chunk(i, P.ChatDelta(role="assistant", content="")))
+            held = [""] * req.n   # a forced tool call is sent whole once its arguments are complete
             async for i, piece in gen.pieces():
                 if piece is None:
-                    yield _sse(chunk(i, P.ChatDelta(), gen.gens[i].finish_reason))
+                    finish = gen.gens[i].finish_reason
+                    if calls:
+                        message, finish = answer(held[i], finish)
+                        if message.tool_calls:
+                            yield _sse(chunk(i, P.ChatDelta(tool_calls=[
+                                {"index": 0, **message.tool_calls[0].model_dump()}])))
+                        else:
+                            yield _sse(chunk(i, P.ChatDelta(content=message.content)))
+                    yield _sse(chunk(i, P.ChatDelta(), finish))
+                elif calls:
+                    held[i] += piece.text
                 else:
                     yield _sse(chunk(i, P.ChatDelta(content=piece.text), lps=piece.logprobs))
             if req.stream_options is not None and req.stream_options.include_usage:

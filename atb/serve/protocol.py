@@ -236,22 +236,84 @@ class CompletionRequest(_Request):
         return self.logprobs if self.echo else None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str
+    arguments: str   # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Any
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None   # an assistant's earlier calls
+    tool_call_id: str | None = None            # the call a tool message answers
 
     @field_validator("content")
     @classmethod
     def _text(cls, v):
-        # A string, or OpenAI's list of content parts of which only text parts are supported here.
-        if isinstance(v, str):
+        # A string, or OpenAI's list of content parts of which only text parts are supported here; None only
+        # where a message may have no content (checked per role in ChatCompletionRequest).
+        if v is None or isinstance(v, str):
             return v
         if isinstance(v, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                                        for p in v):
             return "".join(p["text"] for p in v)
         raise ValueError("must be a string or a list of {\"type\": \"text\", \"text\": ...} parts")
+
+    def template_dict(self) -> dict:
+        """The message as chat templates take it (HF's convention: a tool call's arguments as a dict; no content
+        is "", which templates that know nothing of tool calls can still concatenate)."""
+        m = {"role": self.role, "content": "" if self.content is None else self.content}
+        if self.tool_calls is not None:
+            m["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                               for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            m["name"] = self.name
+        return m
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Request):
@@ -259,11 +321,68 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # Function calling: a call is generated when tool_choice forces one ("required" or a named function), its
+    # arguments constrained to the function's parameter schema (what vLLM does without a tool-call parser).
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def validate_semantics(self) -> None:
         super().validate_semantics()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+        for i, m in enumerate(self.messages):
+            if m.content is None and not (m.role == "assistant" and m.tool_calls):
+                raise APIError(400, f"messages.{i}.content: required (only an assistant message with tool_calls "
+                                    f"may leave it out)", param="messages")
+            if m.tool_calls is not None and m.role != "assistant":
+                raise APIError(400, f"messages.{i}.tool_calls: only assistant messages carry tool calls",
+                               param="messages")
+            if m.role == "tool" and m.tool_call_id is None:
+                raise APIError(400, f"messages.{i}.tool_call_id: required in a tool message", param="messages")
+        choice = self.tool_choice
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise APIError(400, "tools: function names must be distinct", param="tools")
+        if choice not in (None, "none") and not self.tools:
+            raise APIError(400, "tool_choice: needs tools", param="tool_choice")
+        if choice == "auto" or (choice is None and self.tools):
+            raise APIError(400, "tool_choice: 'auto' (the default when tools are given) needs a tool-call parser "
+                                "for this model, which this server does not have; send 'required', a named "
+                                "function, or 'none'", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise APIError(400, f"tool_choice: no tool named {choice.function.name!r} (tools: {', '.join(names)})",
+                           param="tool_choice")
+        other = super().constraint_field != "response_format" or (
+            self.response_format is not None and self.response_format.type != "text")
+        if self.forced_tools and other:
+            raise APIError(400, "tool_choice: a forced tool call and another output constraint cannot be combined",
+                           param="tool_choice")
+
+    @property
+    def constraint_field(self) -> str:
+        return "tools" if self.forced_tools else super().constraint_field
+
+    @property
+    def forced_tools(self) -> list[FunctionDef]:
+        """The functions one of which the answer must call (empty: a plain answer)."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return [t.function for t in self.tools if t.function.name == choice.function.name]
+        return [t.function for t in self.tools] if choice == "required" else []
+
+    @property
+    def json_schema(self) -> dict | str | None:
+        """A named call's arguments follow its parameter schema; "required": one object naming a function and
+        holding its arguments. Otherwise response_format / guided_json."""
+        forced = self.forced_tools
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return forced[0].parameters
+        if forced:
+            return {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                               "properties": {"name": {"const": f.name}, "arguments": f.parameters}}
+                              for f in forced]}
+        return super().json_schema
 
     @property
     def top_logprobs_k(self) -> int | None:
@@ -387,7 +506,8 @@ class CompletionResponse(_Response):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Choice):
@@ -403,11 +523,13 @@ class ChatCompletionResponse(_Response):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict] | None = None   # [{"index", "id", "type", "function": {"name", "arguments"}}]
 
     @model_serializer
     def _present_only(self) -> dict:
         # OpenAI's deltas carry only what changed: {"role": ..., "content": ""}, {"content": ...}, {}.
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        return {k: v for k, v in (("role", self.role), ("content", self.content), ("tool_calls", self.tool_calls))
+                if v is not None}
 
 
 class ChatChunkChoice(_Choice):
