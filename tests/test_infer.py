@@ -223,6 +223,22 @@ def test_warp_matches_hf_logits_processors(kw):
     torch.testing.assert_close(ours.softmax(-1), ref.softmax(-1))
 
 
+def test_draw_follows_the_distribution_and_never_draws_zero_probability():
+    from atb.engine.sampling import draw, generator
+
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.0, 0.2])
+    g = generator(3)
+    counts = torch.bincount(torch.tensor([draw(probs, g) for _ in range(6000)]), minlength=5).double() / 6000
+    assert counts[1] == counts[3] == 0
+    assert (counts - probs.double()).abs().max() < 0.03   # ~5 sigma of 6000 draws
+    one_hot = torch.zeros(49152)
+    one_hot[49151] = 1.0
+    assert {draw(one_hot, g) for _ in range(50)} == {49151}
+    a, b = generator(9), generator(9)
+    wide = torch.rand(49152).softmax(-1)
+    assert [draw(wide, a) for _ in range(20)] == [draw(wide, b) for _ in range(20)]   # seeded: reproducible
+
+
 def test_sampling_seeded_and_top_k_1_is_greedy(tiny_llama):
     infer = atb.TransformerInfer(tiny_llama, max_seq_len=64, max_batch_size=4, block_size=8)
     prompts = [[1, 5, 9], [3, 4], [17, 2, 2, 90]]
