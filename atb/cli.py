@@ -256,7 +256,8 @@ def _engine(args):
         raise UserError("this command needs a tokenizer: use the default model or --model with a tokenizer")
     progress("building engine")
     infer = atb.TransformerInfer(model, max_seq_len=max_seq_len, soc_type=args.soc_type, dtype=dtype,
-                                 quantize=args.quantize, tp=tp if tp > 1 else None)
+                                 quantize=args.quantize, tp=tp if tp > 1 else None,
+                                 speculative_config=speculative_config(args))
     progress.done()
     return infer, tok, max_seq_len, lead
 
@@ -315,8 +316,12 @@ def cmd_generate(args) -> int:
     if not lead:
         return 0
     n = len(out)
+    spec = ""
+    if infer.speculative is not None:
+        st = infer.stats()
+        spec = f"; speculative: {st['spec_accepted_tokens']} of {st['spec_draft_tokens']} draft tokens accepted"
     print(f"[{n} tokens in {dt:.2f} s: {n / dt:.1f} tok/s incl. prefill of {len(ids)} prompt tokens; "
-          f"soc_type={args.soc_type}, dtype={args.dtype}]", file=sys.stderr)
+          f"soc_type={args.soc_type}, dtype={args.dtype}{spec}]", file=sys.stderr)
     return 0
 
 
@@ -588,6 +593,20 @@ def _engine_args(sp):
     sp.add_argument("--soc-type", default="host")
     sp.add_argument("--threads", type=_threads, default=None, help="atb threads (default: as set)")
     _quantize_arg(sp)
+    _speculative_arg(sp)
+
+
+def _speculative_arg(sp):
+    """--num-speculative-tokens of the commands that build an engine (generate, chat, serve)."""
+    sp.add_argument("--num-speculative-tokens", type=_NON_NEGATIVE_INT, default=0,
+                    help="speculative decoding by prompt lookup: draft tokens verified per step for greedy requests "
+                         "(0 = off; 3 is a good start)")
+
+
+def speculative_config(args) -> dict | None:
+    """The engine's speculative_config from --num-speculative-tokens (None: off)."""
+    k = getattr(args, "num_speculative_tokens", 0)
+    return {"num_speculative_tokens": k} if k else None
 
 
 def _quantize_arg(sp):
@@ -689,7 +708,7 @@ def _add_socs(sub):
 def _add_serve(sub):
     from atb.serve.cli import add_parser
 
-    add_parser(sub, _model_args, _quantize_arg)
+    add_parser(sub, _model_args, _quantize_arg, _speculative_arg)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -190,7 +190,7 @@ class DecodeGraph:
         g = cls.from_weights(config, runner.layers, embed=runner.embed, final_norm=runner.final_norm,
                              lm_head=runner.lm_head, cos=runner.cos, sin=runner.sin,
                              key_caches=runner.cache.key_caches, value_caches=runner.cache.value_caches,
-                             max_batch=runner.max_batch_size, soc_type=runner.soc_type)
+                             max_batch=runner.max_step_rows, soc_type=runner.soc_type)
         if tp is not None:
             g.set_all_reduce(tp.all_reduce)
         return g

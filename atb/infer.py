@@ -52,6 +52,7 @@ from atb.engine.params import SamplingParams
 from atb.engine.runner import ModelRunner, as_id_list
 from atb.engine.sampling import request_seed
 from atb.engine.scheduler import Scheduler
+from atb.engine.speculative import SpeculativeConfig
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -118,6 +119,11 @@ class TransformerInfer(Engine):
         tp: tensor-parallel size. ``tp > 1`` without ``tp_group`` uses the default process group (joined
             from torchrun's environment if not yet initialized, ``atb.distributed.init_process_group``);
             it must have ``tp`` ranks.
+        speculative_config: speculative decoding by prompt lookup (``atb.engine.speculative``): a dict of
+            ``SpeculativeConfig`` fields (e.g. ``{"num_speculative_tokens": 3}``) or a ``SpeculativeConfig``.
+            Greedy requests then draft the tokens that followed the latest earlier occurrence of their last
+            few tokens and verify them in one decode step; the tokens are those of plain greedy decoding.
+            Off by default. ``stats()`` counts the drafts verified and accepted.
         tokenizer: the model's HF (fast) tokenizer; only structured output needs it
             (``SamplingParams(json_schema=...)`` / ``regex=``). ``infer.tokenizer`` may be set later.
         tp_group: the ``torch.distributed`` process group to split the model over (its size is the tp size).
@@ -133,7 +139,7 @@ class TransformerInfer(Engine):
     def __init__(self, model, max_seq_len: int = 2048, soc_type: str = "host", *, max_batch_size: int = 8,
                  block_size: int = 128, dtype: torch.dtype | None = None, graph_mode: bool = True,
                  max_prefill_tokens: int | None = None, quantize=None, enable_prefix_caching: bool = False,
-                 tp: int | None = None, tp_group=None, tokenizer=None):
+                 tp: int | None = None, tp_group=None, tokenizer=None, speculative_config=None):
         from atb.registry import get_adapter
 
         from_path = isinstance(model, (str, os.PathLike))
@@ -162,6 +168,7 @@ class TransformerInfer(Engine):
                 raise TypeError(f"TransformerInfer: model must be a loaded HF causal LM or a model directory, "
                                 f"got {type(model).__name__}")
         self.adapter = get_adapter(config)  # ValueError naming the supported families
+        speculative = SpeculativeConfig.resolve(speculative_config)
         if max_prefill_tokens is None:
             max_prefill_tokens = max(2048, max_seq_len)
         for name, v in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size), ("block_size", block_size),
@@ -182,7 +189,7 @@ class TransformerInfer(Engine):
         if from_path or tp_comm is not None:
             model = self._load_shard(model, config, dtype, tp_comm, max_seq_len=max_seq_len,
                                      max_batch_size=max_batch_size, block_size=block_size, graph_mode=graph_mode,
-                                     max_prefill_tokens=max_prefill_tokens)
+                                     max_prefill_tokens=max_prefill_tokens, speculative=speculative)
         self.tp = tp_comm
         self.dtype = self._resolve_dtype(model, dtype)
         self.config = config
@@ -200,9 +207,9 @@ class TransformerInfer(Engine):
                                           enable_prefix_caching=enable_prefix_caching)
         runner = ModelRunner(model, local, dtype=self.dtype, soc_type=soc_type, max_seq_len=max_seq_len,
                              max_batch_size=max_batch_size, cache=cache, graph_mode=graph_mode, quantize=quantize,
-                             tp=tp_comm)
+                             tp=tp_comm, max_step_rows=speculative.max_step_rows if speculative else None)
         self._init_engine(runner, Scheduler(cache, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                                            max_prefill_tokens=max_prefill_tokens), tokenizer)
+                                            max_prefill_tokens=max_prefill_tokens), tokenizer, speculative)
         self.graph_mode = graph_mode
         from atb.quant.engine import describe
 

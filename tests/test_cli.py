@@ -2,6 +2,7 @@
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -53,6 +54,18 @@ def test_generate_matches_transformer_infer(smollm2_fp32):
     out = atb.TransformerInfer(model, max_seq_len=2048).generate([list(ids)], max_new_tokens=12)[0]
     assert r.stdout.strip() == tok.decode(out, skip_special_tokens=True).strip()
     assert "Paris" in r.stdout
+
+
+def test_generate_with_speculative_decoding_gives_the_same_reply(smollm2_fp32):
+    model, tok = smollm2_fp32
+    prompt = ("Add docstrings to this Python class:\n\nclass Stack:\n    def __init__(self):\n        self.items = []\n\n"
+              "    def push(self, item):\n        self.items.append(item)\n")
+    plain = run("generate", prompt, "--max-new-tokens", "40", "--quiet")
+    spec = run("generate", prompt, "--max-new-tokens", "40", "--quiet", "--num-speculative-tokens", "3")
+    assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
+    assert spec.stdout == plain.stdout and "class Stack" in spec.stdout
+    accepted = re.search(r"speculative: (\d+) of (\d+) draft tokens accepted", spec.stderr)
+    assert accepted and 0 < int(accepted[1]) <= int(accepted[2]), spec.stderr
 
 
 def test_check_supported_and_unsupported(tmp_path):
@@ -109,6 +122,7 @@ def gpt2_dir(tmp_path_factory):
     (("generate", "hi", "--repetition-penalty", "0"), "--repetition-penalty"),
     (("generate", "hi", "--threads", "0"), "--threads"),
     (("generate", "hi", "--threads", "99"), "--threads"),
+    (("generate", "hi", "--num-speculative-tokens", "-2"), "--num-speculative-tokens"),
     (("chat", "--max-new-tokens", "x"), "--max-new-tokens"),
     (("bench", "--threads", "0"), "--threads"),
     (("bench", "--json", "/no/such/dir/out.json"), "does not exist"),

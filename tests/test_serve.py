@@ -41,12 +41,12 @@ def _free_socket() -> socket.socket:
 
 
 class Served:
-    def __init__(self, model, tok, api_key=None):
+    def __init__(self, model, tok, api_key=None, speculative=None):
         self.tok = tok
         # A small prefill budget, so concurrent prompts are chunked over steps (as the CLI's 512 does with long
         # prompts) and every test below checks chunked prefill through HTTP too.
         self.infer = atb.TransformerInfer(model, max_seq_len=MAX_SEQ_LEN, max_batch_size=MAX_BATCH,
-                                          max_prefill_tokens=24)
+                                          max_prefill_tokens=24, speculative_config=speculative)
         self.app = create_app(self.infer, tok, model_name=MODEL, max_waiting=64, api_key=api_key)
         self.state = self.app.state.atb
         sock = _free_socket()
@@ -462,6 +462,40 @@ def test_api_key_guards_the_v1_routes(model_tok, solo):
         s.close()
     with pytest.raises(ValueError, match="api_key"):
         create_app(s.infer, s.tok, model_name=MODEL, api_key="")
+
+
+def test_speculative_decoding_serves_the_plain_tokens(model_tok, solo):
+    """A server whose engine speculates: greedy replies (streamed or not, alone or 4 at once, with a stop string)
+    are those of plain decoding, and /metrics counts the drafts."""
+    s = Served(*model_tok, speculative={"num_speculative_tokens": 3})
+    try:
+        code = "def area(width, height):\n    return width * height\n"
+        prompts = [_chat_ids(s.tok, f"Copy this code exactly, {k} times:\n\n{code}") for k in ("two", "three")]
+        prompts += [s.tok(f"{i}, {i + 1}, {i + 2}, {i + 3}, {i + 4}, ")["input_ids"] for i in (1, 40)]
+        want = [solo(ids, 48) for ids in prompts]
+        r = s.client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=48, temperature=0)
+        assert r.choices[0].text == _text(s.tok, want[0]) and r.usage.completion_tokens == len(want[0])
+        stream = s.client.completions.create(model=MODEL, prompt=prompts[2], max_tokens=48, temperature=0,
+                                             stream=True)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == _text(s.tok, want[2])
+
+        async def one(ids):
+            r = await s.aclient.completions.create(model=MODEL, prompt=ids, max_tokens=48, temperature=0)
+            return r.choices[0].text
+
+        async def all_():
+            return await asyncio.gather(*[one(ids) for ids in prompts])
+
+        assert asyncio.run(all_()) == [_text(s.tok, w) for w in want]
+        text = _text(s.tok, want[3])
+        stop = text[len(text) // 2:len(text) // 2 + 3]
+        r = s.client.completions.create(model=MODEL, prompt=prompts[3], max_tokens=48, temperature=0, stop=[stop])
+        assert r.choices[0].text == text[:text.index(stop)] and r.choices[0].finish_reason == "stop"
+        m = s.wait_idle()
+        assert 0 < m["atb_spec_decode_accepted_tokens_total"] <= m["atb_spec_decode_draft_tokens_total"]
+        assert m["atb_spec_decode_steps_total"] > 0
+    finally:
+        s.close()
 
 
 def test_tokenize_and_detokenize(served):

@@ -35,6 +35,7 @@ from atb.engine.params import RequestOutput, SamplingParams
 from atb.engine.runner import ModelRunner
 from atb.engine.sampling import generator, select, token_logprobs
 from atb.engine.scheduler import Request, Scheduler
+from atb.engine.speculative import NgramDrafter, SpeculativeConfig
 from atb.runtime import pool_launches_off_main_thread
 
 log = logging.getLogger("atb.engine")
@@ -65,10 +66,14 @@ class Engine:
     runner: ModelRunner
     scheduler: Scheduler
 
-    def _init_engine(self, runner: ModelRunner, scheduler: Scheduler, tokenizer=None) -> None:
+    def _init_engine(self, runner: ModelRunner, scheduler: Scheduler, tokenizer=None,
+                     speculative: SpeculativeConfig | None = None) -> None:
         self.runner = runner
         self.scheduler = scheduler
         self.tokenizer = tokenizer
+        self.speculative = speculative
+        # Speculation counters (stats()): verification steps, draft tokens verified, drafts accepted.
+        self._spec_steps = self._spec_drafted = self._spec_accepted = 0
         self._grammars = None     # built from the tokenizer by the first constrained request
         self._lock = threading.RLock()
         self._local = threading.local()   # per thread: inside a stream callback?
@@ -200,7 +205,9 @@ class Engine:
         ``kv_blocks_used`` are held by requests, ``kv_blocks_cached`` are held by none but keep a prefix's K/V
         for reuse (evicted when needed, so they are available too), ``kv_blocks_free`` are neither; the three
         add up to ``kv_blocks_total``. ``prefix_cache_queries`` / ``prefix_cache_hits``: prompt tokens looked
-        up in the prefix cache on admission / found there (0 with prefix caching off).
+        up in the prefix cache on admission / found there (0 with prefix caching off). Speculative decoding
+        (``speculative_config``): ``spec_decode_steps`` verification steps run, ``spec_draft_tokens`` draft
+        tokens verified in them, ``spec_accepted_tokens`` of those accepted (0 without speculation).
         """
         with self._lock:
             s, cache = self.scheduler, self.scheduler.cache
@@ -208,7 +215,8 @@ class Engine:
                     "waiting": len(s.waiting), "kv_blocks_total": cache.num_blocks,
                     "kv_blocks_used": cache.used_blocks, "kv_blocks_free": cache.free_blocks,
                     "kv_blocks_cached": cache.cached_blocks, "prefix_cache_queries": cache.query_tokens,
-                    "prefix_cache_hits": cache.hit_tokens}
+                    "prefix_cache_hits": cache.hit_tokens, "spec_decode_steps": self._spec_steps,
+                    "spec_draft_tokens": self._spec_drafted, "spec_accepted_tokens": self._spec_accepted}
 
     # ---- the step -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -266,9 +274,12 @@ class Engine:
         request is greedy, none waits for admission or prefill (continuous batching admits only between
         calls), and each has that many tokens left to generate (its blocks are reserved for them at
         admission: Scheduler.reserve_tokens). A request that stops early (EOS) drops the tokens computed
-        past its end."""
+        past its end. With speculative decoding on, every step is one: a draft may appear after any token (SmolLM2
+        bf16 on 2 Zen 3 cores, 11 chat tasks: 20.8 s with single steps, 23.5 s with 8 back to back, 27.4 s
+        without speculation)."""
         sched = self.scheduler
-        if max_steps <= 1 or not greedy or not self.runner.multi_step or sched.waiting or sched.prefilling:
+        if (max_steps <= 1 or not greedy or not self.runner.multi_step or sched.waiting or sched.prefilling
+                or self.speculative is not None):
             return 1
         left = min(min(r.params.max_new_tokens - len(r.out), self.runner.max_seq_len - r.length)
                    for r in running)
@@ -312,13 +323,17 @@ class Engine:
                 for i, r in enumerate(running):
                     bt[i, :len(r.table)] = torch.tensor(r.table, dtype=torch.int32)
                 sched.rows_dirty = False
+            greedy = all(r.params.greedy_only for r in running)
+            drafts = self._drafts(running) if greedy and self.speculative is not None else None
+            if drafts is not None:
+                self._verify(running, drafts, touched)
+                return list(touched.values())
             # The last token of each request goes in at position length - 1.
             meta = []
             for r in running:
                 pos = r.length - 1
                 meta.append((r.out[-1], pos, pos + 1, r.table[pos // bs] * bs + pos % bs))
             tok_ids, positions, ctx, slots = torch.tensor(meta, dtype=torch.int32).t().contiguous()
-            greedy = all(r.params.greedy_only for r in running)
             steps = self._decode_steps(running, greedy, max_decode_steps)
             if steps > 1:
                 rows = [[(t, None) for t in toks] for toks in runner.decode_greedy(steps, tok_ids, positions, bt[:n],
@@ -335,6 +350,65 @@ class Engine:
                     if self._emit(r, t, lp):
                         sched.finish(r, r.reason)
         return list(touched.values())
+
+    # ---- speculative decoding (atb.engine.speculative) ---------------------------------------------------
+    def _drafts(self, running: list[Request]) -> list[list[int]] | None:
+        """Each running request's draft tokens for this step, trimmed to the step's row budget and to what the
+        request may still generate; None when no request has one (the step is then a plain decode step)."""
+        cfg, sched = self.speculative, self.scheduler
+        spare = min(cfg.max_step_rows, self.runner.max_step_rows) - len(running)
+        if spare <= 0:
+            return None
+        drafts = []
+        for r in running:
+            # Accepting k drafts emits k + 1 tokens: at most what max_new_tokens and max_seq_len leave.
+            k = min(cfg.num_speculative_tokens, spare, r.params.max_new_tokens - len(r.out) - 1,
+                    sched.max_seq_len - r.length - 1)
+            if k <= 0:
+                drafts.append([])
+                continue
+            if r.drafter is None:
+                r.drafter = NgramDrafter(r.prompt, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            d = r.drafter.propose(r.out, k)
+            spare -= len(d)
+            drafts.append(d)
+        return drafts if any(drafts) else None
+
+    def _verify(self, running: list[Request], drafts: list[list[int]], touched: dict) -> None:
+        """One decode step over every request's last token and its drafts (a row each, at consecutive positions,
+        so each row attends causally to the rows before it); emits each request's accepted drafts and the token
+        its first rejected row (or its last row) picked."""
+        bs = self.scheduler.cache.block_size
+        batch = list(running)   # finishing a request removes it from the scheduler's list
+        meta, owner = [], []
+        for i, (r, d) in enumerate(zip(batch, drafts)):
+            start = r.length - 1
+            for j, t in enumerate([r.out[-1]] + d):
+                pos = start + j
+                meta.append((t, pos, pos + 1, r.table[pos // bs] * bs + pos % bs))
+                owner.append(i)
+        tok_ids, positions, ctx, slots = torch.tensor(meta, dtype=torch.int32).t().contiguous()
+        tables = self._block_tables.index_select(0, torch.tensor(owner))
+        logits, toks = self.runner.decode(tok_ids, positions, tables, ctx, slots, True)
+        if toks is None:   # the Python executor returns logits: argmax them as a plain greedy step does
+            toks = [t for t, _ in self._sample(logits, [batch[i] for i in owner])]
+        self._spec_steps += 1
+        row = 0
+        for r, d in zip(batch, drafts):
+            picked = toks[row:row + len(d) + 1]
+            row += len(d) + 1
+            ok = 0
+            while ok < len(d) and picked[ok] == d[ok]:
+                ok += 1
+            self._spec_drafted += len(d)
+            self._spec_accepted += ok
+            if d:
+                r.drafter.accepted(len(d), ok)
+            touched[id(r)] = r
+            for t in picked[:ok + 1]:
+                if self._emit(r, t):
+                    self.scheduler.finish(r, r.reason)
+                    break
 
     def _prefill(self, chunks: list[tuple[Request, int, int]]) -> torch.Tensor:
         """Prefills prompt chunks ``(request, start, end)`` into their blocks; logits of each chunk's last token.

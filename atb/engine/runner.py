@@ -50,7 +50,7 @@ class ModelRunner:
     """Weights and executors of one model in one compute dtype, over ``cache``."""
 
     def __init__(self, model, adapter, *, dtype: torch.dtype, soc_type: str, max_seq_len: int, max_batch_size: int,
-                 cache: PagedKVCache, graph_mode: bool, quantize=None, tp=None):
+                 cache: PagedKVCache, graph_mode: bool, quantize=None, tp=None, max_step_rows: int | None = None):
         spec = adapter.spec
         unsupported = adapter.unsupported_reasons()
         if unsupported:
@@ -63,6 +63,8 @@ class ModelRunner:
         self.cache = cache
         self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size
+        # Rows one decode step may compute: a row per sequence, more when speculative decoding verifies drafts.
+        self.max_step_rows = max(max_batch_size, max_step_rows or 0)
         w = self._w
         from atb.quant.engine import resolve
 
@@ -106,8 +108,8 @@ class ModelRunner:
             from atb.graph import DecodeGraph
 
             self.graph = DecodeGraph.from_runner(self)
-            self._logits_buf = torch.empty(max_batch_size, self.lm_head.shape[0], dtype=dtype)
-            self._argmax_buf = torch.empty(max_batch_size, dtype=torch.int32)
+            self._logits_buf = torch.empty(self.max_step_rows, self.lm_head.shape[0], dtype=dtype)
+            self._argmax_buf = torch.empty(self.max_step_rows, dtype=torch.int32)
 
     def _w(self, t: torch.Tensor) -> torch.Tensor:
         """The runner's view of a parameter: the same storage unless a dtype conversion was asked for."""
@@ -263,5 +265,5 @@ class ModelRunner:
         hidden, inter, vocab = self.embed.shape[1], self.layers[0].gate.shape[0], self.lm_head.shape[0]
         s = self.shape
         qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
-        return scratch + self.max_batch_size * item * (3 * hidden + qkv + s.num_heads * s.head_dim + 3 * inter
+        return scratch + self.max_step_rows * item * (3 * hidden + qkv + s.num_heads * s.head_dim + 3 * inter
                                                        + vocab)

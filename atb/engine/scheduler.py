@@ -41,7 +41,7 @@ class Request:
     """One prompt being generated: its tokens so far, its sampling state and where it stands."""
 
     __slots__ = ("request_id", "prompt", "params", "eos", "out", "logprobs", "prompt_lps", "table", "seen", "bias",
-                 "constraint", "gen",
+                 "constraint", "gen", "drafter",
                  "reason", "reported", "streamed", "keys", "cached", "keyed", "prefilled")
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, eos: frozenset,
@@ -59,6 +59,7 @@ class Request:
         self.bias = logit_bias_tensors(params)
         self.constraint = None       # its grammar state (atb.engine.structured), when the output is constrained
         self.gen = gen
+        self.drafter = None          # its prompt-lookup index (atb.engine.speculative), once it speculates
         self.reason: str | None = None
         self.reported = 0            # tokens already handed out in a RequestOutput
         self.streamed = 0            # tokens already handed to generate's stream callback

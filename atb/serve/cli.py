@@ -13,12 +13,13 @@ import os
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
-def add_parser(sub, model_args, quantize_arg) -> None:
+def add_parser(sub, model_args, quantize_arg, speculative_arg) -> None:
     """Adds ``serve`` to the subparsers ``sub``; ``model_args`` adds the shared --model/--dtype/--quiet,
-    ``quantize_arg`` the shared --quantize."""
+    ``quantize_arg`` the shared --quantize, ``speculative_arg`` --num-speculative-tokens."""
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching (needs atb[serve])")
     model_args(s)
     quantize_arg(s)
+    speculative_arg(s)
     s.add_argument("--served-model-name", help="the model id clients name (default: the checkpoint's name)")
     s.add_argument("--soc-type", default="host")
     s.add_argument("--threads", type=int, default=0, help="threads for atb (default: torch's)")
@@ -49,7 +50,8 @@ def add_parser(sub, model_args, quantize_arg) -> None:
 
 
 def cmd_serve(args) -> int:
-    from atb.cli import Progress, UserError, _check_soc_dtype, _load, _torch_dtype, check_quantize_args
+    from atb.cli import (Progress, UserError, _check_soc_dtype, _load, _torch_dtype, check_quantize_args,
+                         speculative_config)
 
     try:
         import fastapi  # noqa: F401
@@ -91,14 +93,15 @@ def cmd_serve(args) -> int:
         engine = atb.TransformerInfer(model, max_seq_len=args.max_seq_len, soc_type=args.soc_type, dtype=dtype,
                                       max_batch_size=args.max_batch_size, max_prefill_tokens=args.max_prefill_tokens,
                                       enable_prefix_caching=not args.no_prefix_caching, quantize=args.quantize,
-                                      tp=args.tp if args.tp > 1 else None)
+                                      tp=args.tp if args.tp > 1 else None,
+                                      speculative_config=speculative_config(args))
     except ValueError as e:
         raise UserError(str(e)) from None
     progress.done()
     logging.getLogger("atb.serve").info(
-        "serving %s: dtype %s, weights %s, max batch %d, max seq len %d, on http://%s:%d", label,
-        str(engine.dtype).replace("torch.", ""), engine.quantize or "float", args.max_batch_size, args.max_seq_len,
-        args.host, args.port)
+        "serving %s: dtype %s, weights %s, max batch %d, max seq len %d, speculative tokens %d, on http://%s:%d",
+        label, str(engine.dtype).replace("torch.", ""), engine.quantize or "float", args.max_batch_size,
+        args.max_seq_len, args.num_speculative_tokens, args.host, args.port)
     if args.tp > 1:
         return _serve_tp(args, engine, tok, label, lead)
     app = create_app(engine, tok, model_name=args.served_model_name or label, max_waiting=args.max_waiting,

@@ -97,6 +97,16 @@ class Metrics:
                    "KV cache blocks held by no request, kept for prefix reuse until the pool needs them."))
         for name, key, help_ in gauges:
             metric(name, "gauge", help_, [f" {stats[key]}"])
+        counters = (("prefix_cache_queries_total", "prefix_cache_queries",
+                     "Prompt tokens looked up in the prefix cache on admission."),
+                    ("prefix_cache_hits_total", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+                    ("spec_decode_steps_total", "spec_decode_steps",
+                     "Speculative decoding: decode steps that verified draft tokens."),
+                    ("spec_decode_draft_tokens_total", "spec_draft_tokens", "Speculative decoding: draft tokens verified."),
+                    ("spec_decode_accepted_tokens_total", "spec_accepted_tokens",
+                     "Speculative decoding: draft tokens accepted (each one a decode step saved)."))
+        for name, key, help_ in counters:
+            metric(name, "counter", help_, [f" {stats.get(key, 0)}"])
         if "tp_control_messages" in stats:   # serving under tensor parallelism (atb.serve.tp)
             metric("tp_control_messages_total", "counter", "Control messages rank 0 broadcast to the other ranks.",
                    [f" {stats['tp_control_messages']}"])

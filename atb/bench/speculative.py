@@ -1,0 +1,165 @@
+"""Speculative decoding by prompt lookup on SmolLM2-135M: greedy generate tok/s with and without it.
+
+    python -m atb.bench.speculative [--dtype bfloat16] [--new 128] [--repeats 3] [--tokens 3]
+                                    [--lookup-min 2] [--lookup-max 8] [--no-hf] [--threads N] [--json]
+
+Each task is a chat prompt answered greedily (up to ``--new`` tokens, EOS
+ends it), one request at a time, by:
+
+* ``hf``: HF eager ``model.generate`` (the stock path);
+* ``hf-lookup``: HF eager with its own prompt lookup
+  (``prompt_lookup_num_tokens`` = the largest ``--tokens``);
+* ``atb``: ``TransformerInfer.generate`` (graph mode);
+* ``atb-k<K>``: the same with ``speculative_config`` (k = K draft tokens).
+
+The variants run interleaved, task after task, ``--repeats`` times; each
+cell is the median of tokens / wall time of the whole ``generate`` call
+(prefill included). ``acc/step``: draft tokens accepted per verification
+step; ``tok/fwd``: tokens produced per decode forward (plain decode is 1).
+The speculative tokens must equal plain ``atb``'s (``same``); HF's are shown for
+reference (bf16 kernels round differently, so a near tie may split).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from atb.bench.roofline import add_table_or_json_args, apply_threads, json_results, print_table_head
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+_CODE = '''def fibonacci(n):
+    """Return the n-th Fibonacci number."""
+    if n < 2:
+        return n
+    return fibonacci(n - 1) + fibonacci(n - 2)
+
+
+def print_table(rows):
+    for row in rows:
+        print(" | ".join(str(cell) for cell in row))
+'''
+
+_PARAGRAPH = ("The Amazon rainforest covers much of the Amazon basin of South America. The basin spans seven million "
+              "square kilometres, of which five and a half million are covered by the rainforest. The region includes "
+              "territory belonging to nine nations, and most of the forest lies within Brazil.")
+
+# (name, user message): tasks whose answers copy from their context, then free prose.
+TASKS = [
+    ("code-edit", "Rewrite this Python code, renaming fibonacci to fib and rows to table:\n\n" + _CODE),
+    ("json", "Write this as a JSON list of objects with keys name, age and city: Alice is 30 and lives in Paris. "
+             "Bob is 25 and lives in Berlin. Carol is 41 and lives in Madrid. Dave is 35 and lives in Rome."),
+    ("quote", "Here is a paragraph:\n\n" + _PARAGRAPH + "\n\nCopy the paragraph exactly, then give it a title."),
+    ("list", "List the twelve months of the year, one per line, each with its number of days."),
+    ("summary", "Summarize this paragraph in two sentences:\n\n" + _PARAGRAPH),
+    ("prose", "Write a short story about a lighthouse keeper."),
+]
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    return tok(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                       tokenize=False), add_special_tokens=False)["input_ids"]
+
+
+def _timed(fn) -> tuple[list[int], float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def main(argv=None) -> list[dict]:
+    import atb
+    from atb.checkpoints import load_model
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    ap.add_argument("--new", type=int, default=128, help="max new tokens per task")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", default="3", help="comma-separated num_speculative_tokens values to run")
+    ap.add_argument("--lookup-min", type=int, default=2, help="prompt_lookup_min")
+    ap.add_argument("--lookup-max", type=int, default=8, help="prompt_lookup_max")
+    ap.add_argument("--tasks", default=",".join(n for n, _ in TASKS), help="comma-separated subset of the tasks")
+    ap.add_argument("--no-hf", action="store_true", help="skip the two HF eager variants")
+    add_table_or_json_args(ap)
+    args = ap.parse_args(argv)
+    apply_threads(args.threads)
+    ks = [int(k) for k in args.tokens.split(",")]
+    tasks = [(n, t) for n, t in TASKS if n in args.tasks.split(",")]
+
+    model, tok = load_model(dtype=_DTYPES[args.dtype])
+    model.eval()
+    max_seq_len = 1024
+    plain = atb.TransformerInfer(model, max_seq_len=max_seq_len, max_batch_size=1)
+    specs = {k: atb.TransformerInfer(model, max_seq_len=max_seq_len, max_batch_size=1, speculative_config={
+        "num_speculative_tokens": k, "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max})
+        for k in ks}
+    prompts = {n: chat_ids(tok, t) for n, t in tasks}
+
+    def hf(ids, lookup):
+        x = torch.tensor([ids])
+        extra = {"prompt_lookup_num_tokens": max(ks)} if lookup else {}
+        with torch.no_grad():
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.new, do_sample=False,
+                               pad_token_id=tok.eos_token_id, **extra)
+        return y[0, len(ids):].tolist()
+
+    variants = {} if args.no_hf else {"hf": lambda ids: hf(ids, False), "hf-lookup": lambda ids: hf(ids, True)}
+    variants["atb"] = lambda ids: plain.generate([ids], args.new)[0]
+    for k, infer in specs.items():
+        variants[f"atb-k{k}"] = lambda ids, infer=infer: infer.generate([ids], args.new)[0]
+    for fn in variants.values():   # warm-up: kernels, allocator, HF's first call
+        fn(prompts[tasks[0][0]][:16])
+
+    info = atb.build_info()
+    results = []
+    if not args.json:
+        print_table_head(f"SmolLM2-135M {args.dtype}, greedy, batch 1, up to {args.new} new tokens, prompt lookup "
+                         f"n = {args.lookup_max}..{args.lookup_min} | {info['processor']} isa {info['isa']} | "
+                         f"threads={torch.get_num_threads()} | median of {args.repeats}",
+                         f"{'task':10} {'variant':10} {'tokens':>6} {'tok/s':>7} {'x hf':>6} {'x atb':>6} "
+                         f"{'acc/step':>8} {'tok/fwd':>7} | tokens")
+    for name, _ in tasks:
+        ids = prompts[name]
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        outs, counters = {}, {}
+        for _ in range(args.repeats):
+            for v, fn in variants.items():
+                infer = specs.get(int(v[5:])) if v.startswith("atb-k") else None
+                before = infer.stats() if infer is not None else None
+                out, dt = _timed(lambda: fn(ids))
+                times[v].append(dt)
+                outs[v] = out
+                if infer is not None:
+                    after = infer.stats()
+                    counters[v] = {key: after[key] - before[key] for key in
+                                   ("spec_decode_steps", "spec_draft_tokens", "spec_accepted_tokens")}
+        rate = {v: len(outs[v]) / statistics.median(times[v]) for v in variants}
+        for v in variants:
+            c = counters.get(v)
+            steps = c["spec_decode_steps"] if c else 0
+            # Decode forwards: one per generated token but the first (prefill), less what verification saved.
+            forwards = len(outs[v]) - 1 - (c["spec_accepted_tokens"] if c else 0)
+            row = {"task": name, "variant": v, "dtype": args.dtype, "tokens": len(outs[v]), "tok_s": rate[v],
+                   "x_hf": rate[v] / rate["hf"] if "hf" in rate else None, "x_atb": rate[v] / rate["atb"],
+                   "accepted_per_step": c["spec_accepted_tokens"] / steps if steps else None,
+                   "tokens_per_forward": (len(outs[v]) - 1) / forwards if forwards > 0 and v.startswith("atb")
+                   else None,
+                   "same_as_atb": outs[v] == outs["atb"], "same_as_hf": outs[v] == outs["hf"] if "hf" in outs else None,
+                   **(c or {})}
+            results.append(row)
+            if not args.json:
+                f = lambda x, spec: format(x, spec) if x is not None else "-"  # noqa: E731
+                same = "same" if row["same_as_atb"] else "DIFFERENT"
+                if row["same_as_hf"] is not None:
+                    same += ", = hf" if row["same_as_hf"] else ", != hf"
+                print(f"{name:10} {v:10} {row['tokens']:6d} {row['tok_s']:7.1f} {f(row['x_hf'], '6.2f')} "
+                      f"{row['x_atb']:6.2f} {f(row['accepted_per_step'], '8.2f')} "
+                      f"{f(row['tokens_per_forward'], '7.2f')} | {same}", flush=True)
+    return json_results(results, args.json)
+
+
+if __name__ == "__main__":
+    main()

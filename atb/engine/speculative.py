@@ -1,0 +1,133 @@
+"""Speculative decoding by prompt lookup: n-gram drafts, verified in one decode step.
+
+A decode step reads every weight once whatever its row count, and at small
+batches it is bound by those bytes: on a 2-core Zen 3, SmolLM2's bf16 graph
+step over 4 rows takes 1.05-1.15x the time of 1 row. So a greedy request
+whose next tokens can be guessed gets several of them for about the price of
+one step. The guess here is prompt lookup (llama.cpp's lookup decoding, vLLM's
+``ngram`` method, HF's ``prompt_lookup_num_tokens``): the sequence's last n
+tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) are looked
+up in the sequence itself, and the tokens that followed their most recent
+earlier occurrence are the draft. Text that copies from its context (edits,
+extraction, quoting, code, structured data, repetition loops) drafts well;
+free prose rarely matches, and then no draft is made and the step is a plain
+decode step.
+
+Verification (`atb.engine.engine.Engine`) runs the request's last token and its
+k draft tokens as k + 1 rows of an ordinary decode step: row j sits at position
+``length - 1 + j`` with context ``length + j``, so paged attention gives it
+exactly the causal attention of a one-token step there, and every layer writes
+all rows' K/V before any row attends. Row j's argmax is the token after draft
+j; drafts are accepted while they equal it, and the first row that disagrees
+contributes its own token. The rows are computed by the same kernels as a
+decode step of that many rows, so greedy output is the output without
+speculation (bit for bit while the step's row count stays within one kernel
+choice of the routing policy). The K/V a rejected draft wrote lies past the
+sequence's end and is overwritten by the next step before anything reads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How an engine speculates (``TransformerInfer(speculative_config=...)``; a dict of these fields works too).
+
+    num_speculative_tokens: draft tokens verified per request and step (k; the step computes k + 1 rows).
+    prompt_lookup_max / prompt_lookup_min: the longest / shortest n-gram looked up (longest first).
+    max_step_rows: rows a verification step may compute over the whole batch; drafts are trimmed, first come
+        first served, to fit (each running request keeps its one row). At larger batches a step is bound by
+        arithmetic rather than by the weight bytes, and extra rows stop being nearly free.
+    """
+
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 8
+    prompt_lookup_min: int = 2
+    max_step_rows: int = 8
+    method: str = "ngram"
+
+    def __post_init__(self):
+        op = "speculative_config"
+        if self.method != "ngram":
+            raise ValueError(f"{op}: method must be 'ngram' (prompt lookup), got {self.method!r}")
+        for f in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_step_rows"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{op}: {f} must be an int >= 1, got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"{op}: prompt_lookup_min ({self.prompt_lookup_min}) is larger than prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        if self.max_step_rows < 2:
+            raise ValueError(f"{op}: max_step_rows must be >= 2 (a request's row and one draft), got "
+                             f"{self.max_step_rows}")
+
+    @classmethod
+    def resolve(cls, value) -> SpeculativeConfig | None:
+        """None, a SpeculativeConfig, or a dict of its fields (vLLM's ``speculative_config`` keys)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise ValueError(f"speculative_config: unknown key {unknown[0]!r}; known keys: {', '.join(sorted(known))}")
+            return cls(**value)
+        raise TypeError(f"speculative_config must be a dict, an atb.engine.SpeculativeConfig or None, got "
+                        f"{type(value).__name__}")
+
+
+class NgramDrafter:
+    """One request's prompt-lookup index: for each n, the end position of each n-gram's most recent occurrence.
+
+    The sequence's n-grams are indexed incrementally as tokens arrive (each token once per n), so a lookup
+    costs one dict probe per n however long the sequence is."""
+
+    __slots__ = ("lo", "hi", "tokens", "prompt_len", "_last_end", "_indexed", "_wait", "_backoff")
+
+    # A draft rejected outright costs its rows for nothing and stops graph mode's back-to-back decode steps;
+    # after one, the request does not draft for 1, 2, 4, ... steps (up to this many), until a draft is accepted.
+    MAX_BACKOFF = 16
+
+    def __init__(self, prompt: list[int], lo: int, hi: int):
+        self.lo, self.hi = lo, hi
+        self.tokens = list(prompt)     # prompt + the generated tokens seen so far
+        self.prompt_len = len(prompt)
+        self._last_end: list[dict] = [{} for _ in range(hi - lo + 1)]
+        self._indexed = 0      # n-grams ending before this position are in the index
+        self._wait = 0         # steps to go before the next draft
+        self._backoff = 0      # the pause after the next draft rejected outright
+
+    def accepted(self, drafted: int, accepted: int) -> None:
+        """Feedback from verification: ``accepted`` of the ``drafted`` tokens were right."""
+        if accepted:
+            self._backoff = 0
+        elif drafted:
+            self._backoff = min(self.MAX_BACKOFF, max(1, 2 * self._backoff))
+            self._wait = self._backoff
+
+    def propose(self, out: list[int], k: int) -> list[int]:
+        """Up to ``k`` draft tokens to follow ``prompt + out`` (``out`` only grows between calls); none while
+        backing off after a rejected draft."""
+        if self._wait:
+            self._wait -= 1
+            return []
+        seq = self.tokens
+        seq += out[len(seq) - self.prompt_len:]
+        end = len(seq) - 1
+        # Index the n-grams that end before the last token: the suffix itself must not match itself.
+        for e in range(self._indexed, end):
+            for n, table in zip(range(self.lo, self.hi + 1), self._last_end):
+                if e + 1 >= n:
+                    table[tuple(seq[e + 1 - n:e + 1])] = e
+        self._indexed = max(self._indexed, end)
+        for n in range(min(self.hi, len(seq)), self.lo - 1, -1):
+            e = self._last_end[n - self.lo].get(tuple(seq[len(seq) - n:]))
+            if e is not None:
+                # Copy what followed, continuing into the copy itself: a loop of period p < k drafts k tokens.
+                draft = []
+                src = seq[e + 1:]
+                for j in range(k):
+                    draft.append(src[j] if j < len(src) else draft[j - len(src)])
+                return draft
+        return []
