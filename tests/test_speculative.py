@@ -161,27 +161,122 @@ def test_max_new_tokens_eos_and_max_seq_len_stop_exactly(tiny):
     assert idle(short)
 
 
-def test_other_requests_decode_as_without_it(tiny):
-    """Sampled, logprob and penalized requests are not speculated; in their batches nobody is."""
+def test_deterministic_requests_keep_their_tokens_and_logprobs(tiny):
+    """Greedy requests with logprobs or penalties verify row by row (each row shaped from the tokens before it):
+    their tokens and logprobs are plain decoding's, batched with a sampled request."""
     prompts = [looping_prompt(s) for s in range(4)]
     params = [SamplingParams(max_new_tokens=70, ignore_eos=True),
-              SamplingParams(max_new_tokens=24, do_sample=True, temperature=0.8, seed=3, ignore_eos=True),
-              SamplingParams(max_new_tokens=30, logprobs=2, ignore_eos=True),
-              SamplingParams(max_new_tokens=12, repetition_penalty=1.3, ignore_eos=True)]
+              SamplingParams(max_new_tokens=40, logprobs=2, ignore_eos=True),
+              SamplingParams(max_new_tokens=30, repetition_penalty=1.05, ignore_eos=True),
+              SamplingParams(max_new_tokens=24, presence_penalty=0.2, frequency_penalty=0.1, ignore_eos=True)]
 
-    def run(speculative):
+    def run(speculative, extra=()):
         infer = engine(tiny, speculative)
-        for i, (p, sp) in enumerate(zip(prompts, params)):
+        for i, (p, sp) in enumerate(list(zip(prompts, params)) + list(extra)):
             infer.add_request(p, sp, request_id=f"r{i}")
         out = drain(infer)
         assert idle(infer)
-        return {k: (o.output_token_ids, o.output_logprobs) for k, o in out.items()}, infer.stats()
+        return {k: (o.output_token_ids, o.output_logprobs) for k, o in out.items() if int(k[1:]) < 4}, infer.stats()
 
     plain, _ = run(None)
-    spec, stats = run(SPEC)
-    assert spec == plain
-    # The greedy request speculates once the others have finished.
-    assert stats["spec_accepted_tokens"] > 0
+    sampled = [(looping_prompt(9), SamplingParams(max_new_tokens=20, do_sample=True, temperature=0.7, seed=1))]
+    for extra in ((), sampled):
+        spec, stats = run(SPEC, extra)
+        assert spec == plain
+        assert stats["spec_accepted_tokens"] > 0
+    alone = {}
+    for i in (1, 2, 3):   # each alone, so their own drafts are verified (penalties reject more of them)
+        infer = engine(tiny, SPEC)
+        infer.add_request(prompts[i], params[i], request_id=f"r{i}")
+        o = drain(infer)[f"r{i}"]
+        alone[f"r{i}"] = (o.output_token_ids, o.output_logprobs)
+        assert infer.stats()["spec_accepted_tokens" if i < 3 else "spec_draft_tokens"] > 0, i
+    assert alone == {k: v for k, v in plain.items() if k != "r0"}
+
+
+class _Req:
+    """What verify_draft reads of a request."""
+
+    def __init__(self, params, seed):
+        from atb.engine.sampling import generator
+
+        self.params, self.gen = params, generator(seed)
+        self.out, self.eos, self.constraint, self.bias, self.seen = [], frozenset(), None, None, None
+
+
+@pytest.mark.parametrize("draft", [0, 3, 5, None], ids=["likely", "unlikely", "removed_by_top_k", "no_draft"])
+def test_verify_draft_emits_the_target_distribution(draft):
+    """Whatever the draft, the token emitted is distributed as the shaped p (accept with p(draft), else draw
+    from p without it): 20000 seeded draws against p, and a draft p gives 0 is never accepted."""
+    from atb.engine.sampling import verify_draft, warp
+
+    logits = torch.tensor([2.0, 1.5, 1.0, -0.5, 0.3, -3.0])
+    params = SamplingParams(do_sample=True, temperature=0.9, top_k=5, max_new_tokens=1)
+    p = warp(logits.unsqueeze(0), params).softmax(-1)[0]
+    req = _Req(params, seed=17)
+    counts = torch.zeros(6)
+    accepted = 0
+    n = 20000
+    for _ in range(n):
+        t, ok = verify_draft(logits.clone(), req, draft)
+        counts[t] += 1
+        accepted += ok
+        assert not ok or t == draft
+    assert (counts / n - p).abs().max() < 0.012, (counts / n, p)
+    assert counts[5] == 0
+    if draft is None or p[draft] == 0:
+        assert accepted == 0
+    else:
+        assert abs(accepted / n - float(p[draft])) < 0.012
+
+
+def cycle_model(scale: float):
+    """A model whose next token is mostly the current one's successor in cycles of 4 (t -> 4 (t // 4) +
+    (t + 1) % 4): the attention and MLP outputs are zeroed, so the last hidden state is the token's embedding,
+    and the LM head row of each successor is that embedding scaled by ``scale`` (sharper as it grows). Its
+    sampled text repeats, so drafts are verified, and some rejected, at temperature 1."""
+    m = random_model(CFG, dtype=torch.float32, model_type="llama", seed=5)
+    succ = torch.tensor([4 * (t // 4) + (t + 1) % 4 for t in range(CFG["vocab_size"])])
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        e = m.model.embed_tokens.weight
+        head = torch.empty_like(m.lm_head.weight)
+        head[succ] = e / e.norm(dim=1, keepdim=True) * scale
+        m.lm_head.weight.copy_(head)
+    return m
+
+
+def test_sampled_requests_speculate_reproducibly_with_the_plain_distribution():
+    """Sampling with speculation: seeded runs repeat, drafts are accepted and rejected, and the tokens follow
+    the distribution of plain sampling (each of 12 positions over 400 seeded runs: total variation)."""
+    model = cycle_model(0.8)
+    prompt, n, runs = [3, 7, 11], 12, 400
+    spec = engine(model, SPEC, max_batch_size=1)
+    a = [spec.generate([prompt], n, do_sample=True, seed=s, eos_token_id=[])[0] for s in range(runs)]
+    st = spec.stats()
+    assert 0.2 * st["spec_draft_tokens"] < st["spec_accepted_tokens"] < 0.9 * st["spec_draft_tokens"], st
+    assert a[:20] == [spec.generate([prompt], n, do_sample=True, seed=s, eos_token_id=[])[0] for s in range(20)]
+    plain = engine(model, max_batch_size=1)
+    b = [plain.generate([prompt], n, do_sample=True, seed=10_000 + s, eos_token_id=[])[0] for s in range(runs)]
+    for pos in range(n):
+        fa = torch.bincount(torch.tensor([x[pos] for x in a]), minlength=128).double() / runs
+        fb = torch.bincount(torch.tensor([x[pos] for x in b]), minlength=128).double() / runs
+        # Tokens under 2% in both runs pooled into one bin (400 draws cannot resolve them one by one).
+        common = (fa + fb) / 2 >= 0.02
+        fa = torch.cat([fa[common], fa[~common].sum(0, keepdim=True)])
+        fb = torch.cat([fb[common], fb[~common].sum(0, keepdim=True)])
+        assert 0.5 * float((fa - fb).abs().sum()) < 0.08, pos
+
+    def follows(outs):   # how often a token is its predecessor's successor (p ~ 0.7 under this model)
+        pairs = [(x, y) for o in outs for x, y in zip([prompt[-1]] + o, o)]
+        return sum(y == 4 * (x // 4) + (x + 1) % 4 for x, y in pairs) / len(pairs)
+    assert abs(follows(a) - follows(b)) < 0.03
+    # A sharper head: text more predictable, more drafts accepted, same rule.
+    sharp = engine(cycle_model(1.5), SPEC, max_batch_size=1)
+    sharp.generate([prompt], 40, do_sample=True, seed=0)
+    assert sharp.stats()["spec_accepted_tokens"] > 0.9 * sharp.stats()["spec_draft_tokens"]
 
 
 def test_abort_mid_generation_returns_the_blocks(tiny):
@@ -222,3 +317,38 @@ def test_smollm2_chat_copy_task_tokens_equal_plain_and_hf(smollm2_fp32):
         hf = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=64, do_sample=False,
                             pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
     assert plain == hf
+
+
+def test_smollm2_structured_output_verifies_each_row_under_its_grammar(smollm2_fp32):
+    """A JSON-schema request verifies its drafts row by row, each row masked by the grammar state after the
+    tokens before it: greedy and seeded-sampled outputs parse and follow the schema, greedy's tokens are those
+    of plain decoding, and the repeated keys of a list of objects are drafted and accepted."""
+    pytest.importorskip("llguidance")
+    import json
+
+    model, tok = smollm2_fp32
+    schema = {"type": "array", "minItems": 4, "maxItems": 4, "items": {
+        "type": "object", "additionalProperties": False, "required": ["city", "country", "population"],
+        "properties": {"city": {"type": "string"}, "country": {"type": "string"},
+                       "population": {"type": "integer"}}}}
+    text = tok.apply_chat_template([{"role": "user", "content": "List four big cities as JSON."}],
+                                   add_generation_prompt=True, tokenize=False)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    greedy = SamplingParams(max_new_tokens=160, json_schema=schema)
+    sampled = SamplingParams(max_new_tokens=160, json_schema=schema, do_sample=True, temperature=0.7, seed=4)
+
+    def run(speculative):
+        infer = atb.TransformerInfer(model, max_seq_len=512, max_batch_size=2, tokenizer=tok,
+                                     speculative_config=speculative)
+        for i, sp in enumerate((greedy, sampled)):
+            infer.add_request(ids, sp, request_id=f"r{i}")
+        return drain(infer), infer.stats()
+
+    plain, _ = run(None)
+    spec, stats = run({})
+    assert spec["r0"].output_token_ids == plain["r0"].output_token_ids
+    for o in spec.values():
+        assert o.finish_reason == "grammar"
+        value = json.loads(tok.decode(o.output_token_ids))
+        assert len(value) == 4 and all(set(v) == {"city", "country", "population"} for v in value)
+    assert stats["spec_accepted_tokens"] >= 8, stats

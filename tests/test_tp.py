@@ -30,6 +30,10 @@ TINY = {
                   num_key_value_heads=2, head_dim=32, vocab_size=100, tie_word_embeddings=True),
 }
 NEW_TOKENS = 8   # EOS ignored: every run is this long
+# Speculative decoding: prompts that repeat a phrase, long enough continuations to draft from.
+SPEC = {"num_speculative_tokens": 3, "prompt_lookup_min": 1}
+LOOPING = [[5, 17, 9] * 4, [40, 3, 8, 61] * 3 + [40]]
+SPEC_TOKENS = 40
 
 
 def _free_port() -> int:
@@ -123,6 +127,12 @@ def _rank_main(job: dict) -> None:
                 "weights_bytes": infer.memory_summary()["weights_bytes"],
                 "kv_bytes_per_token": infer.memory_summary()["kv_bytes_per_token"]}
         out[f"{name}/sampled"] = infer.generate(PROMPTS, NEW_TOKENS, do_sample=True, top_k=20)
+    # Speculative decoding: greedy drafts verified on every rank alike; sampled requests do not draft.
+    spec = atb.TransformerInfer(next(iter(job["models"].values())), max_seq_len=64, max_batch_size=4, block_size=16,
+                                tp=world, speculative_config=SPEC)
+    out["spec"] = {"greedy": spec.generate(LOOPING, SPEC_TOKENS, eos_token_id=[]),
+                   "sampled": spec.generate(LOOPING, SPEC_TOKENS, do_sample=True, top_k=20, seed=3),
+                   "stats": spec.stats()}
     save()
     if job.get("mismatch"):
         path = next(iter(job["models"].values()))
@@ -233,6 +243,13 @@ def test_tiny_families_tp2_match_tp1_and_a_killed_rank_fails_the_others(tmp_path
         assert all(abs(got[key]["weights_bytes"] - share) < 0.02 * total for got in ranks), key
     for family in TINY:
         assert ranks[0][f"{family}/sampled"] == ranks[1][f"{family}/sampled"]
+    import atb
+
+    plain = atb.TransformerInfer(models["llama"], max_seq_len=64, max_batch_size=4, block_size=16)
+    want = plain.generate(LOOPING, SPEC_TOKENS, eos_token_id=[])
+    for got in ranks:
+        assert got["spec"]["greedy"] == want and got["spec"]["sampled"] == ranks[0]["spec"]["sampled"]
+        assert got["spec"]["stats"]["spec_accepted_tokens"] > 0, got["spec"]["stats"]
     for got in ranks:
         assert "rank 1 differs from rank 0 in engine.max_seq_len: '64' vs '48'" in got["mismatch"]
     kill = ranks[0]["kill"]

@@ -33,7 +33,7 @@ import torch
 
 from atb.engine.params import RequestOutput, SamplingParams
 from atb.engine.runner import ModelRunner
-from atb.engine.sampling import generator, select, token_logprobs
+from atb.engine.sampling import generator, select, token_logprobs, verify_draft
 from atb.engine.scheduler import Request, Scheduler
 from atb.engine.speculative import NgramDrafter, SpeculativeConfig
 from atb.runtime import pool_launches_off_main_thread
@@ -324,9 +324,9 @@ class Engine:
                     bt[i, :len(r.table)] = torch.tensor(r.table, dtype=torch.int32)
                 sched.rows_dirty = False
             greedy = all(r.params.greedy_only for r in running)
-            drafts = self._drafts(running) if greedy and self.speculative is not None else None
+            drafts = self._drafts(running) if self.speculative is not None else None
             if drafts is not None:
-                self._verify(running, drafts, touched)
+                self._verify(running, drafts, greedy, touched)
                 return list(touched.values())
             # The last token of each request goes in at position length - 1.
             meta = []
@@ -354,17 +354,20 @@ class Engine:
     # ---- speculative decoding (atb.engine.speculative) ---------------------------------------------------
     def _drafts(self, running: list[Request]) -> list[list[int]] | None:
         """Each running request's draft tokens for this step, trimmed to the step's row budget and to what the
-        request may still generate; None when no request has one (the step is then a plain decode step)."""
+        request may still generate; None when no request has one (the step is then a plain decode step).
+        Under tensor parallelism only greedy requests draft: a sampled draft's acceptance is a random draw, and
+        every rank must take the same one."""
         cfg, sched = self.speculative, self.scheduler
         spare = min(cfg.max_step_rows, self.runner.max_step_rows) - len(running)
         if spare <= 0:
             return None
+        tp = self.runner.tp is not None
         drafts = []
         for r in running:
             # Accepting k drafts emits k + 1 tokens: at most what max_new_tokens and max_seq_len leave.
             k = min(cfg.num_speculative_tokens, spare, r.params.max_new_tokens - len(r.out) - 1,
                     sched.max_seq_len - r.length - 1)
-            if k <= 0:
+            if k <= 0 or (tp and not r.params.greedy_only):
                 drafts.append([])
                 continue
             if r.drafter is None:
@@ -374,10 +377,10 @@ class Engine:
             drafts.append(d)
         return drafts if any(drafts) else None
 
-    def _verify(self, running: list[Request], drafts: list[list[int]], touched: dict) -> None:
+    def _verify(self, running: list[Request], drafts: list[list[int]], greedy: bool, touched: dict) -> None:
         """One decode step over every request's last token and its drafts (a row each, at consecutive positions,
         so each row attends causally to the rows before it); emits each request's accepted drafts and the token
-        its first rejected row (or its last row) picked."""
+        of the row after them (its first rejected row's, or its last row's)."""
         bs = self.scheduler.cache.block_size
         batch = list(running)   # finishing a request removes it from the scheduler's list
         meta, owner = [], []
@@ -389,26 +392,49 @@ class Engine:
                 owner.append(i)
         tok_ids, positions, ctx, slots = torch.tensor(meta, dtype=torch.int32).t().contiguous()
         tables = self._block_tables.index_select(0, torch.tensor(owner))
-        logits, toks = self.runner.decode(tok_ids, positions, tables, ctx, slots, True)
-        if toks is None:   # the Python executor returns logits: argmax them as a plain greedy step does
-            toks = [t for t, _ in self._sample(logits, [batch[i] for i in owner])]
+        logits, toks = self.runner.decode(tok_ids, positions, tables, ctx, slots, greedy)
         self._spec_steps += 1
         row = 0
         for r, d in zip(batch, drafts):
-            picked = toks[row:row + len(d) + 1]
-            row += len(d) + 1
-            ok = 0
-            while ok < len(d) and picked[ok] == d[ok]:
-                ok += 1
+            rows = slice(row, row + len(d) + 1)
+            row = rows.stop
+            touched[id(r)] = r
+            if r.params.greedy_only:
+                with serial_torch_ops():
+                    picked = toks[rows] if toks is not None else logits[rows].float().argmax(-1).tolist()
+                ok = 0
+                while ok < len(d) and picked[ok] == d[ok]:
+                    ok += 1
+                for i, t in enumerate(picked[:ok + 1]):
+                    if self._emit(r, t):
+                        self.scheduler.finish(r, r.reason)
+                        ok = min(ok, i + 1)
+                        break
+            else:
+                ok = self._verify_rows(r, d, logits[rows])
             self._spec_drafted += len(d)
             self._spec_accepted += ok
             if d:
                 r.drafter.accepted(len(d), ok)
-            touched[id(r)] = r
-            for t in picked[:ok + 1]:
-                if self._emit(r, t):
-                    self.scheduler.finish(r, r.reason)
+
+    def _verify_rows(self, req: Request, draft: list[int], logits: torch.Tensor) -> int:
+        """A request that does not decode greedily (sampling, penalties, logprobs, a grammar, min_tokens): row by
+        row, each shaped from the request's state after the tokens before it, the draft token accepted or
+        replaced (`verify_draft`) and emitted, until a replacement or the request's end; the drafts accepted."""
+        accepted = 0
+        want_lp = req.params.logprobs
+        with serial_torch_ops():
+            for j in range(len(draft) + 1):
+                row = logits[j].float()
+                t, ok = verify_draft(row, req, draft[j] if j < len(draft) else None)
+                accepted += ok
+                lp = None if want_lp is None else token_logprobs(row.unsqueeze(0), [t], [want_lp])[0]
+                if self._emit(req, t, lp):
+                    self.scheduler.finish(req, req.reason)
                     break
+                if not ok:
+                    break
+        return accepted
 
     def _prefill(self, chunks: list[tuple[Request, int, int]]) -> torch.Tensor:
         """Prefills prompt chunks ``(request, start, end)`` into their blocks; logits of each chunk's last token.

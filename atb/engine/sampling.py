@@ -86,6 +86,36 @@ def select(logits: torch.Tensor, reqs: list) -> list[int]:
 
 
 def _select_one(row: torch.Tensor, req) -> int:
+    row = _shaped(row, req)
+    if not req.params.do_sample:
+        return int(row.argmax())
+    return draw(warp(row.unsqueeze(0), req.params).softmax(-1)[0], req.gen)
+
+
+def verify_draft(row: torch.Tensor, req, draft: int | None) -> tuple[int, bool]:
+    """Speculative decoding's choice at one verification row: ``(draft, True)`` when the draft token is
+    accepted, else ``(the row's own token, False)``.
+
+    Greedy: the draft is accepted when it is the argmax. Sampling (Leviathan et al.'s rule for a draft
+    distribution that puts all its mass on ``draft``): accepted with probability p(draft), else a token is
+    drawn from p with ``draft`` removed, so the token emitted is distributed exactly as p whatever was
+    drafted. ``draft`` None (the row after the last draft): the row's own pick. p is the row as sampling
+    shapes it from the request's state, so callers emit each token before verifying the next row."""
+    row = _shaped(row, req)
+    if not req.params.do_sample:
+        t = int(row.argmax())
+        return t, t == draft
+    probs = warp(row.unsqueeze(0), req.params).softmax(-1)[0]
+    if draft is not None:
+        if float(torch.rand((), generator=req.gen, dtype=torch.float64)) < float(probs[draft]):
+            return draft, True
+        probs[draft] = 0.0
+    return draw(probs, req.gen), False
+
+
+def _shaped(row: torch.Tensor, req) -> torch.Tensor:
+    """The float32 logits of one row after the request's EOS hold (min_tokens), grammar mask, logit bias and
+    penalties (a copy when any of them applies)."""
     params = req.params
     hold_eos = len(req.out) < params.min_tokens and req.eos
     if params.penalized or req.constraint is not None or hold_eos:
@@ -101,10 +131,7 @@ def _select_one(row: torch.Tensor, req) -> int:
         apply_repetition_penalty(row.unsqueeze(0), [req.seen], params.repetition_penalty)
     if params.presence_penalty != 0 or params.frequency_penalty != 0:
         apply_presence_frequency(row, req.out, params.presence_penalty, params.frequency_penalty)
-    if not params.do_sample:
-        return int(row.argmax())
-    probs = warp(row.unsqueeze(0), params).softmax(-1)[0]
-    return draw(probs, req.gen)
+    return row
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
