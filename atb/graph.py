@@ -286,8 +286,11 @@ class DecodeGraph:
 
     def step_greedy(self, steps: int, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, slot_mapping: torch.Tensor,
-                    logits_out: torch.Tensor | None = None) -> torch.Tensor:
-        """``steps`` greedy decode steps in one native call: int32 tokens ``[steps, batch]``.
+                    logits_out: torch.Tensor | None = None, stop_tokens: Sequence[int] = ()) -> torch.Tensor:
+        """Up to ``steps`` greedy decode steps in one native call: int32 tokens ``[steps run, batch]``.
+
+        ``stop_tokens`` (e.g. the EOS ids): the call ends after the step by which every row has produced one of
+        them, instead of computing steps that a finished sequence drops.
 
         Each step's argmax is the next step's token; positions and context lengths advance by one per step, and
         a later step's K/V slot comes from ``block_tables``, which must already hold every block the steps reach.
@@ -303,11 +306,12 @@ class DecodeGraph:
         token_ids, positions, block_tables, context_lens, slot_mapping, logits_out = self._metadata(
             op, token_ids, positions, block_tables, context_lens, slot_mapping, logits_out)
         batch = token_ids.shape[0]
+        stop = torch.tensor(list(stop_tokens), dtype=torch.int32)
         tokens = torch.empty(steps, batch, dtype=torch.int32)
-        self._g.step_greedy(steps, token_ids.data_ptr(), positions.data_ptr(), block_tables.data_ptr(),
-                            block_tables.shape[1], context_lens.data_ptr(), slot_mapping.data_ptr(), batch,
-                            logits_out.data_ptr(), tokens.data_ptr())
-        return tokens
+        ran = self._g.step_greedy(steps, token_ids.data_ptr(), positions.data_ptr(), block_tables.data_ptr(),
+                                  block_tables.shape[1], context_lens.data_ptr(), slot_mapping.data_ptr(), batch,
+                                  logits_out.data_ptr(), tokens.data_ptr(), stop.data_ptr(), stop.numel())
+        return tokens[:ran]
 
     __call__ = step
 

@@ -121,9 +121,10 @@ class TransformerInfer(Engine):
             it must have ``tp`` ranks.
         speculative_config: speculative decoding by prompt lookup (``atb.engine.speculative``): a dict of
             ``SpeculativeConfig`` fields (e.g. ``{"num_speculative_tokens": 3}``) or a ``SpeculativeConfig``.
-            Greedy requests then draft the tokens that followed the latest earlier occurrence of their last
-            few tokens and verify them in one decode step; the tokens are those of plain greedy decoding.
-            Off by default. ``stats()`` counts the drafts verified and accepted.
+            Requests then draft the tokens that followed the latest earlier occurrence of their last few
+            tokens and verify them in one decode step: greedy tokens are those of plain greedy decoding,
+            sampled ones follow its distribution (not its seeded draws). Off by default. ``stats()`` counts
+            the drafts verified and accepted.
         tokenizer: the model's HF (fast) tokenizer; only structured output needs it
             (``SamplingParams(json_schema=...)`` / ``regex=``). ``infer.tokenizer`` may be set later.
         tp_group: the ``torch.distributed`` process group to split the model over (its size is the tp size).

@@ -359,14 +359,16 @@ PYBIND11_MODULE(_C, m) {
       .def("step_greedy",
            [](atb::DecodeGraph& g, int64_t steps, uintptr_t token_ids, uintptr_t positions, uintptr_t block_tables,
               int64_t max_blocks, uintptr_t context_lens, uintptr_t slot_mapping, int64_t batch, uintptr_t logits,
-              uintptr_t tokens_out) {
+              uintptr_t tokens_out, uintptr_t stop_tokens, int64_t num_stop) {
              py::gil_scoped_release nogil;
-             g.StepGreedy(steps, I32(token_ids), I32(positions), I32(block_tables), max_blocks, I32(context_lens),
-                          I32(slot_mapping), batch, Ptr(logits), static_cast<int32_t*>(Ptr(tokens_out)));
+             return g.StepGreedy(steps, I32(token_ids), I32(positions), I32(block_tables), max_blocks,
+                                 I32(context_lens), I32(slot_mapping), batch, Ptr(logits),
+                                 static_cast<int32_t*>(Ptr(tokens_out)), num_stop ? I32(stop_tokens) : nullptr,
+                                 num_stop);
            },
            py::arg("steps"), py::arg("token_ids"), py::arg("positions"), py::arg("block_tables"),
            py::arg("max_blocks"), py::arg("context_lens"), py::arg("slot_mapping"), py::arg("batch"),
-           py::arg("logits"), py::arg("tokens_out"))
+           py::arg("logits"), py::arg("tokens_out"), py::arg("stop_tokens") = 0, py::arg("num_stop") = 0)
       .def("set_quant_tables",
            [](atb::DecodeGraph& g, const std::optional<QuantTuple>& embed, const std::optional<QuantTuple>& head) {
              g.SetQuantTables(embed ? QuantRefOf(*embed) : atb::QuantRef{}, head ? QuantRefOf(*head) : atb::QuantRef{});

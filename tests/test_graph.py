@@ -273,6 +273,17 @@ def test_step_greedy_equals_single_greedy_steps():
         tok = am.clone()
     assert torch.equal(tokens, torch.stack(expected))
     assert torch.equal(kc_m, kc_s) and torch.equal(vc_m, vc_s)
+    # Stop tokens: the call ends after the step by which every row has produced one (a row's later tokens
+    # still run until then), never before; tokens not produced change nothing.
+    kc_m.copy_(kc_s)
+    vc_m.copy_(vc_s)
+    tok = torch.tensor([3, 4], dtype=torch.int32)
+    a, b = int(tokens[1, 0]), int(tokens[4, 1])
+    want = max(min(s for s in range(n) if int(tokens[s, r]) in (a, b)) for r in (0, 1)) + 1
+    got = multi.step_greedy(n, tok, pos, tables, pos + 1, slots(pos), stop_tokens=[a, b])
+    assert torch.equal(got, tokens[:want]) and want < n
+    unseen = sorted(set(range(model.config.vocab_size)) - set(tokens.flatten().tolist()))[:3]
+    assert torch.equal(multi.step_greedy(n, tok, pos, tables, pos + 1, slots(pos), stop_tokens=unseen), tokens)
 
 
 @pytest.mark.parametrize("steps,tables,match", [

@@ -1,10 +1,12 @@
 """Speculative decoding by prompt lookup on SmolLM2-135M: greedy generate tok/s with and without it.
 
     python -m atb.bench.speculative [--dtype bfloat16] [--new 128] [--repeats 3] [--tokens 3]
-                                    [--lookup-min 2] [--lookup-max 8] [--no-hf] [--threads N] [--json]
+                                    [--lookup-min 2] [--lookup-max 8] [--temperature 0] [--no-hf]
+                                    [--threads N] [--json]
 
-Each task is a chat prompt answered greedily (up to ``--new`` tokens, EOS
-ends it), one request at a time, by:
+Each task is a chat prompt answered greedily (or sampled at ``--temperature``
+with a fixed seed; up to ``--new`` tokens, EOS ends it), one request at a
+time, by:
 
 * ``hf``: HF eager ``model.generate`` (the stock path);
 * ``hf-lookup``: HF eager with its own prompt lookup
@@ -16,8 +18,10 @@ The variants run interleaved, task after task, ``--repeats`` times; each
 cell is the median of tokens / wall time of the whole ``generate`` call
 (prefill included). ``acc/step``: draft tokens accepted per verification
 step; ``tok/fwd``: tokens produced per decode forward (plain decode is 1).
-The speculative tokens must equal plain ``atb``'s (``same``); HF's are shown for
-reference (bf16 kernels round differently, so a near tie may split).
+Greedy speculative tokens must equal plain ``atb``'s (``same``); HF's are shown for
+reference (bf16 kernels round differently, so a near tie may split). Sampled
+runs draw differently with and without speculation (same distribution), so
+their lengths differ and only tok/s compare.
 """
 from __future__ import annotations
 
@@ -82,6 +86,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--lookup-min", type=int, default=2, help="prompt_lookup_min")
     ap.add_argument("--lookup-max", type=int, default=8, help="prompt_lookup_max")
     ap.add_argument("--tasks", default=",".join(n for n, _ in TASKS), help="comma-separated subset of the tasks")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled (seed 0)")
     ap.add_argument("--no-hf", action="store_true", help="skip the two HF eager variants")
     add_table_or_json_args(ap)
     args = ap.parse_args(argv)
@@ -98,25 +103,33 @@ def main(argv=None) -> list[dict]:
         for k in ks}
     prompts = {n: chat_ids(tok, t) for n, t in tasks}
 
+    sample = args.temperature > 0
+    sampling = {"do_sample": True, "temperature": args.temperature} if sample else {}
+
     def hf(ids, lookup):
         x = torch.tensor([ids])
         extra = {"prompt_lookup_num_tokens": max(ks)} if lookup else {}
+        torch.manual_seed(0)
         with torch.no_grad():
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.new, do_sample=False,
-                               pad_token_id=tok.eos_token_id, **extra)
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.new,
+                               pad_token_id=tok.eos_token_id, **(sampling or {"do_sample": False}), **extra)
         return y[0, len(ids):].tolist()
 
+    def ours(infer):
+        return lambda ids: infer.generate([ids], args.new, seed=0 if sample else None, **sampling)[0]
+
     variants = {} if args.no_hf else {"hf": lambda ids: hf(ids, False), "hf-lookup": lambda ids: hf(ids, True)}
-    variants["atb"] = lambda ids: plain.generate([ids], args.new)[0]
+    variants["atb"] = ours(plain)
     for k, infer in specs.items():
-        variants[f"atb-k{k}"] = lambda ids, infer=infer: infer.generate([ids], args.new)[0]
+        variants[f"atb-k{k}"] = ours(infer)
     for fn in variants.values():   # warm-up: kernels, allocator, HF's first call
         fn(prompts[tasks[0][0]][:16])
 
     info = atb.build_info()
     results = []
     if not args.json:
-        print_table_head(f"SmolLM2-135M {args.dtype}, greedy, batch 1, up to {args.new} new tokens, prompt lookup "
+        how = f"sampled at temperature {args.temperature}" if sample else "greedy"
+        print_table_head(f"SmolLM2-135M {args.dtype}, {how}, batch 1, up to {args.new} new tokens, prompt lookup "
                          f"n = {args.lookup_max}..{args.lookup_min} | {info['processor']} isa {info['isa']} | "
                          f"threads={torch.get_num_threads()} | median of {args.repeats}",
                          f"{'task':10} {'variant':10} {'tokens':>6} {'tok/s':>7} {'x hf':>6} {'x atb':>6} "
@@ -155,6 +168,8 @@ def main(argv=None) -> list[dict]:
                 same = "same" if row["same_as_atb"] else "DIFFERENT"
                 if row["same_as_hf"] is not None:
                     same += ", = hf" if row["same_as_hf"] else ", != hf"
+                if sample:
+                    same = "sampled (draws differ)"
                 print(f"{name:10} {v:10} {row['tokens']:6d} {row['tok_s']:7.1f} {f(row['x_hf'], '6.2f')} "
                       f"{row['x_atb']:6.2f} {f(row['accepted_per_step'], '8.2f')} "
                       f"{f(row['tokens_per_forward'], '7.2f')} | {same}", flush=True)

@@ -273,8 +273,8 @@ class Engine:
         """How many greedy decode steps the next call may run natively back to back: one unless every running
         request is greedy, none waits for admission or prefill (continuous batching admits only between
         calls), and each has that many tokens left to generate (its blocks are reserved for them at
-        admission: Scheduler.reserve_tokens). A request that stops early (EOS) drops the tokens computed
-        past its end. With speculative decoding on, every step is one: a draft may appear after any token (SmolLM2
+        admission: Scheduler.reserve_tokens). The native call ends after the step by which every request has
+        produced an EOS id; a request that stops earlier than the others drops the tokens computed past its end. With speculative decoding on, every step is one: a draft may appear after any token (SmolLM2
         bf16 on 2 Zen 3 cores, 11 chat tasks: 20.8 s with single steps, 23.5 s with 8 back to back, 27.4 s
         without speculation)."""
         sched = self.scheduler
@@ -336,8 +336,10 @@ class Engine:
             tok_ids, positions, ctx, slots = torch.tensor(meta, dtype=torch.int32).t().contiguous()
             steps = self._decode_steps(running, greedy, max_decode_steps)
             if steps > 1:
+                # The steps stop early once every request has produced one of its EOS ids.
+                stop = set().union(*(r.eos for r in running))
                 rows = [[(t, None) for t in toks] for toks in runner.decode_greedy(steps, tok_ids, positions, bt[:n],
-                                                                                    ctx, slots)]
+                                                                                    ctx, slots, stop)]
             else:
                 logits, toks = runner.decode(tok_ids, positions, bt[:n], ctx, slots, greedy)
                 rows = [[(t, None) for t in toks] if toks is not None else self._sample(logits, running)]

@@ -243,12 +243,13 @@ class ModelRunner:
 
     def decode_greedy(self, steps: int, token_ids: torch.Tensor, positions: torch.Tensor,
                       block_tables: torch.Tensor, context_lens: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> list[list[int]]:
-        """``steps`` greedy decode steps of ``B`` sequences in one native call (graph mode, one rank): the
-        tokens, ``[steps][B]``. The block tables must already cover every step."""
+                      slot_mapping: torch.Tensor, stop_tokens=()) -> list[list[int]]:
+        """Up to ``steps`` greedy decode steps of ``B`` sequences in one native call (graph mode, one rank): the
+        tokens, ``[steps run][B]``; fewer once every sequence has produced one of ``stop_tokens``. The block
+        tables must already cover every step."""
         n = token_ids.shape[0]
         return self.graph.step_greedy(steps, token_ids, positions, block_tables, context_lens, slot_mapping,
-                                      self._logits_buf[:n]).tolist()
+                                      self._logits_buf[:n], stop_tokens=stop_tokens).tolist()
 
     @property
     def multi_step(self) -> bool:

@@ -2,9 +2,9 @@
 
 A decode step reads every weight once whatever its row count, and at small
 batches it is bound by those bytes: on a 2-core Zen 3, SmolLM2's bf16 graph
-step over 4 rows takes 1.05-1.15x the time of 1 row. So a greedy request
-whose next tokens can be guessed gets several of them for about the price of
-one step. The guess here is prompt lookup (llama.cpp's lookup decoding, vLLM's
+step over 4 rows takes 1.05-1.15x the time of 1 row. So a request whose next
+tokens can be guessed gets several of them for about the price of one step.
+The guess here is prompt lookup (llama.cpp's lookup decoding, vLLM's
 ``ngram`` method, HF's ``prompt_lookup_num_tokens``): the sequence's last n
 tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) are looked
 up in the sequence itself, and the tokens that followed their most recent
@@ -17,13 +17,18 @@ Verification (`atb.engine.engine.Engine`) runs the request's last token and its
 k draft tokens as k + 1 rows of an ordinary decode step: row j sits at position
 ``length - 1 + j`` with context ``length + j``, so paged attention gives it
 exactly the causal attention of a one-token step there, and every layer writes
-all rows' K/V before any row attends. Row j's argmax is the token after draft
-j; drafts are accepted while they equal it, and the first row that disagrees
-contributes its own token. The rows are computed by the same kernels as a
-decode step of that many rows, so greedy output is the output without
-speculation (bit for bit while the step's row count stays within one kernel
-choice of the routing policy). The K/V a rejected draft wrote lies past the
-sequence's end and is overwritten by the next step before anything reads it.
+all rows' K/V before any row attends. Row j's logits give the token after draft
+j. A greedy request accepts drafts while they equal the argmax, and the first
+row that disagrees contributes its own token; its tokens are those of plain
+greedy decoding (bit for bit while the step's row count stays within one
+kernel choice of the routing policy: rows are computed by the same kernels as
+a decode step of that many rows). Any other request (sampling, penalties,
+logprobs, a grammar) verifies row by row, each row shaped by its state after
+the tokens before it; a sampled draft is accepted with probability p(draft)
+and otherwise replaced by a draw from p without it (`atb.engine.sampling.
+verify_draft`), so its tokens follow plain sampling's distribution, though
+not its seeded draws. The K/V a rejected draft wrote lies past the sequence's
+end and is overwritten by the next step before anything reads it.
 """
 from __future__ import annotations
 

@@ -159,9 +159,10 @@ void DecodeGraph::Validate(const int32_t* tokenIds, const int32_t* positions, co
   }
 }
 
-void DecodeGraph::StepGreedy(int64_t steps, const int32_t* tokenIds, const int32_t* positions,
-                             const int32_t* blockTables, int64_t maxBlocks, const int32_t* contextLens,
-                             const int32_t* slotMapping, int64_t batch, void* logits, int32_t* tokensOut) {
+int64_t DecodeGraph::StepGreedy(int64_t steps, const int32_t* tokenIds, const int32_t* positions,
+                                const int32_t* blockTables, int64_t maxBlocks, const int32_t* contextLens,
+                                const int32_t* slotMapping, int64_t batch, void* logits, int32_t* tokensOut,
+                                const int32_t* stopTokens, int64_t numStop) {
   const auto& c = cfg_;
   ATB_CHECK(steps >= 1, "DecodeGraph.step_greedy: steps must be >= 1, got ", steps);
   ATB_CHECK(!allReduce_, "DecodeGraph.step_greedy: a tensor-parallel graph's argmax is its vocab slice; "
@@ -190,12 +191,21 @@ void DecodeGraph::StepGreedy(int64_t steps, const int32_t* tokenIds, const int32
   for (int64_t s = 0; s < steps; ++s)
     Validate(tokenIds, &pos[s * batch], blockTables, maxBlocks, &ctx[s * batch], &slot[s * batch], batch);
   std::vector<int32_t> tokens(tokenIds, tokenIds + batch);
+  std::vector<char> stopped(batch, 0);
+  int64_t live = numStop > 0 ? batch : -1;   // rows yet to produce a stop token (-1: no stop tokens)
   for (int64_t s = 0; s < steps; ++s) {
     int32_t* out = tokensOut + s * batch;
     Run(tokens.data(), &pos[s * batch], blockTables, maxBlocks, &ctx[s * batch], &slot[s * batch], batch, logits,
         out);
     std::copy_n(out, batch, tokens.data());
+    for (int64_t b = 0; b < batch && live > 0; ++b)
+      if (!stopped[b] && std::find(stopTokens, stopTokens + numStop, out[b]) != stopTokens + numStop) {
+        stopped[b] = 1;
+        --live;
+      }
+    if (live == 0) return s + 1;
   }
+  return steps;
 }
 
 void DecodeGraph::Plan(const int32_t* contextLens, int64_t maxBlocks, int64_t batch) {

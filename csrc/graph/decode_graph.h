@@ -98,9 +98,11 @@ class DecodeGraph {
   // step's token, and positions, context lengths and slots advance by one (a later step's slot comes from the
   // block tables, which must already cover it). tokensOut: int32 [steps, batch]. Every step's metadata is
   // validated before the first step runs. Not for a tensor-parallel graph (its argmax is a vocab slice).
-  void StepGreedy(int64_t steps, const int32_t* tokenIds, const int32_t* positions, const int32_t* blockTables,
-                  int64_t maxBlocks, const int32_t* contextLens, const int32_t* slotMapping, int64_t batch,
-                  void* logits, int32_t* tokensOut);
+  // stopTokens (numStop of them, may be none): the call ends after the step by which every row has produced
+  // one of them (a sequence that ended has nothing to gain from the steps left). Returns the steps run.
+  int64_t StepGreedy(int64_t steps, const int32_t* tokenIds, const int32_t* positions, const int32_t* blockTables,
+                     int64_t maxBlocks, const int32_t* contextLens, const int32_t* slotMapping, int64_t batch,
+                     void* logits, int32_t* tokensOut, const int32_t* stopTokens = nullptr, int64_t numStop = 0);
 
   // Quantized embedding table / LM head (data == nullptr: the float pointers given at build).
   // The embedding lookup then dequantizes each token's row.
