@@ -241,19 +241,27 @@ class DecodeGraph:
                                 key_caches=key_caches, value_caches=value_caches, max_batch=max_batch,
                                 soc_type=soc_type)
 
-    def _metadata(self, op: str, token_ids, positions, block_tables, context_lens, slot_mapping, logits_out):
-        """The step metadata as int32 tensors of one batch size, and the logits buffer; ValueError/TypeError."""
+    def _metadata(self, op: str, token_ids, positions, block_tables, context_lens, slot_mapping, logits_out,
+                  q_lens=None):
+        """The step metadata as int32 tensors (per token row; block tables and context lengths per sequence,
+        which is per row without ``q_lens``), and the logits buffer; ValueError/TypeError."""
         token_ids = int_tensor(op, "token_ids", token_ids, ndim=1)
         batch = token_ids.shape[0]
         positions = int_tensor(op, "positions", positions, ndim=1)
         context_lens = int_tensor(op, "context_lens", context_lens, ndim=1)
         slot_mapping = int_tensor(op, "slot_mapping", slot_mapping, ndim=1)
         block_tables = int_tensor(op, "block_tables", block_tables, ndim=2)
-        for name, t in (("positions", positions), ("context_lens", context_lens), ("slot_mapping", slot_mapping)):
+        for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
             if t.shape[0] != batch:
                 raise ValueError(f"{op}: {name} has {t.shape[0]} entries, token_ids has {batch}")
-        if block_tables.shape[0] != batch:
-            raise ValueError(f"{op}: block_tables has {block_tables.shape[0]} rows, token_ids has {batch}")
+        seqs, what = batch, "token_ids has"
+        if q_lens is not None:
+            q_lens = int_tensor(op, "q_lens", q_lens, ndim=1)
+            seqs, what = q_lens.shape[0], "q_lens has"
+        if context_lens.shape[0] != seqs:
+            raise ValueError(f"{op}: context_lens has {context_lens.shape[0]} entries, {what} {seqs}")
+        if block_tables.shape[0] != seqs:
+            raise ValueError(f"{op}: block_tables has {block_tables.shape[0]} rows, {what} {seqs}")
         if not 1 <= batch <= self.max_batch:
             raise ValueError(f"{op}: batch {batch} is outside [1, max_batch={self.max_batch}]")
         if logits_out is None:
@@ -262,18 +270,22 @@ class DecodeGraph:
               or not logits_out.is_contiguous()):
             raise ValueError(f"{op}: logits_out must be a contiguous {self.dtype} tensor of shape "
                              f"({batch}, {self.vocab}), got {logits_out.dtype} {tuple(logits_out.shape)}")
-        return token_ids, positions, block_tables, context_lens, slot_mapping, logits_out
+        return token_ids, positions, block_tables, context_lens, slot_mapping, logits_out, q_lens
 
     def step(self, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
              context_lens: torch.Tensor, slot_mapping: torch.Tensor, logits_out: torch.Tensor | None = None, *,
-             argmax_out: torch.Tensor | None = None) -> torch.Tensor:
+             argmax_out: torch.Tensor | None = None, q_lens: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step; returns logits ``[batch, vocab]`` in the graph's dtype (``logits_out`` if given).
 
         ``argmax_out`` (int32 ``[batch]``, optional) receives the greedy tokens, computed natively.
+        ``q_lens`` (int32 ``[sequences]``, optional): sequence s has ``q_lens[s]`` consecutive new tokens (rows
+        in order, at positions ``context_lens[s] - q_lens[s]`` .. ``context_lens[s] - 1``; speculative
+        decoding's verification); ``block_tables`` and ``context_lens`` are then per sequence, the rest per
+        row. Each row attends causally as if decoded alone at its position; its sequence's K/V is read once.
         """
         op = "DecodeGraph.step"
-        token_ids, positions, block_tables, context_lens, slot_mapping, logits_out = self._metadata(
-            op, token_ids, positions, block_tables, context_lens, slot_mapping, logits_out)
+        token_ids, positions, block_tables, context_lens, slot_mapping, logits_out, q_lens = self._metadata(
+            op, token_ids, positions, block_tables, context_lens, slot_mapping, logits_out, q_lens)
         batch = token_ids.shape[0]
         am = 0
         if argmax_out is not None:
@@ -281,7 +293,8 @@ class DecodeGraph:
                 raise ValueError(f"{op}: argmax_out must be a contiguous int32 tensor of shape ({batch},)")
             am = argmax_out.data_ptr()
         self._g.step(token_ids.data_ptr(), positions.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-                     context_lens.data_ptr(), slot_mapping.data_ptr(), batch, logits_out.data_ptr(), am)
+                     context_lens.data_ptr(), slot_mapping.data_ptr(), batch, logits_out.data_ptr(), am,
+                     0 if q_lens is None else q_lens.data_ptr(), 0 if q_lens is None else q_lens.shape[0])
         return logits_out
 
     def step_greedy(self, steps: int, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
@@ -303,7 +316,7 @@ class DecodeGraph:
             raise ValueError(f"{op}: steps must be an int >= 1, got {steps!r}")
         if self._tp:
             raise ValueError(f"{op}: a tensor-parallel graph's argmax is its vocab slice; use step")
-        token_ids, positions, block_tables, context_lens, slot_mapping, logits_out = self._metadata(
+        token_ids, positions, block_tables, context_lens, slot_mapping, logits_out, _ = self._metadata(
             op, token_ids, positions, block_tables, context_lens, slot_mapping, logits_out)
         batch = token_ids.shape[0]
         stop = torch.tensor(list(stop_tokens), dtype=torch.int32)

@@ -348,14 +348,16 @@ PYBIND11_MODULE(_C, m) {
            py::arg("cos"), py::arg("sin"), py::arg("soc"))
       .def("step",
            [](atb::DecodeGraph& g, uintptr_t token_ids, uintptr_t positions, uintptr_t block_tables, int64_t max_blocks,
-              uintptr_t context_lens, uintptr_t slot_mapping, int64_t batch, uintptr_t logits, uintptr_t argmax_out) {
+              uintptr_t context_lens, uintptr_t slot_mapping, int64_t batch, uintptr_t logits, uintptr_t argmax_out,
+              uintptr_t q_lens, int64_t num_seqs) {
              py::gil_scoped_release nogil;
              g.Step(I32(token_ids), I32(positions), I32(block_tables), max_blocks, I32(context_lens),
-                    I32(slot_mapping), batch, Ptr(logits), static_cast<int32_t*>(Ptr(argmax_out)));
+                    I32(slot_mapping), batch, Ptr(logits), static_cast<int32_t*>(Ptr(argmax_out)),
+                    q_lens ? I32(q_lens) : nullptr, num_seqs);
            },
            py::arg("token_ids"), py::arg("positions"), py::arg("block_tables"), py::arg("max_blocks"),
            py::arg("context_lens"), py::arg("slot_mapping"), py::arg("batch"), py::arg("logits"),
-           py::arg("argmax_out"))
+           py::arg("argmax_out"), py::arg("q_lens") = 0, py::arg("num_seqs") = 0)
       .def("step_greedy",
            [](atb::DecodeGraph& g, int64_t steps, uintptr_t token_ids, uintptr_t positions, uintptr_t block_tables,
               int64_t max_blocks, uintptr_t context_lens, uintptr_t slot_mapping, int64_t batch, uintptr_t logits,

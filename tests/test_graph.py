@@ -286,6 +286,56 @@ def test_step_greedy_equals_single_greedy_steps():
     assert torch.equal(multi.step_greedy(n, tok, pos, tables, pos + 1, slots(pos), stop_tokens=unseen), tokens)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_q_lens_rows_equal_rows_decoded_one_sequence_each(dtype):
+    """q_lens (speculative verification): consecutive tokens of a sequence as rows of one step, its K/V read
+    once, give bit for bit the logits and caches of the same rows stepped as one-token sequences (each with
+    its own context), across a block boundary and with a one-row sequence between."""
+    model = random_model("tiny", dtype)
+    multi, kc_m, vc_m = _graph(model, max_batch=8, max_seq_len=64, num_blocks=12)
+    rows, kc_r, vc_r = _graph(model, max_batch=8, max_seq_len=64, num_blocks=12)
+    torch.manual_seed(1)
+    kc_m.normal_()
+    vc_m.normal_()
+    kc_r.copy_(kc_m)
+    vc_r.copy_(vc_m)
+    tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], dtype=torch.int32)
+    q_lens = torch.tensor([4, 1, 3], dtype=torch.int32)
+    ctx = torch.tensor([18, 9, 40], dtype=torch.int32)     # sequence 0's rows cross from block 0 into block 1
+    owner = torch.repeat_interleave(torch.arange(3), q_lens.long())
+    positions = torch.cat([torch.arange(c - q, c) for c, q in zip(ctx.tolist(), q_lens.tolist())]).to(torch.int32)
+    slots = tables[owner, positions // BLOCK] * BLOCK + positions % BLOCK
+    tokens = torch.randint(0, model.config.vocab_size, (int(q_lens.sum()),), dtype=torch.int32)
+    am_m, am_r = torch.empty(8, dtype=torch.int32), torch.empty(8, dtype=torch.int32)
+    got = multi.step(tokens, positions, tables, ctx, slots, argmax_out=am_m, q_lens=q_lens).clone()
+    want = rows.step(tokens, positions, tables[owner], positions + 1, slots, argmax_out=am_r)
+    assert torch.equal(got, want) and torch.equal(am_m, am_r)
+    assert torch.equal(kc_m, kc_r) and torch.equal(vc_m, vc_r)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(q_lens=[2, 2]), r"q_lens\[1\] = 2 is outside \[1, context_lens\[1\] = 6\] or past the 3 token rows"),
+    (dict(q_lens=[2]), r"context_lens has 2 entries, q_lens has 1"),
+    (dict(q_lens=[3, 1], context_lens=[2, 6]), r"q_lens\[0\] = 3 is outside \[1, context_lens\[0\] = 2\]"),
+    (dict(positions=[0, 2, 5]), r"positions\[1\] = 2, but sequence 0's row 1 of 2 with context_lens 2 is at "
+                                r"position 1"),
+    (dict(q_lens=[1, 1], positions=[1, 5, 5]), r"q_lens sum to 2, token_ids has 3 rows"),
+])
+def test_q_lens_metadata_is_checked_before_writing(change, match):
+    g, kc, vc = _graph(random_model("tiny", torch.float32), max_batch=4, max_seq_len=32, num_blocks=8)
+    kc.normal_()
+    vc.normal_()
+    k0, v0 = kc.clone(), vc.clone()
+    meta = dict(token_ids=torch.tensor([3, 4, 5]), positions=torch.tensor([0, 1, 5]),
+                block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), context_lens=torch.tensor([2, 6]),
+                slot_mapping=torch.tensor([0, 1, 2 * BLOCK + 5]), q_lens=torch.tensor([2, 1]))
+    meta.update({k: torch.tensor(v) for k, v in change.items()})
+    with pytest.raises(ValueError, match=match):
+        g.step(**meta)
+    assert torch.equal(kc, k0) and torch.equal(vc, v0)
+    g.step(**_valid_meta())   # the graph still steps
+
+
 @pytest.mark.parametrize("steps,tables,match", [
     (0, [[0, 1], [2, 3]], "steps must be an int >= 1"),
     # sequence 1 starts at position 5: 27 steps reach position 31 (allowed), 28 reach max_seq_len = 32

@@ -380,21 +380,23 @@ class Engine:
         return drafts if any(drafts) else None
 
     def _verify(self, running: list[Request], drafts: list[list[int]], greedy: bool, touched: dict) -> None:
-        """One decode step over every request's last token and its drafts (a row each, at consecutive positions,
-        so each row attends causally to the rows before it); emits each request's accepted drafts and the token
-        of the row after them (its first rejected row's, or its last row's)."""
+        """One decode step over every request's last token and its drafts (a row each, at consecutive positions:
+        ``q_lens``, so each row attends causally to the rows before it and the request's K/V is read once for
+        all of them); emits each request's accepted drafts and the token of the row after them (its first
+        rejected row's, or its last row's)."""
         bs = self.scheduler.cache.block_size
         batch = list(running)   # finishing a request removes it from the scheduler's list
-        meta, owner = [], []
-        for i, (r, d) in enumerate(zip(batch, drafts)):
+        meta = []
+        for r, d in zip(batch, drafts):
             start = r.length - 1
             for j, t in enumerate([r.out[-1]] + d):
                 pos = start + j
-                meta.append((t, pos, pos + 1, r.table[pos // bs] * bs + pos % bs))
-                owner.append(i)
-        tok_ids, positions, ctx, slots = torch.tensor(meta, dtype=torch.int32).t().contiguous()
-        tables = self._block_tables.index_select(0, torch.tensor(owner))
-        logits, toks = self.runner.decode(tok_ids, positions, tables, ctx, slots, greedy)
+                meta.append((t, pos, r.table[pos // bs] * bs + pos % bs))
+        tok_ids, positions, slots = torch.tensor(meta, dtype=torch.int32).t().contiguous()
+        q_lens = torch.tensor([1 + len(d) for d in drafts], dtype=torch.int32)
+        ctx = torch.tensor([r.length for r in batch], dtype=torch.int32) + q_lens - 1
+        logits, toks = self.runner.decode(tok_ids, positions, self._block_tables[:len(batch)], ctx, slots, greedy,
+                                          q_lens)
         self._spec_steps += 1
         row = 0
         for r, d in zip(batch, drafts):

@@ -211,16 +211,20 @@ class ModelRunner:
         return logits if score is None else (logits, self._logits(x.index_select(0, score)))
 
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-               context_lens: torch.Tensor, slot_mapping: torch.Tensor, greedy: bool):
+               context_lens: torch.Tensor, slot_mapping: torch.Tensor, greedy: bool,
+               q_lens: torch.Tensor | None = None):
         """One decode step of ``B`` sequences: ``(logits [B, vocab], greedy tokens or None)``.
 
         With ``greedy`` the graph computes the argmax natively and returns it as a list; under tensor
-        parallelism greedy steps return ``(None, tokens)`` (no logits are gathered)."""
+        parallelism greedy steps return ``(None, tokens)`` (no logits are gathered). ``q_lens`` [sequences]:
+        sequence s decodes ``q_lens[s]`` consecutive tokens (rows; speculative verification), each attending
+        as if decoded alone at its position; ``block_tables`` and ``context_lens`` are then per sequence and
+        the logits per row."""
         if self.graph is not None:
             n = token_ids.shape[0]
             am = self._argmax_buf[:n] if greedy else None
             logits = self.graph.step(token_ids, positions, block_tables, context_lens, slot_mapping,
-                                     self._logits_buf[:n], argmax_out=am)
+                                     self._logits_buf[:n], argmax_out=am, q_lens=q_lens)
             if self.tp is not None:   # the graph's logits and argmax are this rank's vocab slice
                 return (None, self.tp.argmax(logits, am)) if greedy else (self.tp.gather_logits(logits), None)
             return logits, (am.tolist() if am is not None else None)
@@ -231,8 +235,8 @@ class ModelRunner:
 
             def attend(q, k, v):
                 K.reshape_and_cache(k, v, kcs[i], vcs[i], slot_mapping)
-                return K.paged_attention(q, kcs[i], vcs[i], block_tables, context_lens, scale=scale, window=window,
-                                         soc_type=soc)
+                return K.paged_attention(q, kcs[i], vcs[i], block_tables, context_lens, scale=scale, q_lens=q_lens,
+                                         window=window, soc_type=soc)
             return attend
 
         x = self._layers(token_ids, positions, attend_for)

@@ -131,17 +131,16 @@ void DecodeGraph::ResetProfile() {
 
 void DecodeGraph::Validate(const int32_t* tokenIds, const int32_t* positions, const int32_t* blockTables,
                            int64_t maxBlocks, const int32_t* contextLens, const int32_t* slotMapping,
-                           int64_t batch) const {
+                           int64_t batch, const int32_t* qLens, int64_t numSeqs) const {
   const auto& c = cfg_;
   ATB_CHECK(batch >= 1 && batch <= c.maxBatch, "DecodeGraph.step: batch ", batch, " is outside [1, max_batch=",
             c.maxBatch, "]");
   ATB_CHECK(maxBlocks >= 1, "DecodeGraph.step: block_tables must have at least one column");
-  int64_t slots = c.numBlocks * c.blockSize;
-  for (int64_t b = 0; b < batch; ++b) {
-    ATB_CHECK(tokenIds[b] >= 0 && tokenIds[b] < c.vocabTotal, "DecodeGraph.step: token_ids[", b, "] = ",
-              tokenIds[b], " is outside the vocabulary [0, ", c.vocabTotal, ")");
-    ATB_CHECK(positions[b] >= 0 && positions[b] < c.maxSeqLen, "DecodeGraph.step: positions[", b, "] = ",
-              positions[b], " is outside [0, max_seq_len=", c.maxSeqLen, ")");
+  // Sequences: their contexts and the blocks those use (one sequence per row without qLens).
+  const int64_t seqs = qLens ? numSeqs : batch;
+  ATB_CHECK(seqs >= 1, "DecodeGraph.step: q_lens is empty");
+  int64_t rows = 0;
+  for (int64_t b = 0; b < seqs; ++b) {
     int64_t ctx = contextLens[b];
     ATB_CHECK(ctx >= 1 && ctx <= maxBlocks * c.blockSize, "DecodeGraph.step: context_lens[", b, "] = ", ctx,
               " is outside [1, ", maxBlocks * c.blockSize, "] (block_tables has ", maxBlocks, " columns of ",
@@ -151,6 +150,24 @@ void DecodeGraph::Validate(const int32_t* tokenIds, const int32_t* positions, co
       ATB_CHECK(blk >= 0 && blk < c.numBlocks, "DecodeGraph.step: block_tables[", b, "][", j, "] = ", blk,
                 " is outside [0, num_blocks=", c.numBlocks, ")");
     }
+    if (!qLens) continue;
+    int64_t n = qLens[b];
+    ATB_CHECK(n >= 1 && n <= ctx && rows + n <= batch, "DecodeGraph.step: q_lens[", b, "] = ", n,
+              " is outside [1, context_lens[", b, "] = ", ctx, "] or past the ", batch, " token rows");
+    for (int64_t j = 0; j < n; ++j)
+      ATB_CHECK(positions[rows + j] == ctx - n + j, "DecodeGraph.step: positions[", rows + j, "] = ",
+                positions[rows + j], ", but sequence ", b, "'s row ", j, " of ", n, " with context_lens ", ctx,
+                " is at position ", ctx - n + j);
+    rows += n;
+  }
+  ATB_CHECK(!qLens || rows == batch, "DecodeGraph.step: q_lens sum to ", rows, ", token_ids has ", batch, " rows");
+  // Rows: tokens, positions, K/V slots (distinct).
+  int64_t slots = c.numBlocks * c.blockSize;
+  for (int64_t b = 0; b < batch; ++b) {
+    ATB_CHECK(tokenIds[b] >= 0 && tokenIds[b] < c.vocabTotal, "DecodeGraph.step: token_ids[", b, "] = ",
+              tokenIds[b], " is outside the vocabulary [0, ", c.vocabTotal, ")");
+    ATB_CHECK(positions[b] >= 0 && positions[b] < c.maxSeqLen, "DecodeGraph.step: positions[", b, "] = ",
+              positions[b], " is outside [0, max_seq_len=", c.maxSeqLen, ")");
     ATB_CHECK(slotMapping[b] < slots, "DecodeGraph.step: slot_mapping[", b, "] = ", slotMapping[b],
               " is outside the cache's ", slots, " slots");
     for (int64_t e = 0; e < b; ++e)
@@ -208,25 +225,28 @@ int64_t DecodeGraph::StepGreedy(int64_t steps, const int32_t* tokenIds, const in
   return steps;
 }
 
-void DecodeGraph::Plan(const int32_t* contextLens, int64_t maxBlocks, int64_t batch) {
+void DecodeGraph::Plan(const int32_t* contextLens, int64_t maxBlocks, int64_t rows, const int32_t* qLens,
+                       int64_t numSeqs) {
   const auto& c = cfg_;
+  const int64_t seqs = qLens ? numSeqs : rows;
   for (size_t i = 0; i < distinctWindows_.size(); ++i)
-    attnPlans_[i] = PagedAttentionTiling(batch, c.numHeads, c.numKvHeads, c.headDim, c.numBlocks, c.blockSize,
-                                         maxBlocks, contextLens, nullptr, batch, c.numHeads * c.headDim, c.scale,
+    attnPlans_[i] = PagedAttentionTiling(seqs, c.numHeads, c.numKvHeads, c.headDim, c.numBlocks, c.blockSize,
+                                         maxBlocks, contextLens, qLens, rows, c.numHeads * c.headDim, c.scale,
                                          distinctWindows_[i], c.dtype, soc_);
-  cachePlan_ = ReshapeAndCacheTiling(batch, c.numKvHeads, c.headDim, c.dtype, soc_);
+  cachePlan_ = ReshapeAndCacheTiling(rows, c.numKvHeads, c.headDim, c.dtype, soc_);
 }
 
 void DecodeGraph::Step(const int32_t* tokenIds, const int32_t* positions, const int32_t* blockTables,
                        int64_t maxBlocks, const int32_t* contextLens, const int32_t* slotMapping, int64_t batch,
-                       void* logits, int32_t* argmaxOut) {
-  Validate(tokenIds, positions, blockTables, maxBlocks, contextLens, slotMapping, batch);
-  Run(tokenIds, positions, blockTables, maxBlocks, contextLens, slotMapping, batch, logits, argmaxOut);
+                       void* logits, int32_t* argmaxOut, const int32_t* qLens, int64_t numSeqs) {
+  Validate(tokenIds, positions, blockTables, maxBlocks, contextLens, slotMapping, batch, qLens, numSeqs);
+  Run(tokenIds, positions, blockTables, maxBlocks, contextLens, slotMapping, batch, logits, argmaxOut, qLens,
+      numSeqs);
 }
 
 void DecodeGraph::Run(const int32_t* tokenIds, const int32_t* positions, const int32_t* blockTables,
                       int64_t maxBlocks, const int32_t* contextLens, const int32_t* slotMapping, int64_t batch,
-                      void* logits, int32_t* argmaxOut) {
+                      void* logits, int32_t* argmaxOut, const int32_t* qLens, int64_t numSeqs) {
   const AscendC::PoolLaunchScope onPool;  // no torch op runs inside a step (runtime.h)
   const auto& c = cfg_;
   const DataType dt = c.dtype;
@@ -266,7 +286,7 @@ void DecodeGraph::Run(const int32_t* tokenIds, const int32_t* positions, const i
       }
     }
     // Shared by every layer: the plan, and the rope rows of this step's positions.
-    Plan(contextLens, maxBlocks, B);
+    Plan(contextLens, maxBlocks, B, qLens, numSeqs);
     const auto* cs = static_cast<const uint8_t*>(cos_);
     const auto* sn = static_cast<const uint8_t*>(sin_);
     int64_t row = c.rotaryDim * celt;

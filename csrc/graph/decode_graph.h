@@ -91,8 +91,14 @@ class DecodeGraph {
   // Everything is validated before anything is written (std::invalid_argument).
   // logits: [batch, vocab] in config.dtype. argmaxOut (optional): int32 [batch]
   // greedy tokens (first maximum, as torch.argmax).
+  // qLens (optional, int32 [numSeqs]): several consecutive new tokens per sequence (speculative decoding's
+  // verification). `batch` then counts rows (tokens): tokenIds/positions/slotMapping/logits/argmaxOut are per
+  // row, sequence s's qLens[s] rows in order at positions contextLens[s] - qLens[s] .. contextLens[s] - 1;
+  // blockTables and contextLens are per sequence. Each row attends causally, as if decoded alone at its
+  // position, and the sequence's K/V is read once for all its rows.
   void Step(const int32_t* tokenIds, const int32_t* positions, const int32_t* blockTables, int64_t maxBlocks,
-            const int32_t* contextLens, const int32_t* slotMapping, int64_t batch, void* logits, int32_t* argmaxOut);
+            const int32_t* contextLens, const int32_t* slotMapping, int64_t batch, void* logits, int32_t* argmaxOut,
+            const int32_t* qLens = nullptr, int64_t numSeqs = 0);
 
   // `steps` greedy decode steps in one call, with no Python between them: each step's argmax is the next
   // step's token, and positions, context lengths and slots advance by one (a later step's slot comes from the
@@ -126,15 +132,17 @@ class DecodeGraph {
 
  private:
   void Validate(const int32_t* tokenIds, const int32_t* positions, const int32_t* blockTables, int64_t maxBlocks,
-                const int32_t* contextLens, const int32_t* slotMapping, int64_t batch) const;
+                const int32_t* contextLens, const int32_t* slotMapping, int64_t batch,
+                const int32_t* qLens = nullptr, int64_t numSeqs = 0) const;
   void* Buf(int64_t off) { return base_ + off; }
   // The step's plan, from metadata Validate() accepted: one paged-attention
   // tiling per distinct window (windows_[i] is layer i's index into plans_),
   // one cache-write tiling. Reused by every layer of the step.
-  void Plan(const int32_t* contextLens, int64_t maxBlocks, int64_t batch);
+  void Plan(const int32_t* contextLens, int64_t maxBlocks, int64_t rows, const int32_t* qLens, int64_t numSeqs);
   // Step's body over metadata already validated (Step and StepGreedy check it first).
   void Run(const int32_t* tokenIds, const int32_t* positions, const int32_t* blockTables, int64_t maxBlocks,
-           const int32_t* contextLens, const int32_t* slotMapping, int64_t batch, void* logits, int32_t* argmaxOut);
+           const int32_t* contextLens, const int32_t* slotMapping, int64_t batch, void* logits, int32_t* argmaxOut,
+           const int32_t* qLens = nullptr, int64_t numSeqs = 0);
 
   DecodeGraphConfig cfg_;
   std::vector<DecodeLayer> layers_;
