@@ -123,3 +123,24 @@ def test_structured_output_errors(smollm2):
     no_tok.tokenizer = tok
     out = run(no_tok, [(chat(tok, "Say yes."), SamplingParams(max_new_tokens=4, regex="yes|no"))])[0]
     assert tok.decode(out.output_token_ids) in ("yes", "no")
+
+
+def test_compiled_grammars_are_reused_with_independent_states(smollm2, monkeypatch):
+    """A repeated grammar is compiled once (the last Grammars.CACHED distinct ones are kept): each request
+    still gets its own state, and an unusable grammar is not kept."""
+    from atb.engine.structured import Grammars
+
+    model, tok = smollm2
+    monkeypatch.setattr(Grammars, "CACHED", 2)
+    g = Grammars(tok, model.config.vocab_size, [tok.eos_token_id])
+    yes_no = SamplingParams(max_new_tokens=4, regex=r"(yes|no)")
+    a, b = g.constraint(yes_no), g.constraint(yes_no)
+    assert len(g._compiled) == 1
+    y = tok.encode("yes", add_special_tokens=False)[0]
+    assert a.accept(y) and a.complete and not b.complete and b.allowed()[y]
+    for regex in (r"[0-9]+", r"(cat|dog)", r"(yes|no)"):
+        g.constraint(SamplingParams(max_new_tokens=4, regex=regex))
+    assert len(g._compiled) == 2
+    with pytest.raises(ValueError, match="regex is not a usable grammar"):
+        g.constraint(SamplingParams(max_new_tokens=4, regex=r"(unclosed"))
+    assert len(g._compiled) == 2

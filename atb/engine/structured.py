@@ -14,6 +14,8 @@ closed), the request finishes with reason ``"grammar"``; no EOS is generated.
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 
 import torch
 
@@ -43,7 +45,13 @@ def grammar_source(params: SamplingParams) -> tuple[str, str] | None:
 
 class Grammars:
     """One engine's grammar compiler: the tokenizer's vocabulary as llguidance sees it (built once, ~0.4 s for
-    a 49k vocabulary), and a `TokenConstraint` per constrained request."""
+    a 49k vocabulary), and a `TokenConstraint` per constrained request.
+
+    Compiled grammars are kept (the last ``CACHED`` distinct ones): a request repeating a schema (a server's
+    clients send the same tool or response schema again and again, and the server checks each request's
+    grammar before the engine adds it) gets a copy of the compiled matcher instead of compiling it anew."""
+
+    CACHED = 64
 
     def __init__(self, tokenizer, vocab_size: int, eos: list[int]):
         llg = _llguidance()
@@ -53,6 +61,8 @@ class Grammars:
             raise ValueError(f"structured output: {e} (got {type(tokenizer).__name__})") from None
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self._compiled: OrderedDict[str, object] = OrderedDict()   # grammar -> a matcher in its start state
+        self._lock = threading.Lock()   # the server's event loop and the engine thread both ask
 
     def constraint(self, params: SamplingParams, op: str = "add_request") -> TokenConstraint | None:
         """The request's constraint, or None if it has none; a grammar llguidance rejects is a ValueError naming
@@ -61,11 +71,21 @@ class Grammars:
         if src is None:
             return None
         field, grammar = src
+        with self._lock:
+            start = self._compiled.get(grammar)
+            if start is not None:
+                self._compiled.move_to_end(grammar)
+                return TokenConstraint(start.deep_copy(), self.vocab_size)
         llg = _llguidance()
         error = llg.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:
             raise ValueError(f"{op}: sampling_params.{field} is not a usable grammar: {error}")
-        return TokenConstraint(llg.LLMatcher(self._tokenizer, grammar, log_level=0), self.vocab_size)
+        start = llg.LLMatcher(self._tokenizer, grammar, log_level=0)
+        with self._lock:
+            self._compiled[grammar] = start
+            while len(self._compiled) > self.CACHED:
+                self._compiled.popitem(last=False)
+            return TokenConstraint(start.deep_copy(), self.vocab_size)
 
 
 class TokenConstraint:
