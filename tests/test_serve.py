@@ -145,6 +145,12 @@ def test_stop_strings_hold_back_possible_prefixes():
     assert s.feed("hel") == "he" and s.feed("lo world") == "l" and s.stopped
     s = StopStrings(None)
     assert s.feed("anything") == "anything" and not s.stopped
+    # min_tokens: no stop string may end in a held-off piece; one that begins there and ends later stops.
+    s = StopStrings(["ab"])
+    assert s.feed("xab", may_stop=False) == "xab" and not s.stopped
+    assert s.feed("yab") == "y" and s.stopped and s.text == "xaby"
+    s = StopStrings(["ab"])
+    assert s.feed("xa", may_stop=False) == "x" and s.feed("bz") == "" and s.stopped and s.text == "x"
 
 
 # ---------------------------------------------------------------- happy paths
@@ -581,6 +587,18 @@ def test_vllm_extensions_min_tokens_stop_token_ids_guided(served, solo, model_to
                                             extra_body={"stop_token_ids": [want[j]], "min_tokens": j + 2})
     assert held.usage.completion_tokens == len(out)
     assert held.choices[0].text == served.tok.decode(out, skip_special_tokens=True)
+    # A stop string that the first min_tokens tokens complete does not stop the text (vLLM's rule); its next
+    # occurrence past them does.
+    text = _text(served.tok, want)
+    stop = next(c for c in text if c.isalpha() and text.count(c) >= 2)
+    first_end = text.index(stop) + len(stop)
+    k = next(i for i in range(1, 13) if len(_text(served.tok, want[:i])) >= first_end)
+    cut = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[:text.index(stop)]
+    late = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
+                                            extra_body={"min_tokens": k, "ignore_eos": True})
+    second = text.index(stop, first_end)
+    assert late.choices[0].text == text[:second] and late.choices[0].finish_reason == "stop"
     choices = ["Paris", "London", "C++ (a language)"]
     pick = served.client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=10,

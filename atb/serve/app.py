@@ -203,8 +203,12 @@ class Generation:
                     else:
                         metrics.tokens(len(new), (now - t_prev) / len(new))
                     t_prev = now
+                    # Tokens before min_tokens may not end a stop string (vLLM's rule).
+                    held = max(0, min(len(new), self.params.min_tokens - self.completion_tokens))
                     self.completion_tokens += len(new)
-                    piece = self._stops.feed(self._detok.push(new))
+                    piece = self._stops.feed(self._detok.push(new[:held]), may_stop=False) if held else ""
+                    if held < len(new):
+                        piece += self._stops.feed(self._detok.push(new[held:]))
                 else:
                     piece = ""
                 if not self._stops.stopped and out.finished:

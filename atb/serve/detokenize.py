@@ -57,10 +57,13 @@ class StopStrings:
         self._longest = max((len(s) for s in self.stops), default=0)
         self.text = ""  # all text so far (cut at the stop string once found)
         self._sent = 0
+        self._held_off = 0   # no stop string may end within text[:_held_off] (min_tokens)
         self.stopped = False
 
-    def feed(self, piece: str) -> str:
-        """Adds a piece of text; returns what can be sent now. Sets ``stopped`` when a stop string appears."""
+    def feed(self, piece: str, may_stop: bool = True) -> str:
+        """Adds a piece of text; returns what can be sent now. Sets ``stopped`` when a stop string appears.
+        ``may_stop=False`` (the tokens before ``min_tokens``, as vLLM holds them): no stop string may end in
+        this piece; one that begins in it and ends in a later piece still stops the text."""
         if not self.stops:
             self.text += piece
             self._sent = len(self.text)
@@ -68,7 +71,10 @@ class StopStrings:
         # A match not found before must end inside the new piece, so it starts at most longest-1 chars earlier.
         start = max(0, len(self.text) - self._longest + 1)
         self.text += piece
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if not may_stop:
+            self._held_off = len(self.text)
+        hits = [i for i in (self.text.find(s, max(start, self._held_off - len(s) + 1)) for s in self.stops)
+                if i >= 0]
         if hits:
             self.text = self.text[:min(hits)]
             self.stopped = True
