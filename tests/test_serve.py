@@ -607,6 +607,16 @@ def test_vllm_extensions_min_tokens_stop_token_ids_guided(served, solo, model_to
     date = served.client.completions.create(model=MODEL, prompt="Today's date:", max_tokens=16, temperature=0,
                                             extra_body={"guided_regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"})
     assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", date.choices[0].text)
+    lark = 'start: "The capital is " CITY "."\nCITY: /[A-Z][a-z]{2,10}/\n'
+    city = served.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=16,
+        temperature=0, extra_body={"guided_grammar": lark})
+    assert re.fullmatch(r"The capital is [A-Z][a-z]{2,10}\.", city.choices[0].message.content)
+    assert city.choices[0].finish_reason == "stop"
+    for bad, param in (({"guided_grammar": "start: nowhere"}, "guided_grammar"),
+                       ({"guided_grammar": lark, "guided_regex": "a"}, "guided_grammar")):
+        r = served.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     served.wait_idle()
 
 

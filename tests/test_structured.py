@@ -144,3 +144,33 @@ def test_compiled_grammars_are_reused_with_independent_states(smollm2, monkeypat
     with pytest.raises(ValueError, match="regex is not a usable grammar"):
         g.constraint(SamplingParams(max_new_tokens=4, regex=r"(unclosed"))
     assert len(g._compiled) == 2
+
+
+def test_lark_grammar_constrains_the_output(smollm2):
+    """SamplingParams(grammar=...): a context-free grammar in llguidance's Lark syntax; the output is a
+    sentence of it (finish "grammar" once nothing else may follow), greedy and sampled; errors name the
+    field."""
+    model, tok = smollm2
+    infer = atb.TransformerInfer(model, max_seq_len=512, tokenizer=tok)
+    ask = chat(tok, "Is the sky blue?")
+    yes_no = 'start: "The answer is " answer "."\nanswer: "yes" | "no"\n'
+    pairs = 'start: item ("," item)* "."\nitem: NAME "=" NUMBER\nNAME: /[a-z]{1,8}/\nNUMBER: /[0-9]{1,3}/\n'
+    outs = run(infer, [(ask, SamplingParams(max_new_tokens=16, grammar=yes_no)),
+                       (ask, SamplingParams(max_new_tokens=60, grammar=pairs)),
+                       (ask, SamplingParams(max_new_tokens=60, grammar=pairs, do_sample=True, seed=2))])
+    assert outs[0].finish_reason == "grammar"
+    assert re.fullmatch(r"The answer is (yes|no)\.", tok.decode(outs[0].output_token_ids))
+    for o in outs[1:]:
+        text = tok.decode(o.output_token_ids)
+        if o.finish_reason == "grammar":
+            assert re.fullmatch(r"[a-z]{1,8}=[0-9]{1,3}(,[a-z]{1,8}=[0-9]{1,3})*\.", text), text
+        else:   # cut by max_new_tokens: a prefix of a sentence
+            assert o.finish_reason == "length" and re.fullmatch(r"[a-z]{1,8}=[0-9]{1,3}(,[a-z]{0,8}=?[0-9]{0,3})*,?",
+                                                                   text), text
+    with pytest.raises(ValueError, match="sampling_params.grammar is not a usable grammar"):
+        infer.add_request(ask, SamplingParams(max_new_tokens=4, grammar="start: undefined_rule"))
+    with pytest.raises(ValueError, match="regex and grammar are exclusive"):
+        SamplingParams(regex="a", grammar=yes_no)
+    with pytest.raises(TypeError, match="grammar must be a str"):
+        SamplingParams(grammar=3)
+    assert infer.stats()["running"] == 0

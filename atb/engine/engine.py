@@ -114,7 +114,7 @@ class Engine:
         engine cannot constrain (no tokenizer, tensor parallelism) or the grammar is unusable."""
         if not params.constrained:
             return None
-        field = "json_schema" if params.json_schema is not None else "regex"
+        field = next(f for f in ("json_schema", "regex", "grammar") if getattr(params, f) is not None)
         if self.runner.tp is not None:
             raise ValueError(f"{op}: sampling_params.{field}: structured output is not supported with tensor "
                              f"parallelism")

@@ -45,9 +45,10 @@ class SamplingParams:
     token's `TokenLogprob` given the tokens before it, with k alternatives. Such a request computes its whole
     prompt (it does not read the prefix cache, whose tokens have no logits), and may ask for
     ``max_new_tokens=0``: it is prefilled, scored and finished with no token generated. ``json_schema`` (a
-    JSON schema, as a dict or its JSON text) or ``regex`` constrains the output to text the schema or the
-    expression accepts (`atb.engine.structured`; the engine needs a tokenizer); such a request finishes with
-    reason ``"grammar"`` once the output is complete. ``min_tokens`` (vLLM's): the EOS tokens are not
+    JSON schema, as a dict or its JSON text), ``regex`` or ``grammar`` (a context-free grammar in
+    llguidance's Lark syntax, its start rule ``start``) constrains the output to text the schema, the
+    expression or the grammar accepts (`atb.engine.structured`; the engine needs a tokenizer); such a
+    request finishes with reason ``"grammar"`` once the output is complete. ``min_tokens`` (vLLM's): the EOS tokens are not
     generated before that many tokens are.
     """
 
@@ -69,6 +70,7 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     min_tokens: int = 0
+    grammar: str | None = None
 
     def __post_init__(self):
         n = self.max_new_tokens
@@ -121,13 +123,16 @@ class SamplingParams:
             if not isinstance(parsed, dict):
                 raise ValueError(f"SamplingParams: json_schema must be a JSON schema (a dict or the JSON text of "
                                  f"an object), got {schema!r:.80}")
-        if self.regex is not None and not isinstance(self.regex, str):
-            raise TypeError(f"SamplingParams: regex must be a str or None, got {type(self.regex).__name__}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise TypeError(f"SamplingParams: {name} must be a str or None, got {type(v).__name__}")
         m = self.min_tokens
         if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= max(n, 0):
             raise ValueError(f"SamplingParams: min_tokens must be an int in [0, max_new_tokens={n}], got {m!r}")
-        if self.json_schema is not None and self.regex is not None:
-            raise ValueError("SamplingParams: json_schema and regex are exclusive; give one")
+        given = [f for f in ("json_schema", "regex", "grammar") if getattr(self, f) is not None]
+        if len(given) > 1:
+            raise ValueError(f"SamplingParams: {' and '.join(given)} are exclusive; give one")
         e = self.eos_token_id
         if e is not None:
             ok = (isinstance(e, int) and not isinstance(e, bool)) or (
@@ -144,8 +149,8 @@ class SamplingParams:
 
     @property
     def constrained(self) -> bool:
-        """The output must follow a grammar (``json_schema`` or ``regex``)."""
-        return self.json_schema is not None or self.regex is not None
+        """The output must follow a grammar (``json_schema``, ``regex`` or ``grammar``)."""
+        return self.json_schema is not None or self.regex is not None or self.grammar is not None
 
     @property
     def greedy_only(self) -> bool:

@@ -40,6 +40,8 @@ def grammar_source(params: SamplingParams) -> tuple[str, str] | None:
         return "json_schema", _llguidance().LLMatcher.grammar_from_json_schema(json.loads(params.json_schema))
     if params.regex is not None:
         return "regex", _llguidance().LLMatcher.grammar_from_regex(params.regex)
+    if params.grammar is not None:
+        return "grammar", _llguidance().LLMatcher.grammar_from_lark(params.grammar)
     return None
 
 

@@ -143,7 +143,7 @@ class Generation:
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                 logit_bias=req.logit_bias_pairs, seed=seed, ignore_eos=req.ignore_eos and not stops,
-                eos_token_id=eos, min_tokens=req.min_tokens, regex=req.regex,
+                eos_token_id=eos, min_tokens=req.min_tokens, regex=req.regex, grammar=req.guided_grammar,
                 logprobs=req.top_logprobs_k, prompt_logprobs=req.prompt_logprobs_k if echo is not None else None,
                 json_schema=req.json_schema)
         except (ValueError, TypeError) as e:

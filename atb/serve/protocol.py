@@ -103,6 +103,7 @@ class _Request(BaseModel):
     stop_token_ids: list[int] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
+    guided_grammar: str | None = None
     guided_choice: list[str] | None = Field(default=None, min_length=1)
     user: str | None = None
 
@@ -138,6 +139,7 @@ class _Request(BaseModel):
         given = [name for name, v in (("response_format", rf is not None and rf.type != "text"),
                                       ("guided_json", self.guided_json is not None),
                                       ("guided_regex", self.guided_regex is not None),
+                                      ("guided_grammar", self.guided_grammar is not None),
                                       ("guided_choice", self.guided_choice is not None)) if v]
         if len(given) > 1:
             raise APIError(400, f"{given[1]}: only one output constraint per request, {given[0]} is given too",
@@ -171,7 +173,7 @@ class _Request(BaseModel):
     @property
     def constraint_field(self) -> str:
         """The field that constrains the output (named in errors about it)."""
-        for name in ("guided_json", "guided_regex", "guided_choice"):
+        for name in ("guided_json", "guided_regex", "guided_grammar", "guided_choice"):
             if getattr(self, name) is not None:
                 return name
         return "response_format"
