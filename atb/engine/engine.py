@@ -274,9 +274,10 @@ class Engine:
         request is greedy, none waits for admission or prefill (continuous batching admits only between
         calls), and each has that many tokens left to generate (its blocks are reserved for them at
         admission: Scheduler.reserve_tokens). The native call ends after the step by which every request has
-        produced an EOS id; a request that stops earlier than the others drops the tokens computed past its end. With speculative decoding on, every step is one: a draft may appear after any token (SmolLM2
-        bf16 on 2 Zen 3 cores, 11 chat tasks: 20.8 s with single steps, 23.5 s with 8 back to back, 27.4 s
-        without speculation)."""
+        produced an EOS id; a request that stops earlier than the others drops the tokens computed past its
+        end. With speculative decoding on, every step is one: a draft may appear after any token (SmolLM2 fp32
+        on 2 Zen 3 cores, 11 chat tasks one after another: 22.5 s with single steps, 24.8-24.9 s with 4 or 8
+        back to back while no request has a draft, 29.9 s without speculation)."""
         sched = self.scheduler
         if (max_steps <= 1 or not greedy or not self.runner.multi_step or sched.waiting or sched.prefilling
                 or self.speculative is not None):
