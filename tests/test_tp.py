@@ -133,6 +133,18 @@ def _rank_main(job: dict) -> None:
     out["spec"] = {"greedy": spec.generate(LOOPING, SPEC_TOKENS, eos_token_id=[]),
                    "sampled": spec.generate(LOOPING, SPEC_TOKENS, do_sample=True, top_k=20, seed=3),
                    "stats": spec.stats()}
+    # A greedy request beside an unseeded sampled one (each rank's own generator): that batch does not
+    # speculate, so rank 0's draws reach every rank; alone again, the greedy one does.
+    from atb.engine import SamplingParams
+
+    spec.add_request(LOOPING[0], SamplingParams(max_new_tokens=SPEC_TOKENS, ignore_eos=True), request_id="g")
+    spec.add_request(LOOPING[1], SamplingParams(max_new_tokens=8, do_sample=True, ignore_eos=True), request_id="s")
+    mixed = {}
+    while spec.has_unfinished():
+        for o in spec.step():
+            if o.finished:
+                mixed[o.request_id] = o.output_token_ids
+    out["spec"]["mixed"] = mixed
     save()
     if job.get("mismatch"):
         path = next(iter(job["models"].values()))
@@ -249,6 +261,7 @@ def test_tiny_families_tp2_match_tp1_and_a_killed_rank_fails_the_others(tmp_path
     want = plain.generate(LOOPING, SPEC_TOKENS, eos_token_id=[])
     for got in ranks:
         assert got["spec"]["greedy"] == want and got["spec"]["sampled"] == ranks[0]["spec"]["sampled"]
+        assert got["spec"]["mixed"] == {"g": want[0], "s": ranks[0]["spec"]["mixed"]["s"]}
         assert got["spec"]["stats"]["spec_accepted_tokens"] > 0, got["spec"]["stats"]
     for got in ranks:
         assert "rank 1 differs from rank 0 in engine.max_seq_len: '64' vs '48'" in got["mismatch"]

@@ -358,19 +358,18 @@ class Engine:
     def _drafts(self, running: list[Request]) -> list[list[int]] | None:
         """Each running request's draft tokens for this step, trimmed to the step's row budget and to what the
         request may still generate; None when no request has one (the step is then a plain decode step).
-        Under tensor parallelism only greedy requests draft: a sampled draft's acceptance is a random draw, and
-        every rank must take the same one."""
+        Under tensor parallelism only batches of greedy requests speculate: a sampled token (an acceptance, or
+        a draw) is random, every rank must take the same one, and only the plain step broadcasts rank 0's."""
         cfg, sched = self.speculative, self.scheduler
         spare = min(cfg.max_step_rows, self.runner.max_step_rows) - len(running)
-        if spare <= 0:
+        if spare <= 0 or (self.runner.tp is not None and not all(r.params.greedy_only for r in running)):
             return None
-        tp = self.runner.tp is not None
         drafts = []
         for r in running:
             # Accepting k drafts emits k + 1 tokens: at most what max_new_tokens and max_seq_len leave.
             k = min(cfg.num_speculative_tokens, spare, r.params.max_new_tokens - len(r.out) - 1,
                     sched.max_seq_len - r.length - 1)
-            if k <= 0 or (tp and not r.params.greedy_only):
+            if k <= 0:
                 drafts.append([])
                 continue
             if r.drafter is None:
