@@ -361,7 +361,7 @@ class Engine:
         Under tensor parallelism only batches of greedy requests speculate: a sampled token (an acceptance, or
         a draw) is random, every rank must take the same one, and only the plain step broadcasts rank 0's."""
         cfg, sched = self.speculative, self.scheduler
-        spare = min(cfg.max_step_rows, self.runner.max_step_rows) - len(running)
+        spare = cfg.max_step_rows - len(running)   # the runner's buffers were sized for it
         if spare <= 0 or (self.runner.tp is not None and not all(r.params.greedy_only for r in running)):
             return None
         drafts = []

@@ -86,10 +86,7 @@ def select(logits: torch.Tensor, reqs: list) -> list[int]:
 
 
 def _select_one(row: torch.Tensor, req) -> int:
-    row = _shaped(row, req)
-    if not req.params.do_sample:
-        return int(row.argmax())
-    return draw(warp(row.unsqueeze(0), req.params).softmax(-1)[0], req.gen)
+    return verify_draft(row, req, None)[0]   # with no draft: the row's own pick
 
 
 def verify_draft(row: torch.Tensor, req, draft: int | None) -> tuple[int, bool]:

@@ -90,8 +90,8 @@ class NgramDrafter:
 
     __slots__ = ("lo", "hi", "tokens", "prompt_len", "_last_end", "_indexed", "_wait", "_backoff")
 
-    # A draft rejected outright costs its rows for nothing and stops graph mode's back-to-back decode steps;
-    # after one, the request does not draft for 1, 2, 4, ... steps (up to this many), until a draft is accepted.
+    # A draft rejected outright costs its rows for nothing; after one, the request does not draft for
+    # 1, 2, 4, ... steps (up to this many), until a draft is accepted.
     MAX_BACKOFF = 16
 
     def __init__(self, prompt: list[int], lo: int, hi: int):
@@ -125,7 +125,7 @@ class NgramDrafter:
             for n, table in zip(range(self.lo, self.hi + 1), self._last_end):
                 if e + 1 >= n:
                     table[tuple(seq[e + 1 - n:e + 1])] = e
-        self._indexed = max(self._indexed, end)
+        self._indexed = end
         for n in range(min(self.hi, len(seq)), self.lo - 1, -1):
             e = self._last_end[n - self.lo].get(tuple(seq[len(seq) - n:]))
             if e is not None:
