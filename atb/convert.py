@@ -23,7 +23,7 @@ Memory stays near one chunk of one tensor, never a shard or the model:
 * ``quantize=`` (``--quantize``): each projection, the embedding and the LM head is
   quantized by :func:`atb.quant.quantize_weight` in blocks of rows (its quantized parts,
   a quarter to an eighth of the float tensor, are the bound), or taken as the GGUF file's
-  own Q8_0/Q4_0/Q4_1 blocks, and stored as its parts (README "Converting checkpoints": the
+  own Q8_0/Q4_0/Q4_1/Q4_K blocks, and stored as its parts (README "Converting checkpoints": the
   on-disk format).
 * GGUF tensors are dequantized whole, one at a time, with the ``gguf`` package and
   transformers' own GGUF name mapping and per-architecture tensor processing (the code
@@ -116,7 +116,7 @@ class SourceTensor:
     mapped: bool = False
     # load() -> the whole tensor in its final layout (GGUF: dequantized and processed).
     load: Callable[[], torch.Tensor] | None = None
-    # GGUF Q8_0 / Q4_0 / Q4_1: the block type, and blocks() -> the tensor as a QuantizedWeight read from the
+    # GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K: the block type, and blocks() -> the tensor as a QuantizedWeight read from the
     # file's blocks as they are (rows in HF order), for --quantize to keep instead of re-quantizing floats.
     native: str | None = None
     blocks: Callable[[], object] | None = None
@@ -464,8 +464,8 @@ def plan_quantization(tensors: list[SourceTensor], fmt: str, group_size: int | N
     embed_format=...)``, with the same defaults (w8a16 per channel, w4a16 group 32, fp32 per-channel scales,
     fp16 group scales), so a converted checkpoint holds exactly the codes ``atb.quantize`` computes in memory.
 
-    A GGUF Q8_0 / Q4_0 / Q4_1 tensor whose bit width is the target's is kept as its blocks (group 32, fp16
-    scales: the file's own values) unless an explicit ``group_size`` other than 32 was asked for. A tied
+    A GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K tensor whose bit width is the target's is kept as its blocks (group 32,
+    the file's own values: fp16 scales, fp32 for Q4_K's exact products) unless an explicit ``group_size`` other than 32 was asked for. A tied
     model's ``lm_head.weight``, if the checkpoint has one, is dropped: the embedding is the LM head.
     """
     from atb.quant.formats import quantize_weight
@@ -500,9 +500,12 @@ def plan_quantization(tensors: list[SourceTensor], fmt: str, group_size: int | N
 
 
 def _gguf_scale_dtype(t: SourceTensor) -> torch.dtype:
-    """fp16, as the blocks store it; Q4_0's min = -8 d is kept in fp32 (with d) where it overflows fp16, as
-    atb.quant.gguf does, so a Q4_0 tensor's blocks are read once here to know (Q4_0 files are rare)."""
-    return torch.float16 if t.native != "Q4_0" else t.blocks().scale.dtype
+    """fp16, as the blocks store it (Q4_K: fp32, where its products are exact; atb.quant.gguf.scale_dtype);
+    Q4_0's min = -8 d is kept in fp32 (with d) where it overflows fp16, as atb.quant.gguf does, so a Q4_0
+    tensor's blocks are read once here to know (Q4_0 files are rare)."""
+    from atb.quant.gguf import scale_dtype
+
+    return scale_dtype(t.native) if t.native != "Q4_0" else t.blocks().scale.dtype
 
 
 def _parts(t: SourceTensor, q: QuantTarget) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:

@@ -194,6 +194,23 @@ def test_gguf_source_keeps_q4_1_and_q8_0_blocks(tmp_path):
     assert same_codes(loaded.atb_quantized.embed, native.embed)  # Q8_0 table kept: 8 bits either way
 
 
+def test_gguf_source_keeps_q4_k_blocks(smollm2_q4_k, tmp_path):
+    """Q4_K tensors (fp32 scales: d * sc is not exact in fp16) are kept as their blocks too, beside Q4_1 ones."""
+    from atb.quant.gguf import load_native
+
+    model, tok, path = smollm2_q4_k
+    dst = tmp_path / "w4"
+    assert cli.main(["convert", path, str(dst), "--quantize", "w4a16", "--quiet"]) == 0
+    qc = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert qc["kept_gguf_blocks"] == ["Q4_1", "Q4_K", "Q8_0"]
+    loaded, _ = checkpoints.load_model(str(dst), progress=False)
+    assert_same_weights(loaded.atb_quantized, load_native(model, path))
+    down = loaded.atb_quantized.layers[0].down
+    assert down.source.endswith("gguf:Q4_K") and down.scale.dtype == torch.float32
+    ids = cli._token_ids(tok.apply_chat_template(PROMPT, add_generation_prompt=True))
+    assert greedy(loaded, ids, n=10) == greedy(model, ids, f"gguf:{path}", n=10)
+
+
 def test_stock_transformers_refuses_a_quantized_checkpoint(tiny, tmp_path):
     """Stock from_pretrained stops with an error that says what the directory is and how to load it (not a
     missing-file OSError, nor a model with random projections); atb's loaders still read it."""

@@ -342,6 +342,12 @@ class _FakeTensor:
         self.data = gguf.quants.quantize(w.numpy(), self.tensor_type)
         self.shape = np.array([w.shape[1], w.shape[0]])
 
+    @classmethod
+    def of_blocks(cls, name, kind, blocks, n, k):
+        t = cls.__new__(cls)
+        t.name, t.tensor_type, t.data, t.shape = name, gguf.GGMLQuantizationType[kind], blocks, np.array([k, n])
+        return t
+
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
 def test_gguf_blocks_bit_exact(kind, isa):
@@ -353,6 +359,36 @@ def test_gguf_blocks_bit_exact(kind, isa):
     assert q.source == f"gguf:{kind}" and q.group_size == 32 and q.bits == (8 if kind == "Q8_0" else 4)
     x = torch.randn(3, 96)
     assert_close(K.linear(x, q), linear_ref(x, want.double()), scale=_scale(96))
+
+
+@pytest.mark.parametrize("n,k", [(5, 256), (37, 768), (3, 1536)])
+def test_gguf_q4_k_blocks_bit_exact(n, k, isa):
+    # Random super-blocks (every 6-bit scale and min, every nibble): w4a16 group 32 with fp32 scale d * sc and
+    # min -dmin * m gives gguf's own dequantization bit for bit, and the kernels run it.
+    from gguf_blocks import random_q4_k
+
+    t = _FakeTensor.of_blocks("blk.0.ffn_down.weight", "Q4_K", random_q4_k(n, k, np.random.default_rng(n)), n, k)
+    q = qgguf.tensor_to_quantized(t)
+    want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).reshape(n, k)
+    assert torch.equal(q.dequantize(), want)
+    assert (q.source, q.bits, q.group_size, q.scale.dtype, q.min.dtype) == ("gguf:Q4_K", 4, 32, torch.float32,
+                                                                           torch.float32)
+    for m in (1, 3, 40):  # the decode GEMV and the prefill GEMM
+        x = torch.randn(m, k)
+        assert_close(K.linear(x, q), linear_ref(x, want.double()), scale=_scale(k))
+
+
+def test_gguf_q4_k_quantizer_of_the_tests():
+    # The tests' Q4_K writer (gguf has no Q4_K quantizer): each sub-block's values within half a step of the
+    # weight, where the step is the sub-block's range over 15 levels (plus the 6-bit grids' rounding).
+    from gguf_blocks import quantize_q4_k
+
+    w = torch.randn(16, 512) * 0.05
+    deq = gguf.quants.dequantize(quantize_q4_k(w.numpy()), gguf.GGMLQuantizationType.Q4_K).reshape(16, 512)
+    sub = w.reshape(16, 2, 8, 32)
+    step = (sub.amax(-1) - sub.amin(-1).clamp(max=0)) / 15
+    err = (torch.from_numpy(deq.copy()) - w).abs().reshape(16, 2, 8, 32).amax(-1)
+    assert (err <= 0.75 * step + 1e-4).all(), float((err / step).max())
 
 
 def test_gguf_embedded_smollm2_tensors_bit_exact():

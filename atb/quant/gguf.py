@@ -10,8 +10,21 @@ Block layouts (32 values along K per block, ``d`` and ``m`` fp16):
 * Q4_1: ``d, m, qs[16]``,     w = d * q + m         -> w4a16, group 32, scale d, min m.
 
 ``qs`` byte j holds value j (low nibble) and value j + 16 (high nibble): the W4 layout of
-:mod:`atb.quant.formats` itself, so the nibbles are copied as they are. Tensors of any other
-GGUF type (F32, F16, Q6_K, ...) are dequantized to float by ``gguf`` and reported per tensor.
+:mod:`atb.quant.formats` itself, so the nibbles are copied as they are.
+
+* Q4_K (the 4-bit type of llama.cpp's ``Q4_K_S`` / ``Q4_K_M`` files): super-blocks of 256 values,
+  ``d, dmin`` (fp16), 12 bytes holding eight 6-bit scales ``sc[j]`` and mins ``m[j]`` (one per
+  sub-block of 32), ``qs[128]``; w = d * sc[j] * q - dmin * m[j] -> w4a16, group 32, fp32 scale
+  ``d * sc[j]`` and min ``-dmin * m[j]``. Both products are exact in fp32 (an fp16 times a 6-bit
+  integer), and so is ``d * sc[j] * q``, so the kernels' ``scale * q + min`` rounds once, where gguf's
+  dequantization does: the same floats. fp16 scales would round ``d * sc[j]``, so the scales take
+  0.25 byte per weight (Q4_K's own 0.0625) and a Q4_K weight streams 0.75 bytes per value. Its
+  nibbles are stored a 32-byte chunk per two sub-blocks (sub-block 2c in the low nibbles of chunk c,
+  2c + 1 in the high ones) and are repacked to the W4 layout once, at load.
+
+Tensors of any other GGUF type (F32, F16, Q6_K, Q5_K, ...) are dequantized to float by ``gguf`` and
+reported per tensor: none of them maps exactly onto W8A16 / W4A16 (Q6_K's 6-bit values have a scale per
+16 values, and the formats' groups are 32 or more).
 
 llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` (its rope layout); HF's GGUF
 loader undoes that, and so does :func:`load_native`, on whole quantized rows.
@@ -23,17 +36,21 @@ import torch
 
 from atb.quant.formats import QuantizedWeight
 
-NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
+# Values per block, and bytes per block, of each.
+_BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
 
 # GGUF tensor name (after "blk.{i}.") -> LayerWeights field.
 LAYER_NAMES = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate", "ffn_up": "up",
                "ffn_down": "down"}
 
 
-def _blocks(t, block_bytes: int) -> tuple[np.ndarray, int, int]:
+def _blocks(t) -> tuple[np.ndarray, int, int]:
+    """The tensor's blocks as uint8 ``[N, blocks per row, block bytes]``, N and K."""
+    values, block_bytes = _BLOCK[t.tensor_type.name]
     n = int(t.shape[1]) if len(t.shape) > 1 else 1
     k = int(t.shape[0])
-    raw = np.ascontiguousarray(t.data).view(np.uint8).reshape(n, k // 32, block_bytes)
+    raw = np.ascontiguousarray(t.data).view(np.uint8).reshape(n, k // values, block_bytes)
     return raw, n, k
 
 
@@ -42,7 +59,7 @@ def _f16(raw: np.ndarray, off: int) -> torch.Tensor:
 
 
 def tensor_to_quantized(t, name: str = "") -> QuantizedWeight:
-    """One ``gguf.ReaderTensor`` of type Q8_0 / Q4_0 / Q4_1 as a :class:`QuantizedWeight` ``[N, K]``."""
+    """One ``gguf.ReaderTensor`` of type Q8_0 / Q4_0 / Q4_1 / Q4_K as a :class:`QuantizedWeight` ``[N, K]``."""
     kind = t.tensor_type.name
     if kind not in NATIVE_TYPES:
         raise ValueError(f"gguf: tensor {name or t.name} is {kind}; natively loadable types are {NATIVE_TYPES}")
@@ -50,12 +67,14 @@ def tensor_to_quantized(t, name: str = "") -> QuantizedWeight:
         raise ValueError(f"gguf: tensor {name or t.name} has shape {list(t.shape)}, expected 2-D")
     src = f"gguf:{kind}"
     if kind == "Q8_0":
-        raw, n, k = _blocks(t, 34)
+        raw, n, k = _blocks(t)
         scale = _f16(raw, 0)
         q = torch.from_numpy(np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(n, k).copy())
         return QuantizedWeight(q, scale.contiguous(), None, (n, k), 8, 32, source=src)
+    if kind == "Q4_K":
+        return _q4_k(*_blocks(t), src)
     if kind == "Q4_0":
-        raw, n, k = _blocks(t, 18)
+        raw, n, k = _blocks(t)
         scale = _f16(raw, 0)
         mn = -8 * scale.float()
         if not torch.isfinite(mn.half()).all():  # -8 d overflows fp16: keep both in fp32 (still exact)
@@ -64,11 +83,38 @@ def tensor_to_quantized(t, name: str = "") -> QuantizedWeight:
             mn = mn.half()
         qs = raw[..., 2:]
     else:
-        raw, n, k = _blocks(t, 20)
+        raw, n, k = _blocks(t)
         scale, mn = _f16(raw, 0), _f16(raw, 2)
         qs = raw[..., 4:]
     data = torch.from_numpy(np.ascontiguousarray(qs).reshape(n, k // 2).copy())
     return QuantizedWeight(data, scale.contiguous(), mn.contiguous(), (n, k), 4, 32, source=src)
+
+
+def _q4_k(raw: np.ndarray, n: int, k: int, source: str) -> QuantizedWeight:
+    """Q4_K super-blocks ``[N, K / 256, 144]`` as w4a16 group 32 with fp32 scales and mins (module docstring)."""
+    d, dmin = _f16(raw, 0).float(), _f16(raw, 2).float()          # [N, K / 256]
+    # The 12 scale bytes: bytes 0-3 hold sub-blocks 0-3's 6-bit scales (and the top 2 bits of 4-7's), 4-7 their
+    # 6-bit mins (and the top 2 bits of 4-7's), 8-11 the low 4 bits of 4-7's scale (low nibble) and min (high).
+    packed = raw[..., 4:16].astype(np.uint8)
+    lo, mid, hi = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)    # [N, K / 256, 8]
+    mins = np.concatenate([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], axis=-1)
+    scale = (d[..., None] * torch.from_numpy(sc.astype(np.float32))).reshape(n, k // 32)
+    mn = (-(dmin[..., None] * torch.from_numpy(mins.astype(np.float32)))).reshape(n, k // 32)
+    # Nibbles: chunk c's 32 bytes hold sub-block 2c (low nibbles) and 2c + 1 (high) -> values [N, K / 32, 32],
+    # then byte j of each sub-block's 16 takes value j (low nibble) and value j + 16 (high): the W4 layout.
+    qs = raw[..., 16:].reshape(n, k // 256, 4, 1, 32)
+    values = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F
+    values = values.reshape(n, k // 32, 32)
+    data = (values[..., :16] | (values[..., 16:] << 4)).astype(np.uint8).reshape(n, k // 2)
+    return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(data)), scale.contiguous(), mn.contiguous(), (n, k),
+                           4, 32, source=source)
+
+
+def scale_dtype(kind: str) -> torch.dtype:
+    """The scale (and min) dtype a native tensor of GGUF type ``kind`` loads with: the blocks' own fp16, or fp32
+    for Q4_K (exact products). Q4_0 may also load in fp32 (-8 d overflowing fp16): read its blocks to know."""
+    return torch.float32 if kind == "Q4_K" else torch.float16
 
 
 def permute_rows(w: QuantizedWeight, n_head: int) -> QuantizedWeight:
@@ -82,7 +128,7 @@ def permute_rows(w: QuantizedWeight, n_head: int) -> QuantizedWeight:
 
 def load_native(model, path: str | None = None):
     """The weights of ``model`` (an HF model loaded from the GGUF file ``path``, default the embedded
-    SmolLM2) for the engine at the file's own precision: every Q8_0/Q4_0/Q4_1 projection, embedding and
+    SmolLM2) for the engine at the file's own precision: every Q8_0/Q4_0/Q4_1/Q4_K projection, embedding and
     LM head as a :class:`QuantizedWeight` read from the file; other types stay as the float tensors HF
     loaded. Norms and biases are the model's own tensors. Returns a ``QuantizedModelWeights`` whose
     ``report`` says, per tensor, what it became.
