@@ -23,7 +23,7 @@ Memory stays near one chunk of one tensor, never a shard or the model:
 * ``quantize=`` (``--quantize``): each projection, the embedding and the LM head is
   quantized by :func:`atb.quant.quantize_weight` in blocks of rows (its quantized parts,
   a quarter to an eighth of the float tensor, are the bound), or taken as the GGUF file's
-  own Q8_0/Q4_0/Q4_1/Q4_K blocks, and stored as its parts (README "Converting checkpoints": the
+  own Q8_0/Q5_0/Q4_0/Q4_1/Q4_K blocks, and stored as its parts (README "Converting checkpoints": the
   on-disk format).
 * GGUF tensors are dequantized whole, one at a time, with the ``gguf`` package and
   transformers' own GGUF name mapping and per-architecture tensor processing (the code
@@ -116,7 +116,7 @@ class SourceTensor:
     mapped: bool = False
     # load() -> the whole tensor in its final layout (GGUF: dequantized and processed).
     load: Callable[[], torch.Tensor] | None = None
-    # GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K: the block type, and blocks() -> the tensor as a QuantizedWeight read from the
+    # GGUF Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K: the block type, and blocks() -> the tensor as a QuantizedWeight read from the
     # file's blocks as they are (rows in HF order), for --quantize to keep instead of re-quantizing floats.
     native: str | None = None
     blocks: Callable[[], object] | None = None
@@ -464,11 +464,12 @@ def plan_quantization(tensors: list[SourceTensor], fmt: str, group_size: int | N
     embed_format=...)``, with the same defaults (w8a16 per channel, w4a16 group 32, fp32 per-channel scales,
     fp16 group scales), so a converted checkpoint holds exactly the codes ``atb.quantize`` computes in memory.
 
-    A GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K tensor whose bit width is the target's is kept as its blocks (group 32,
+    A GGUF Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K tensor whose bit width is the target's is kept as its blocks (group 32,
     the file's own values: fp16 scales, fp32 for Q4_K's exact products) unless an explicit ``group_size`` other than 32 was asked for. A tied
     model's ``lm_head.weight``, if the checkpoint has one, is dropped: the embedding is the LM head.
     """
     from atb.quant.formats import quantize_weight
+    from atb.quant.gguf import native_bits
 
     if fmt not in QUANT_FORMATS:
         raise ConvertError(f"--quantize: expected one of {', '.join(QUANT_FORMATS)}, got '{fmt}'")
@@ -488,7 +489,7 @@ def plan_quantization(tensors: list[SourceTensor], fmt: str, group_size: int | N
         # atb.quantize gives the tables the layers' group size only when they share the layers' format.
         g = group_size if (not table or f == fmt) else None
         bits = 8 if f == "w8a16" else 4
-        if t.native is not None and (8 if t.native == "Q8_0" else 4) == bits and g in (None, 32):
+        if t.native is not None and native_bits(t.native) == bits and g in (None, 32):
             plan[t.name] = QuantTarget(bits, 32, _gguf_scale_dtype(t), keep_blocks=True)
             continue
         try:  # validates the group size for the format, and gives the default scale dtype, on a 1x1 weight

@@ -349,14 +349,14 @@ class _FakeTensor:
         return t
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_0", "Q4_1"])
 def test_gguf_blocks_bit_exact(kind, isa):
     w = torch.randn(37, 96) * 0.1
     t = _FakeTensor("blk.0.attn_q.weight", kind, w)
     q = qgguf.tensor_to_quantized(t)
     want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).reshape(37, 96)
     assert torch.equal(q.dequantize(), want)
-    assert q.source == f"gguf:{kind}" and q.group_size == 32 and q.bits == (8 if kind == "Q8_0" else 4)
+    assert q.source == f"gguf:{kind}" and q.group_size == 32 and q.bits == (8 if kind in ("Q8_0", "Q5_0") else 4)
     x = torch.randn(3, 96)
     assert_close(K.linear(x, q), linear_ref(x, want.double()), scale=_scale(96))
 

@@ -66,7 +66,7 @@ def test_native_is_the_gguf_as_shipped(smollm2_quantized):
 
 
 def test_gguf_q4_k_file_loads_natively(smollm2_q4_k):
-    # A file with Q4_K tensors among Q4_1 / Q8_0 ones: each loads at its own precision, equal bit for bit to the
+    # A file with Q4_K and Q5_0 tensors among Q4_1 / Q8_0 ones: each loads at its own precision, equal bit for bit to the
     # float weights transformers dequantized from the same blocks, and the engine runs the mix.
     model, tok, path = smollm2_q4_k
     from atb.quant.gguf import load_native
@@ -75,12 +75,17 @@ def test_gguf_q4_k_file_loads_natively(smollm2_q4_k):
     for i in (0, 29):
         lw, mlp = w.layers[i], model.model.layers[i].mlp
         assert lw.down.source == "gguf:Q4_K" and lw.down.scale.dtype == torch.float32
+        assert lw.v.source == "gguf:Q5_0" and lw.v.bits == 8
         assert lw.gate.source == "gguf:Q4_1" and w.embed.source == "gguf:Q8_0"
         assert torch.equal(lw.down.dequantize(), mlp.down_proj.weight.detach())
-    assert "Q4_K" in w.report["layers.0.down"]
-    infer = atb.TransformerInfer(model, max_seq_len=128, max_batch_size=1, quantize=f"gguf:{path}")
-    out = infer.generate([chat_ids(tok, CHATS[0])], max_new_tokens=10)
-    assert "Paris" in tok.decode(out[0]), tok.decode(out[0])
+        assert torch.equal(lw.v.dequantize(), model.model.layers[i].self_attn.v_proj.weight.detach())
+    assert "Q4_K" in w.report["layers.0.down"] and "Q5_0" in w.report["layers.0.v"]
+    # The same weights as floats give the same greedy tokens (fp32 activations). Re-quantized, the model's first
+    # token is "L" ("L'Étoile ...") by 0.33 logits over "The", in HF's own forward too.
+    ids = [chat_ids(tok, CHATS[0])]
+    native = atb.TransformerInfer(model, max_seq_len=128, max_batch_size=1, quantize=f"gguf:{path}")
+    floats = atb.TransformerInfer(model, max_seq_len=128, max_batch_size=1)
+    assert native.generate(ids, max_new_tokens=12) == floats.generate(ids, max_new_tokens=12)
 
 
 def test_graph_mode_equals_python_mode(smollm2_quantized):

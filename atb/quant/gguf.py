@@ -1,9 +1,12 @@
-"""GGUF checkpoints at their own precision: Q8_0, Q4_0 and Q4_1 tensors loaded straight into
+"""GGUF checkpoints at their own precision: Q8_0, Q5_0, Q4_0, Q4_1 and Q4_K tensors loaded straight into
 :class:`QuantizedWeight` (no float round trip), through the ``gguf`` package's reader.
 
-Block layouts (32 values along K per block, ``d`` and ``m`` fp16):
+Block layouts (32 values along K per block, ``d`` and ``m`` fp16; Q4_K's below):
 
 * Q8_0: ``d, q[32] (int8)``, w = d * q             -> w8a16, group 32, fp16 scale d;
+* Q5_0: ``d, qh[4], qs[16]``, w = d * (q - 16)      -> w8a16, group 32, fp16 scale d (q - 16 is in
+  [-16, 15]: 5 of int8's bits; the type llama.cpp's Q4_K_M files fall back to for rows whose width is not a
+  multiple of Q4_K's 256, as SmolLM2's 576-wide ones);
 * Q4_0: ``d, qs[16]``,        w = d * (q - 8)       -> w4a16, group 32, scale d, min -8 d
   (exact in fp16 and fp32: a power-of-two multiple; ``d * q - 8 d`` equals ``d * (q - 8)`` in
   fp32 because ``d * q`` is exact);
@@ -24,7 +27,7 @@ Block layouts (32 values along K per block, ``d`` and ``m`` fp16):
 
 Tensors of any other GGUF type (F32, F16, Q6_K, Q5_K, ...) are dequantized to float by ``gguf`` and
 reported per tensor: none of them maps exactly onto W8A16 / W4A16 (Q6_K's 6-bit values have a scale per
-16 values, and the formats' groups are 32 or more).
+16 values, and the formats' groups are 32 or more; Q5_1 and Q5_K have a min, which W8A16 has not).
 
 llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` (its rope layout); HF's GGUF
 loader undoes that, and so does :func:`load_native`, on whole quantized rows.
@@ -36,9 +39,9 @@ import torch
 
 from atb.quant.formats import QuantizedWeight
 
-NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
+NATIVE_TYPES = ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K")
 # Values per block, and bytes per block, of each.
-_BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
+_BLOCK = {"Q8_0": (32, 34), "Q5_0": (32, 22), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
 
 # GGUF tensor name (after "blk.{i}.") -> LayerWeights field.
 LAYER_NAMES = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate", "ffn_up": "up",
@@ -59,7 +62,7 @@ def _f16(raw: np.ndarray, off: int) -> torch.Tensor:
 
 
 def tensor_to_quantized(t, name: str = "") -> QuantizedWeight:
-    """One ``gguf.ReaderTensor`` of type Q8_0 / Q4_0 / Q4_1 / Q4_K as a :class:`QuantizedWeight` ``[N, K]``."""
+    """One ``gguf.ReaderTensor`` of type Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K as a :class:`QuantizedWeight` ``[N, K]``."""
     kind = t.tensor_type.name
     if kind not in NATIVE_TYPES:
         raise ValueError(f"gguf: tensor {name or t.name} is {kind}; natively loadable types are {NATIVE_TYPES}")
@@ -71,6 +74,15 @@ def tensor_to_quantized(t, name: str = "") -> QuantizedWeight:
         scale = _f16(raw, 0)
         q = torch.from_numpy(np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(n, k).copy())
         return QuantizedWeight(q, scale.contiguous(), None, (n, k), 8, 32, source=src)
+    if kind == "Q5_0":
+        raw, n, k = _blocks(t)
+        # Value j's low 4 bits: byte j of qs (j < 16, low nibble) or j - 16 (high nibble); its 5th: bit j of qh.
+        qs = raw[..., 6:]
+        low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+        high = (np.ascontiguousarray(raw[..., 2:6]).view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
+        q = (low | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+        return QuantizedWeight(torch.from_numpy(q.reshape(n, k)), _f16(raw, 0).contiguous(), None, (n, k), 8, 32,
+                               source=src)
     if kind == "Q4_K":
         return _q4_k(*_blocks(t), src)
     if kind == "Q4_0":
@@ -111,6 +123,11 @@ def _q4_k(raw: np.ndarray, n: int, k: int, source: str) -> QuantizedWeight:
                            4, 32, source=source)
 
 
+def native_bits(kind: str) -> int:
+    """The W8/W4 format a native tensor of GGUF type ``kind`` loads as: 8 for Q8_0 and Q5_0, else 4."""
+    return 8 if kind in ("Q8_0", "Q5_0") else 4
+
+
 def scale_dtype(kind: str) -> torch.dtype:
     """The scale (and min) dtype a native tensor of GGUF type ``kind`` loads with: the blocks' own fp16, or fp32
     for Q4_K (exact products). Q4_0 may also load in fp32 (-8 d overflowing fp16): read its blocks to know."""
@@ -128,7 +145,7 @@ def permute_rows(w: QuantizedWeight, n_head: int) -> QuantizedWeight:
 
 def load_native(model, path: str | None = None):
     """The weights of ``model`` (an HF model loaded from the GGUF file ``path``, default the embedded
-    SmolLM2) for the engine at the file's own precision: every Q8_0/Q4_0/Q4_1/Q4_K projection, embedding and
+    SmolLM2) for the engine at the file's own precision: every Q8_0/Q5_0/Q4_0/Q4_1/Q4_K projection, embedding and
     LM head as a :class:`QuantizedWeight` read from the file; other types stay as the float tensors HF
     loaded. Norms and biases are the model's own tensors. Returns a ``QuantizedModelWeights`` whose
     ``report`` says, per tensor, what it became.
