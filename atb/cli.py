@@ -613,7 +613,7 @@ def _quantize_arg(sp):
     """--quantize of the commands that build an engine (generate, chat, serve)."""
     sp.add_argument("--quantize", default=None,
                     help="weight-only quantization: w8a16 | w4a16 (| -g64 | -g128 suffix) | native (a GGUF file's "
-                         "Q8_0/Q5_0/Q4_0/Q4_1/Q4_K tensors as shipped)")
+                         "Q8_0/Q5_0/Q4_0/Q4_1/Q4_K tensors as shipped; native+w8a16-g32: its other tensors at 8 bits)")
 
 
 def _add_bench(sub):

@@ -108,7 +108,8 @@ class TransformerInfer(Engine):
         quantize: weight-only quantization of every projection, the embedding and the LM head:
             ``"w8a16"``, ``"w4a16"`` (``"-g64"`` / ``"-g128"`` suffix for the group size; the embedding /
             LM head stay 8-bit), ``"native"`` (the GGUF file the model was loaded from, at its own
-            precision), or an ``atb.quantize(model, ...)`` result. Python and graph mode alike.
+            precision; ``"native+w8a16-g32"`` quantizes its tensors of other types), or an
+            ``atb.quantize(model, ...)`` result. Python and graph mode alike.
             ``memory_summary()`` reports the bytes saved.
         enable_prefix_caching: requests whose prompts start with the same full KV blocks share them
             and prefill only the rest (``atb.engine.block_manager``). Off by default here: blocks of

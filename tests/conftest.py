@@ -112,8 +112,9 @@ def smollm2_bf16():
 def smollm2_q4_k(tmp_path_factory):
     """(fp32 model, tokenizer, path): the embedded SmolLM2 GGUF re-quantized in part as a Q4_K_M file of it would
     be: every ffn_down (K = 1536, the one projection width that is a multiple of Q4_K's 256) to Q4_K and every
-    attn_v to Q5_0 (llama.cpp's fallback for such rows of other widths), from the file's own Q4_1 values; the other
-    tensors as shipped. The model is what transformers loads from that file."""
+    attn_v to Q5_0 (llama.cpp's fallback for such rows of other widths), from the file's own Q4_1 values; every
+    attn_output to Q5_1, a type with no native form; the other tensors as shipped. The model is what
+    transformers loads from that file."""
     import gguf
     from atb.checkpoints import default_model_path, load_model
     from gguf_blocks import copy_gguf, quantize_q4_k
@@ -121,14 +122,13 @@ def smollm2_q4_k(tmp_path_factory):
     src = default_model_path()
     replace = {}
     for t in gguf.GGUFReader(src).tensors:
-        if not t.name.endswith(("ffn_down.weight", "attn_v.weight")):
+        kind = {"ffn_down.weight": "Q4_K", "attn_v.weight": "Q5_0", "attn_output.weight": "Q5_1"}.get(
+            t.name.split(".", 2)[-1])
+        if kind is None:
             continue
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(int(t.shape[1]), int(t.shape[0]))
-        if t.name.endswith("ffn_down.weight"):
-            replace[t.name] = (quantize_q4_k(w), gguf.GGMLQuantizationType.Q4_K)
-        else:
-            replace[t.name] = (gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q5_0),
-                               gguf.GGMLQuantizationType.Q5_0)
+        kind = gguf.GGMLQuantizationType[kind]
+        replace[t.name] = (quantize_q4_k(w) if kind.name == "Q4_K" else gguf.quants.quantize(w, kind), kind)
     path = str(tmp_path_factory.mktemp("q4_k") / "SmolLM2-135M-Instruct.Q4_K-Q5_0.gguf")
     copy_gguf(src, path, replace)
     model, tok = load_model(path, dtype=torch.float32, progress=False)

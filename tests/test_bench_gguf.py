@@ -45,6 +45,8 @@ def test_tensor_types_counts_the_load_report():
               "from gguf:Q5_0)", "layers.0.down": "Q6_K: float torch.bfloat16 (dequantized by gguf)",
               "embed": "QuantizedWeight(w8a16, ..., from gguf:Q8_0)", "lm_head": "tied to embed"}
     assert bench.tensor_types(report) == "Q5_0 2, Q6_K (float) 1, Q8_0 1"
+    report["layers.0.down"] = "Q6_K: quantized from float, QuantizedWeight(w8a16, shape=(576, 1536), group 32, ...)"
+    assert bench.tensor_types(report) == "Q5_0 2, Q6_K (as w8a16) 1, Q8_0 1"
 
 
 def test_bad_arguments_are_refused_before_anything_loads(tmp_path, capsys):
@@ -55,6 +57,9 @@ def test_bad_arguments_are_refused_before_anything_loads(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main([str(tmp_path / "x.gguf"), "--llama-bench", str(tmp_path / "x.gguf")])
     assert "not an executable file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main([str(tmp_path / "x.gguf"), "--rest", "w6a16"])
+    assert "--rest: quantize: unknown spec 'w6a16'" in capsys.readouterr().err
 
 
 def test_embedded_model_beside_a_llama_bench(tmp_path, capsys):

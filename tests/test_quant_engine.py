@@ -80,12 +80,45 @@ def test_gguf_q4_k_file_loads_natively(smollm2_q4_k):
         assert torch.equal(lw.down.dequantize(), mlp.down_proj.weight.detach())
         assert torch.equal(lw.v.dequantize(), model.model.layers[i].self_attn.v_proj.weight.detach())
     assert "Q4_K" in w.report["layers.0.down"] and "Q5_0" in w.report["layers.0.v"]
+    assert w.report["layers.0.o"] == "Q5_1: float torch.float32 (dequantized by gguf)"
+    assert w.layers[0].o is model.model.layers[0].self_attn.o_proj.weight
     # The same weights as floats give the same greedy tokens (fp32 activations). Re-quantized, the model's first
     # token is "L" ("L'Étoile ...") by 0.33 logits over "The", in HF's own forward too.
     ids = [chat_ids(tok, CHATS[0])]
     native = atb.TransformerInfer(model, max_seq_len=128, max_batch_size=1, quantize=f"gguf:{path}")
     floats = atb.TransformerInfer(model, max_seq_len=128, max_batch_size=1)
     assert native.generate(ids, max_new_tokens=12) == floats.generate(ids, max_new_tokens=12)
+
+
+def test_gguf_native_plus_a_format_quantizes_the_rest(smollm2_q4_k):
+    # "native+w8a16-g32": the file's own tensors as stored, those of other types (here Q5_1) quantized from the
+    # floats transformers dequantized, as atb.quantize would; graph and Python mode run it alike.
+    from atb.quant.gguf import load_native
+
+    model, tok, path = smollm2_q4_k
+    w = load_native(model, path, rest=("w8a16", 32))
+    o = w.layers[0].o
+    assert isinstance(o, QuantizedWeight) and (o.bits, o.group_size, o.source) == (8, 32, "quantize")
+    assert torch.equal(o.data, atb.quantize(model.model.layers[0].self_attn.o_proj.weight.detach(), "w8a16", 32).data)
+    assert w.report["layers.0.o"].startswith("Q5_1: quantized from float, QuantizedWeight(w8a16")
+    assert w.layers[0].down.source == "gguf:Q4_K" and w.layers[0].v.source == "gguf:Q5_0"
+    ids = [chat_ids(tok, CHATS[0])]
+    runs = [atb.TransformerInfer(model, max_seq_len=64, max_batch_size=1, quantize=f"gguf:{path}+w8a16-g32",
+                                 graph_mode=g) for g in (True, False)]
+    assert runs[0].memory_summary()["quantize"] == f"gguf:{path}+w8a16-g32"
+    assert runs[0].generate(ids, max_new_tokens=6) == runs[1].generate(ids, max_new_tokens=6)
+
+
+def test_native_spec_forms():
+    from atb.quant.engine import split_native
+
+    assert split_native("native") == ("native", None) and split_native("gguf") == ("gguf", None)
+    assert split_native("native+w8a16-g32") == ("native", ("w8a16", 32))
+    assert split_native("gguf:/m/a.gguf+w4a16") == ("gguf:/m/a.gguf", ("w4a16", None))
+    assert split_native("gguf:/m/c++/a.gguf") == ("gguf:/m/c++/a.gguf", None)  # a '+' of the path
+    assert split_native("w8a16") == (None, None)
+    with pytest.raises(ValueError, match=r"after 'native\+' comes the format"):
+        split_native("native+w6")
 
 
 def test_graph_mode_equals_python_mode(smollm2_quantized):

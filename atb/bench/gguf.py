@@ -1,11 +1,12 @@
 """GGUF files at their own precision: atb against llama.cpp on the same files, in the same run.
 
-    python -m atb.bench.gguf [FILE.gguf ...] [--llama-bench PATH] [--float] [--prompt 128] [--new 128]
-                             [--repeats 3] [--json]
+    python -m atb.bench.gguf [FILE.gguf ...] [--llama-bench PATH] [--float] [--rest FORMAT] [--prompt 128]
+                             [--new 128] [--repeats 3] [--json]
 
 For each file (default: the embedded SmolLM2 Q4_1): prefill and decode tok/s at batch 1 of
 ``TransformerInfer(model, quantize="gguf:FILE")`` (every Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K tensor as
-stored, the rest float; bf16 activations), and with ``--float`` of the same model with float bf16 weights.
+stored, the rest float, or with ``--rest FORMAT`` quantized to it; bf16 activations), and with ``--float`` of
+the same model with float bf16 weights.
 With ``--llama-bench`` (the ``llama-bench`` binary of a llama.cpp build, which this project does not ship
 or build) the same file goes through llama.cpp's own benchmark with the same prompt length, token count
 and thread count (``-p``, ``-n``, ``-t``). The runs are interleaved, repeat by repeat, and the table shows
@@ -29,15 +30,18 @@ from atb.bench.roofline import add_table_or_json_args, apply_threads, generate_r
 
 
 def tensor_types(report: dict) -> str:
-    """``load_native``'s per-tensor report as counts per GGUF type, e.g. ``Q5_0 166, Q4_K 16, Q6_K (float) 14``."""
+    """``load_native``'s per-tensor report as counts per GGUF type, e.g. ``Q5_0 166, Q4_K 16, Q6_K (float) 14``
+    (``Q6_K (as w8a16) 14`` where ``rest`` quantized them)."""
     kinds = collections.Counter()
     for what in report.values():
         if "from gguf:" in what:
             kinds[what.rsplit("from gguf:", 1)[1].rstrip(")")] += 1
         elif what.startswith("not in file") or what.startswith("tied"):
             continue
-        else:
-            kinds[what.split(":", 1)[0] + " (float)"] += 1
+        else:  # "<type>: float ..." or "<type>: quantized from float, QuantizedWeight(w8a16, ...)"
+            kind, how = what.split(": ", 1)
+            kinds[f"{kind} (as {how.split('(', 1)[1].split(',')[0]})" if how.startswith("quantized") else
+                  f"{kind} (float)"] += 1
     return ", ".join(f"{k} {n}" for k, n in kinds.most_common())
 
 
@@ -72,14 +76,15 @@ def _engine_rates(engine, prompt_ids: list[int], new: int) -> tuple[float, float
 
 
 def bench_file(path: str | None, *, llama: str | None, with_float: bool, prompt: int, new: int, repeats: int,
-               threads: int) -> dict:
+               threads: int, rest: str | None = None) -> dict:
     import atb
     from atb.checkpoints import default_model_path, load_model
+    from atb.quant.engine import parse_spec
     from atb.quant.gguf import load_native
 
     model, _ = load_model(path, dtype=torch.bfloat16, progress=False)
     path = path or default_model_path()
-    native = load_native(model, path)
+    native = load_native(model, path, rest=parse_spec(rest) if rest else None)
     engines = {"atb": atb.TransformerInfer(model, max_seq_len=prompt + new, max_batch_size=1, quantize=native)}
     if with_float:
         engines["atb float"] = atb.TransformerInfer(model, max_seq_len=prompt + new, max_batch_size=1)
@@ -106,6 +111,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--llama-bench", default=None, metavar="PATH",
                     help="llama.cpp's llama-bench binary: run it on the same files in the same rounds")
     ap.add_argument("--float", action="store_true", help="also the model with float bf16 weights")
+    ap.add_argument("--rest", default=None, metavar="FORMAT",
+                    help="quantize tensors of types with no native form to FORMAT (w8a16, w4a16, -gN suffix: "
+                         "quantize='native+FORMAT'); default: they stay float")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
@@ -116,6 +124,13 @@ def main(argv=None) -> list[dict]:
             ap.error(f"no such GGUF file: {f}")
     if args.llama_bench and not os.access(args.llama_bench, os.X_OK):
         ap.error(f"--llama-bench {args.llama_bench}: not an executable file")
+    if args.rest:
+        from atb.quant.engine import parse_spec
+
+        try:
+            parse_spec(args.rest)
+        except ValueError as e:
+            ap.error(f"--rest: {e}")
     if args.prompt < 1 or args.new < 2 or args.repeats < 1:
         ap.error("--prompt >= 1, --new >= 2 and --repeats >= 1")
     import atb
@@ -129,7 +144,7 @@ def main(argv=None) -> list[dict]:
     results = []
     for f in args.files or [None]:
         r = bench_file(f, llama=args.llama_bench, with_float=args.float, prompt=args.prompt, new=args.new,
-                       repeats=args.repeats, threads=threads)
+                       repeats=args.repeats, threads=threads, rest=args.rest)
         results.append(r)
         if not args.json:
             print(f"{r['file']}: {r['weights_mb']:.1f} MB of weights; {r['tensors']}")

@@ -5,7 +5,8 @@ to a model's quantized weights (:class:`atb.quant.api.QuantizedModelWeights`).
   (w4a16 defaults to 32, w8a16 to per channel): :func:`atb.quantize` of the model's float weights,
   embedding / LM head at 8 bits;
 * ``"native"`` (alias ``"gguf"``), or ``"gguf:<path>"``: the GGUF file the model was loaded from, at its
-  own precision (:func:`atb.quant.gguf.load_native`);
+  own precision (:func:`atb.quant.gguf.load_native`); tensors of types with no native form stay float, or
+  with a ``"+<format>"`` suffix (``"native+w8a16-g32"``, ``"gguf:<path>+w8a16"``) are quantized to it;
 * a ``QuantizedModelWeights`` built by the caller (any other option of :func:`atb.quantize`).
 """
 from __future__ import annotations
@@ -24,6 +25,23 @@ def parse_spec(spec: str) -> tuple[str, int | None]:
             return fmt, _GROUPS[spec[len(fmt):]]
     raise ValueError(f"quantize: unknown spec {spec!r}; valid: 'w8a16', 'w4a16' (optionally with -g32, -g64, -g128), "
                      f"'native', 'gguf', 'gguf:<path>', or an atb.quantize(model, ...) result")
+
+
+def split_native(spec: str) -> tuple[str | None, tuple[str, int | None] | None]:
+    """``"native+w8a16-g32"`` -> ``("native", ("w8a16", 32))``, ``"gguf:<path>"`` -> ``("gguf:<path>", None)``;
+    ``(None, None)`` for a spec that does not load a GGUF file's own tensors. A ``+`` suffix that is not a format
+    belongs to the path (ValueError for ``native+<not a format>``)."""
+    head, plus, tail = spec.rpartition("+")
+    if plus and (head in ("native", "gguf") or head.startswith("gguf:")):
+        try:
+            return head, parse_spec(tail)
+        except ValueError:
+            if not head.startswith("gguf:"):
+                raise ValueError(f"quantize: {spec!r}: after '{head}+' comes the format of the tensors the file has no "
+                                 f"native form for: 'w8a16' or 'w4a16', optionally with -g32, -g64, -g128") from None
+    if spec in ("native", "gguf") or spec.startswith("gguf:"):
+        return spec, None
+    return None, None
 
 
 def gguf_path_of(model) -> str | None:
@@ -59,13 +77,14 @@ def resolve(model, quantize) -> QuantizedModelWeights | None:
         return quantize
     if not isinstance(quantize, str):
         raise TypeError(f"quantize: expected a spec string or a QuantizedModelWeights, got {type(quantize).__name__}")
-    if quantize in ("native", "gguf") or quantize.startswith("gguf:"):
+    source, rest = split_native(quantize)
+    if source is not None:
         from atb.quant.gguf import load_native
 
-        path = quantize[5:] if quantize.startswith("gguf:") else gguf_path_of(model)
+        path = source[5:] if source.startswith("gguf:") else gguf_path_of(model)
         if not path:
             raise ValueError("quantize='native' runs the GGUF file the model came from, but this model was not loaded "
                              "from one by atb.checkpoints.load_model; pass quantize='gguf:<path to the file>'")
-        return load_native(model, path)
+        return load_native(model, path, rest=rest)
     fmt, group = parse_spec(quantize)
     return quantize_model(model, fmt, group)

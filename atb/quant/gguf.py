@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from atb.quant.formats import QuantizedWeight
+from atb.quant.formats import QuantizedWeight, quantize_weight
 
 NATIVE_TYPES = ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K")
 # Values per block, and bytes per block, of each.
@@ -143,12 +143,13 @@ def permute_rows(w: QuantizedWeight, n_head: int) -> QuantizedWeight:
                            w.group_size, source=w.source)
 
 
-def load_native(model, path: str | None = None):
+def load_native(model, path: str | None = None, *, rest: tuple[str, int | None] | None = None):
     """The weights of ``model`` (an HF model loaded from the GGUF file ``path``, default the embedded
     SmolLM2) for the engine at the file's own precision: every Q8_0/Q5_0/Q4_0/Q4_1/Q4_K projection, embedding and
     LM head as a :class:`QuantizedWeight` read from the file; other types stay as the float tensors HF
-    loaded. Norms and biases are the model's own tensors. Returns a ``QuantizedModelWeights`` whose
-    ``report`` says, per tensor, what it became.
+    loaded, unless ``rest`` = ``(format, group_size)`` (``atb.quantize``'s) quantizes them: projections to that
+    format, the embedding / LM head to 8 bits as ``atb.quantize`` puts them. Norms and biases are the model's own
+    tensors. Returns a ``QuantizedModelWeights`` whose ``report`` says, per tensor, what it became.
     """
     import dataclasses
 
@@ -171,8 +172,14 @@ def load_native(model, path: str | None = None):
             report[label] = f"not in file: float {fallback.dtype} from the model"
             return fallback
         if t.tensor_type.name not in NATIVE_TYPES:
-            report[label] = f"{t.tensor_type.name}: float {fallback.dtype} (dequantized by gguf)"
-            return fallback
+            if rest is None:
+                report[label] = f"{t.tensor_type.name}: float {fallback.dtype} (dequantized by gguf)"
+                return fallback
+            table = label in ("embed", "lm_head")
+            fmt, group = ("w8a16", None) if table and rest[0] != "w8a16" else rest
+            w = quantize_weight(fallback.detach(), fmt, group)
+            report[label] = f"{t.tensor_type.name}: quantized from float, {w!r}"
+            return w
         w = tensor_to_quantized(t, gname)
         if tuple(w.shape) != tuple(fallback.shape):
             raise ValueError(f"gguf: {gname} has shape {tuple(w.shape)} but the model's {label} is "
