@@ -70,23 +70,25 @@ def _file_hash(path: str) -> str:
     return h.hexdigest()[:24]
 
 
-def cached_conversion(gguf_path: str, progress: bool = True) -> str:
+def cached_conversion(gguf_path: str, progress: bool = True, quantize: str | None = None) -> str:
     """A float32 safetensors copy of a GGUF file, made once by ``atb convert`` and keyed by the file's hash.
 
     Dequantized GGUF weights are float32 values, so the float32 copy holds exactly the
     tensors transformers builds from the GGUF, and loading it (in any dtype) gives the
-    same model without dequantizing again.
+    same model without dequantizing again. With ``quantize`` ("native" / "native+<format>") the copy is
+    ``atb convert --quantize`` 's instead (the file's own blocks, float32 norms), keyed by the spec too.
     """
-    from atb.convert import ConvertError, convert
+    from atb.convert import QUANT_INDEX, ConvertError, convert
 
-    path = os.path.join(cache_dir(), _file_hash(gguf_path))
-    done = os.path.join(path, "model.safetensors.index.json")
+    key = _file_hash(gguf_path) + ("" if quantize is None else "-" + quantize.replace("+", "-"))
+    path = os.path.join(cache_dir(), key)
+    done = os.path.join(path, "model.safetensors.index.json" if quantize is None else QUANT_INDEX)
     if not os.path.isfile(done):
         os.makedirs(cache_dir(), exist_ok=True)
         if progress:
             print(f"atb: converting {os.path.basename(gguf_path)} once into {path}", file=sys.stderr)
         try:
-            convert(gguf_path, path, torch.float32, progress=progress)
+            convert(gguf_path, path, torch.float32, progress=progress, quantize=quantize, force=os.path.isdir(path))
         except (ConvertError, OSError):
             if not os.path.isfile(done):  # else another process published the same conversion first
                 raise
@@ -124,7 +126,7 @@ def model_config(path: str | None = None):
 
 
 def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, *, cache: bool | None = None,
-               progress: bool = True):
+               progress: bool = True, quantize: str | None = None):
     """Loads ``(model, tokenizer)`` from a local HF directory (original or ``atb convert``-ed) or GGUF file.
 
     ``path=None`` is the embedded SmolLM2-135M-Instruct. A GGUF file is read by ``atb convert``
@@ -134,20 +136,38 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, *, c
     loaded from there from then on; otherwise it is converted to ``dtype`` in a temporary
     directory for this load. ``progress=False`` hides every progress bar. A directory written by
     ``atb convert --quantize`` loads through :func:`load_quantized` (its weights as stored).
+
+    ``quantize="native"`` (GGUF files only; or ``"native+<format>"``): the file's Q8_0 / Q5_0 / Q4_0 / Q4_1 /
+    Q4_K tensors are read as their own blocks and never dequantized (``atb convert --quantize native``, then
+    :func:`load_quantized`): no float copy of them is made, so the model takes about its file's size in memory.
+    That conversion is cached like the embedded model's (``cache`` defaults to on here: parsing a GGUF file's
+    metadata and tokenizer with transformers takes most of a first load, ~20 s for SmolLM2, and a cached one
+    loads in a few seconds). The model runs through ``TransformerInfer(model)`` or ``patch_hf_model(model)``
+    as loaded, like an ``atb convert --quantize`` directory.
     """
+    from atb.quant.engine import split_native
+
+    if quantize is not None and split_native(quantize)[0] not in ("native", "gguf"):
+        raise ValueError(f"load_model: quantize must be 'native' or 'native+<format>' (the file's own blocks), got "
+                         f"{quantize!r}; other formats: atb.TransformerInfer(model, quantize=...)")
     if cache is None:
-        cache = path is None
+        cache = path is None or quantize is not None
     path = default_model_path() if path is None else path
     directory, gguf_file = _split(path)
     if gguf_file and importlib.util.find_spec("gguf") is None:
         raise ModelLoadError("loading a GGUF file needs the gguf package: pip install gguf accelerate")
     if not gguf_file:
+        if quantize is not None:
+            raise ModelLoadError(f"cannot load model from {path}: quantize={quantize!r} reads a GGUF file's own "
+                                 f"blocks, and this is not a GGUF file")
         if atb_quantization(directory) is not None:
             return load_quantized(directory, dtype, progress=progress)
         return _from_pretrained(directory, path, dtype, progress)
     from atb.convert import ConvertError, convert
 
     try:
+        if quantize is not None:
+            return _load_native(path, dtype, quantize, cache, progress)
         if cache:
             try:
                 return _from_pretrained(cached_conversion(path, progress), path, dtype, progress)
@@ -159,6 +179,26 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, *, c
             return _from_pretrained(os.path.join(tmp, "model"), path, dtype, progress)
     except ConvertError as e:
         raise ModelLoadError(f"cannot load model from {path}: {e}") from None
+
+
+def _load_native(path: str, dtype: torch.dtype, quantize: str, cache: bool, progress: bool):
+    """``load_model(path, quantize="native...")``: the GGUF file converted with its own blocks, then loaded as
+    stored (from the cache, or from a directory made for this load)."""
+    from atb.convert import convert
+
+    model = tokenizer = None
+    if cache:
+        try:
+            model, tokenizer = load_quantized(cached_conversion(path, progress, quantize), dtype, progress=progress)
+        except OSError as e:  # e.g. a read-only home: convert for this load only
+            warnings.warn(f"atb: could not cache the converted model in {cache_dir()} ({e}); "
+                          f"converting for this load only", stacklevel=3)
+    if model is None:
+        with tempfile.TemporaryDirectory(prefix="atb-gguf-") as tmp:
+            convert(path, os.path.join(tmp, "model"), dtype, progress=progress, quantize=quantize)
+            model, tokenizer = load_quantized(os.path.join(tmp, "model"), dtype, progress=progress)
+    model.atb_source_path = os.path.abspath(path)
+    return model, tokenizer
 
 
 def _from_pretrained(directory: str, label: str, dtype: torch.dtype, progress: bool):

@@ -140,6 +140,8 @@ def check_quantize_args(args) -> None:
     """Refuses, before anything loads, the --quantize / --tp combinations no engine runs: --quantize under
     tensor parallelism (--tp slices float weights), and what an ``atb convert --quantize`` --model cannot do:
     be quantized again (--quantize) or be sliced by --tp."""
+    from atb.quant.engine import runs_as_stored
+
     quantize, tp = getattr(args, "quantize", None), getattr(args, "tp", 1)
     if quantize is not None and tp > 1:
         raise UserError(f"--quantize {quantize} and --tp {tp} together are not supported (tensor parallelism "
@@ -147,7 +149,7 @@ def check_quantize_args(args) -> None:
     qc = _atb_quantization(args)
     if qc is None:
         return
-    if quantize not in (None, "native"):
+    if not runs_as_stored(quantize):
         raise UserError(f"--quantize {quantize}: {args.model} is already quantized by atb convert "
                         f"({qc.get('format')}) and runs as stored; leave --quantize out")
     if tp > 1:
@@ -179,13 +181,17 @@ def _check_soc_dtype(soc_type: str, dtype) -> None:
 def _load(args, dtype, progress: Progress):
     """(model, tokenizer or None, label) from --model / --config / the default checkpoint."""
     from atb import checkpoints
+    from atb.quant.engine import runs_as_stored
 
     try:
         if getattr(args, "config", None):
             progress(f"building random-weight model '{args.config}'")
             return checkpoints.random_model(args.config, dtype=dtype), None, f"random:{args.config}"
         progress("loading " + (args.model or "SmolLM2-135M-Instruct (embedded default)"))
-        model, tok = checkpoints.load_model(args.model, dtype=dtype, progress=progress.enabled)
+        # A GGUF --model with --quantize native[+<format>] is read as its own blocks, never as floats.
+        native = getattr(args, "quantize", None)
+        native = native if (args.model or "").endswith(".gguf") and native and runs_as_stored(native) else None
+        model, tok = checkpoints.load_model(args.model, dtype=dtype, progress=progress.enabled, quantize=native)
         return model, tok, args.model or "SmolLM2-135M-Instruct"
     except checkpoints.ModelLoadError as e:
         raise UserError(str(e)) from None
@@ -679,8 +685,10 @@ def _add_convert(sub):
     v.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
                    help="dtype of the float tensors (required; with --quantize, of the norms and biases, "
                         "default float32)")
-    v.add_argument("--quantize", choices=("w8a16", "w4a16"),
-                   help="store every projection in atb's W8A16 / W4A16 format (loads in atb only)")
+    v.add_argument("--quantize", metavar="{w8a16,w4a16,native,native+FORMAT}",
+                   help="store every projection in atb's W8A16 / W4A16 format (loads in atb only); native (a GGUF "
+                        "source): its Q8_0/Q5_0/Q4_0/Q4_1/Q4_K tensors as their own blocks, the others float, or "
+                        "quantized to FORMAT (e.g. native+w8a16-g32)")
     v.add_argument("--group-size", type=int, choices=(0, 32, 64, 128),
                    help="with --quantize: values per scale along K (w8a16: 0 = per channel, the default; "
                         "w4a16: 32, the default, 64 or 128)")

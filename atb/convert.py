@@ -471,10 +471,14 @@ def plan_quantization(tensors: list[SourceTensor], fmt: str, group_size: int | N
     from atb.quant.formats import quantize_weight
     from atb.quant.gguf import native_bits
 
-    if fmt not in QUANT_FORMATS:
-        raise ConvertError(f"--quantize: expected one of {', '.join(QUANT_FORMATS)}, got '{fmt}'")
+    native, rest = _native_spec(fmt, group_size)
+    if not native and fmt not in QUANT_FORMATS:
+        raise ConvertError(f"--quantize: expected one of {', '.join(QUANT_FORMATS)}, 'native' or 'native+<format>', "
+                           f"got '{fmt}'")
     if embed_format not in EMBED_FORMATS:
         raise ConvertError(f"--embed-format: expected one of {', '.join(EMBED_FORMATS)}, got '{embed_format}'")
+    if native and not any(t.native for t in tensors):
+        raise ConvertError(f"--quantize {fmt}: the source has no GGUF Q8_0/Q5_0/Q4_0/Q4_1/Q4_K tensors to keep")
     plan, dropped = {}, []
     for t in tensors:
         table = _EMBED.fullmatch(t.name) or t.name == _LM_HEAD
@@ -483,11 +487,15 @@ def plan_quantization(tensors: list[SourceTensor], fmt: str, group_size: int | N
             continue
         if not (table or _PROJECTION.fullmatch(t.name)) or t.dtype not in FLOAT_DTYPES or len(t.shape) != 2:
             continue
-        if table and embed_format == "float":
+        if native and t.native is not None:  # the file's own blocks, whatever their width
+            plan[t.name] = QuantTarget(native_bits(t.native), 32, _gguf_scale_dtype(t), keep_blocks=True)
             continue
-        f = embed_format if table else fmt
+        if (table and embed_format == "float") or (native and rest is None):
+            continue
+        layers_fmt, group_size = rest if native else (fmt, group_size)
+        f = embed_format if table else layers_fmt
         # atb.quantize gives the tables the layers' group size only when they share the layers' format.
-        g = group_size if (not table or f == fmt) else None
+        g = group_size if (not table or f == layers_fmt) else None
         bits = 8 if f == "w8a16" else 4
         if t.native is not None and native_bits(t.native) == bits and g in (None, 32):
             plan[t.name] = QuantTarget(bits, 32, _gguf_scale_dtype(t), keep_blocks=True)
@@ -498,6 +506,22 @@ def plan_quantization(tensors: list[SourceTensor], fmt: str, group_size: int | N
             raise ConvertError(f"--group-size: {str(e).split(': ', 1)[-1]}") from None
         plan[t.name] = QuantTarget(bits, probe.group_size, probe.scale.dtype)
     return plan, dropped
+
+
+def _native_spec(fmt: str, group_size: int | None) -> tuple[bool, tuple[str, int | None] | None]:
+    """``--quantize native[+<format>]``: (True, the rest's (format, group) or None); (False, None) otherwise."""
+    from atb.quant.engine import parse_spec
+
+    if fmt != "native" and not fmt.startswith("native+"):
+        return False, None
+    if group_size is not None:
+        raise ConvertError(f"--group-size: with --quantize {fmt} the file's blocks keep their groups of 32; give the "
+                           f"other tensors' group in the format, e.g. native+w8a16-g32")
+    try:
+        return True, (parse_spec(fmt[len("native+"):]) if fmt != "native" else None)
+    except ValueError:
+        raise ConvertError(f"--quantize {fmt}: after 'native+' comes the format of the tensors with no native form: "
+                           f"w8a16 or w4a16, optionally -g32, -g64 or -g128") from None
 
 
 def _gguf_scale_dtype(t: SourceTensor) -> torch.dtype:
@@ -882,7 +906,9 @@ def convert(src: str, dst: str, dtype: str | torch.dtype = "bfloat16", *, max_sh
 
     ``quantize`` ("w8a16" / "w4a16", ``group_size`` as for :func:`atb.quantize`) stores every projection in
     that atb format and the embedding / LM head in ``embed_format`` ("w8a16" by default, "w4a16", or
-    "float"); the other tensors (norms, biases) are stored in ``dtype``. See the README's "atb convert".
+    "float"); the other tensors (norms, biases) are stored in ``dtype``. ``quantize="native"`` (a GGUF source)
+    keeps every Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K tensor as its own blocks and the others float, or with
+    ``"native+<format>"`` quantized to that format. See the README's "atb convert".
     """
     import atb
 
@@ -895,8 +921,9 @@ def convert(src: str, dst: str, dtype: str | torch.dtype = "bfloat16", *, max_sh
         raise ConvertError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype}")
     if quantize is None and group_size is not None:
         raise ConvertError("--group-size needs --quantize")
-    if quantize is not None and quantize not in QUANT_FORMATS:
-        raise ConvertError(f"--quantize: expected one of {', '.join(QUANT_FORMATS)}, got '{quantize}'")
+    if quantize is not None and quantize not in QUANT_FORMATS and not _native_spec(quantize, group_size)[0]:
+        raise ConvertError(f"--quantize: expected one of {', '.join(QUANT_FORMATS)}, 'native' or 'native+<format>', "
+                           f"got '{quantize}'")
     max_shard = parse_size(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
     if max_shard < 1:
         raise ConvertError(f"max_shard_size must be positive, got {max_shard_size}")

@@ -70,6 +70,20 @@ def _atb_quantized_dir(path: str) -> bool:
     return os.path.isdir(path) and atb_quantization(path) is not None
 
 
+def _load_gguf(path: str, dtype: torch.dtype | None, quantize) -> torch.nn.Module:
+    """The model of a GGUF file: read as its own blocks for a native ``quantize`` spec, else as floats (see
+    ``atb.checkpoints.load_model``)."""
+    from atb.checkpoints import ModelLoadError, load_model
+    from atb.quant.engine import runs_as_stored
+
+    _check_dtype(dtype)
+    native = quantize if isinstance(quantize, str) and runs_as_stored(quantize) else None
+    try:
+        return load_model(path, dtype or torch.float32, progress=False, quantize=native)[0]
+    except ModelLoadError as e:
+        raise ValueError(f"TransformerInfer: {e}") from None
+
+
 def _load_quantized_dir(path: str, dtype: torch.dtype | None):
     """The model of an ``atb convert --quantize`` directory (its float tensors in ``dtype``, None: as stored)."""
     from atb.checkpoints import ModelLoadError, load_quantized_model
@@ -89,7 +103,8 @@ class TransformerInfer(Engine):
             HF model directory (``config.json`` + ``*.safetensors``), read tensor by tensor (slice by slice
             under tensor parallelism) without building the HF model first. A directory written by
             ``atb convert --quantize`` runs on its weights as stored (not under tensor parallelism, which
-            slices float weights: a ValueError).
+            slices float weights: a ValueError). A ``.gguf`` file loads as ``atb.checkpoints.load_model`` loads it:
+            with ``quantize="native"`` (or ``"native+<format>"``) as its own blocks, never dequantized.
         max_seq_len: longest sequence (prompt + generated); at most the model's
             ``max_position_embeddings``.
         soc_type: the SoC whose tiling every kernel uses (``atb.soc_names()``).
@@ -152,6 +167,11 @@ class TransformerInfer(Engine):
                                  f"--quantize); tensor parallelism slices float weights and cannot read it: give "
                                  f"tp a float checkpoint (atb convert SRC DST --dtype ...)")
             model, from_path = _load_quantized_dir(os.fspath(model), dtype), False
+        elif from_path and os.fspath(model).endswith(".gguf") and os.path.isfile(model):
+            if tensor_parallel:
+                raise ValueError(f"TransformerInfer: tensor parallelism reads a model directory slice by slice; "
+                                 f"{os.fspath(model)} is a GGUF file: convert it first (atb convert SRC DST --dtype ...)")
+            model, from_path = _load_gguf(os.fspath(model), dtype, quantize), False
         if tensor_parallel and getattr(model, "atb_quantized", None) is not None:
             raise ValueError("TransformerInfer: this model's weights are stored quantized by atb convert; tensor "
                              "parallelism slices float weights and cannot run it: give tp a float checkpoint")

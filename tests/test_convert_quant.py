@@ -214,6 +214,72 @@ def test_gguf_source_keeps_q4_k_blocks(smollm2_q4_k, tmp_path):
     assert same_codes(stored.embed, native.embed)
 
 
+def test_gguf_native_conversion_keeps_every_native_tensor(smollm2_q4_k, tmp_path):
+    """--quantize native: every Q8_0 / Q5_0 / Q4_1 / Q4_K tensor as its blocks whatever its width, the others (the
+    fixture's Q5_1 attn_output) float; native+w8a16-g32 quantizes those as atb.quantize would."""
+    from atb.quant.gguf import load_native
+
+    model, _, path = smollm2_q4_k
+    native = load_native(model, path)
+    for spec in ("native", "native+w8a16-g32"):
+        dst = tmp_path / spec
+        assert cli.main(["convert", path, str(dst), "--quantize", spec, "--quiet"]) == 0
+        qc = json.loads((dst / "config.json").read_text())["quantization_config"]
+        assert (qc["format"], qc["kept_gguf_blocks"]) == (spec, ["Q4_1", "Q4_K", "Q5_0", "Q8_0"])
+        stored = checkpoints.load_model(str(dst), progress=False)[0].atb_quantized
+        for a, b in zip(stored.layers, native.layers):
+            assert all(same_codes(getattr(a, f), getattr(b, f)) for f in ("q", "k", "v", "gate", "up", "down"))
+        o, hf_o = stored.layers[3].o, model.model.layers[3].self_attn.o_proj.weight.detach()
+        if spec == "native":
+            assert torch.equal(o, hf_o)  # float, as transformers dequantized it
+        else:
+            assert same_codes(o, atb.quantize(hf_o, "w8a16", 32))
+
+
+def test_gguf_native_load_reads_blocks_once_and_caches(smollm2_q4_k, tmp_path, monkeypatch):
+    """load_model(gguf, quantize="native"): the model carries the file's own blocks (no float copy of them), the
+    conversion is cached by file and spec, and it runs to the tokens of the float model with the same weights."""
+    from atb.quant.gguf import load_native
+
+    model, tok, path = smollm2_q4_k
+    monkeypatch.setenv("ATB_CACHE_DIR", str(tmp_path / "cache"))
+    first, _ = checkpoints.load_model(path, progress=False, quantize="native")
+    assert len(os.listdir(tmp_path / "cache")) == 1 and os.listdir(tmp_path / "cache")[0].endswith("-native")
+    loaded, tok2 = checkpoints.load_model(path, progress=False, quantize="native")  # from the cache
+    assert loaded.atb_source_path == os.path.abspath(path)
+    for a, b in zip(loaded.atb_quantized.layers, first.atb_quantized.layers):
+        assert all(same_codes(getattr(a, f), getattr(b, f)) for f in ("q", "k", "v", "gate", "up", "down"))
+        assert torch.equal(a.o, b.o)  # the Q5_1 tensors: float
+    native = load_native(model, path)
+    assert all(same_codes(a.down, b.down) and same_codes(a.v, b.v) for a, b in
+               zip(loaded.atb_quantized.layers, native.layers))
+    assert loaded.model.layers[0].mlp.down_proj.weight.stride() == (0, 0)  # a placeholder: no float copy
+    ids = cli._token_ids(tok2.apply_chat_template(PROMPT, add_generation_prompt=True))
+    infer = atb.TransformerInfer(loaded, max_seq_len=128, quantize="native")
+    assert infer.memory_summary()["quantize"] == "stored:native"
+    want = greedy(model, ids, f"gguf:{path}", n=10)
+    assert infer.generate([ids], max_new_tokens=10)[0] == want
+    from_path = atb.TransformerInfer(path, max_seq_len=128, quantize="native")  # the file's path: the same load
+    assert from_path.memory_summary()["quantize"] == "stored:native"
+    assert from_path.generate([ids], max_new_tokens=10)[0] == want
+
+
+def test_gguf_native_errors(smollm2_q4_k, tiny, tmp_path):
+    _, _, path = smollm2_q4_k
+    tiny = tiny[1]
+    with pytest.raises(checkpoints.ModelLoadError, match="not a GGUF file"):
+        checkpoints.load_model(str(tiny), progress=False, quantize="native")
+    with pytest.raises(ValueError, match="quantize must be 'native' or 'native\\+<format>'"):
+        checkpoints.load_model(path, progress=False, quantize="w8a16")
+    with pytest.raises(convert.ConvertError, match="has no GGUF Q8_0/Q5_0/Q4_0/Q4_1/Q4_K tensors"):
+        convert.convert(str(tiny), str(tmp_path / "a"), "float32", quantize="native", progress=False)
+    with pytest.raises(convert.ConvertError, match="--group-size: with --quantize native"):
+        convert.convert(path, str(tmp_path / "b"), "float32", quantize="native", group_size=32, progress=False)
+    with pytest.raises(convert.ConvertError, match="after 'native\\+' comes the format"):
+        convert.convert(path, str(tmp_path / "c"), "float32", quantize="native+w6a16", progress=False)
+    assert not any(p.name in "abc" for p in tmp_path.iterdir())
+
+
 def test_stock_transformers_refuses_a_quantized_checkpoint(tiny, tmp_path):
     """Stock from_pretrained stops with an error that says what the directory is and how to load it (not a
     missing-file OSError, nor a model with random projections); atb's loaders still read it."""

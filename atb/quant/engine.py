@@ -44,6 +44,12 @@ def split_native(spec: str) -> tuple[str | None, tuple[str, int | None] | None]:
     return None, None
 
 
+def runs_as_stored(quantize) -> bool:
+    """The specs a model loaded quantized (``atb convert --quantize`` directory, ``load_model(quantize="native")``)
+    runs as stored with: none, or "native" / "native+<format>" (what such a GGUF load already applied)."""
+    return quantize is None or (isinstance(quantize, str) and split_native(quantize)[0] in ("native", "gguf"))
+
+
 def gguf_path_of(model) -> str | None:
     """The GGUF file a model was loaded from by ``atb.checkpoints.load_model`` (None if unknown)."""
     path = getattr(model, "atb_source_path", None)
@@ -55,9 +61,9 @@ def describe(model, quantize) -> str | None:
     a ``QuantizedModelWeights``, ``"stored:<format>[-g<group>]"`` for a model loaded from an ``atb convert
     --quantize`` directory (which runs quantized with ``quantize`` unset), None for float weights."""
     stored = getattr(model, "atb_quantization_config", None)
-    if stored is not None and quantize in (None, "native"):
-        group = stored.get("group_size")
-        return f"stored:{stored.get('format', '?')}" + (f"-g{group}" if group else "")
+    if stored is not None and runs_as_stored(quantize):
+        fmt, group = stored.get("format", "?"), stored.get("group_size")
+        return f"stored:{fmt}" + (f"-g{group}" if group and not fmt.startswith("native") else "")
     return quantize if quantize is None or isinstance(quantize, str) else "custom"
 
 
@@ -65,7 +71,7 @@ def resolve(model, quantize) -> QuantizedModelWeights | None:
     # A model loaded from an `atb convert --quantize` directory carries its stored quantized weights (its
     # projections have no float copy): they are what it runs on, and re-quantizing them is not possible.
     stored = getattr(model, "atb_quantized", None)
-    if stored is not None and quantize in (None, "native"):
+    if stored is not None and runs_as_stored(quantize):
         return stored
     if stored is not None and not isinstance(quantize, QuantizedModelWeights):
         raise ValueError(f"quantize={quantize!r}: this model's weights are stored quantized by atb convert "
