@@ -223,6 +223,10 @@ def cmd_check(args) -> int:
     report = atb.check_model(model)
     print(f"model: {label}")
     print(report)
+    if (args.model or "").endswith(".gguf"):
+        from atb.quant.gguf import type_summary
+
+        print(f"GGUF weight matrices under --quantize native: {type_summary(args.model)}")
     from atb.kernels.linear import routing_mode, routing_table
 
     info = atb.build_info()

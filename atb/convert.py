@@ -477,8 +477,9 @@ def plan_quantization(tensors: list[SourceTensor], fmt: str, group_size: int | N
                            f"got '{fmt}'")
     if embed_format not in EMBED_FORMATS:
         raise ConvertError(f"--embed-format: expected one of {', '.join(EMBED_FORMATS)}, got '{embed_format}'")
-    if native and not any(t.native for t in tensors):
-        raise ConvertError(f"--quantize {fmt}: the source has no GGUF Q8_0/Q5_0/Q4_0/Q4_1/Q4_K tensors to keep")
+    if native and rest is None and not any(t.native for t in tensors):
+        raise ConvertError(f"--quantize {fmt}: the source has no GGUF Q8_0/Q5_0/Q4_0/Q4_1/Q4_K tensors to keep "
+                           f"(native+w8a16 would quantize its tensors instead)")
     plan, dropped = {}, []
     for t in tensors:
         table = _EMBED.fullmatch(t.name) or t.name == _LM_HEAD

@@ -109,6 +109,17 @@ def test_gguf_native_plus_a_format_quantizes_the_rest(smollm2_q4_k):
     assert runs[0].generate(ids, max_new_tokens=6) == runs[1].generate(ids, max_new_tokens=6)
 
 
+def test_check_lists_what_native_makes_of_a_gguf_file(smollm2_q4_k, capsys):
+    from atb import cli
+
+    _, _, path = smollm2_q4_k
+    assert cli.main(["check", "--model", path, "--quiet"]) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("GGUF weight matrices")]
+    assert line == ["GGUF weight matrices under --quantize native: Q4_1 120 (native: w4a16), 1-D 61 (float), "
+                    "Q4_K 30 (native: w4a16), Q5_1 30 (float; native+w8a16-g32 quantizes them), Q5_0 30 (native: "
+                    "w8a16), Q8_0 1 (native: w8a16)"], line
+
+
 def test_native_spec_forms():
     from atb.quant.engine import split_native
 

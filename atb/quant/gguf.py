@@ -134,6 +134,25 @@ def scale_dtype(kind: str) -> torch.dtype:
     return torch.float32 if kind == "Q4_K" else torch.float16
 
 
+def type_summary(path: str) -> str:
+    """What ``quantize="native"`` makes of a GGUF file's weight matrices, per tensor type, e.g. ``Q5_0 166
+    (native: w8a16), Q6_K 14 (float; native+w8a16-g32 quantizes them), 1-D 61 (float)``."""
+    import collections
+
+    import gguf
+
+    counts = collections.Counter()
+    for t in gguf.GGUFReader(path).tensors:
+        counts["1-D" if len(t.shape) < 2 else t.tensor_type.name] += 1
+    parts = []
+    for kind, n in counts.most_common():
+        how = ("float" if kind == "1-D" else f"native: w{native_bits(kind)}a16" if kind in NATIVE_TYPES else
+               "float; native+w8a16-g32 quantizes them" if kind not in ("F32", "F16", "BF16") else
+               "float; native+w8a16 quantizes them")
+        parts.append(f"{kind} {n} ({how})")
+    return ", ".join(parts)
+
+
 def permute_rows(w: QuantizedWeight, n_head: int) -> QuantizedWeight:
     """HF's ``reverse_permute_weights`` for attn_q / attn_k, applied to whole quantized rows."""
     n = w.shape[0]
