@@ -137,11 +137,13 @@ def _atb_quantization(args) -> dict | None:
 
 
 def check_quantize_args(args) -> None:
-    """Refuses, before anything loads, the --quantize / --tp combinations no engine runs: --quantize under
+    """Refuses, before anything loads, --lookup-history without speculation and the --quantize / --tp
+    combinations no engine runs: --quantize under
     tensor parallelism (--tp slices float weights), and what an ``atb convert --quantize`` --model cannot do:
     be quantized again (--quantize) or be sliced by --tp."""
     from atb.quant.engine import runs_as_stored
 
+    speculative_config(args)  # --lookup-history without --num-speculative-tokens
     quantize, tp = getattr(args, "quantize", None), getattr(args, "tp", 1)
     if quantize is not None and tp > 1:
         raise UserError(f"--quantize {quantize} and --tp {tp} together are not supported (tensor parallelism "
@@ -607,16 +609,21 @@ def _engine_args(sp):
 
 
 def _speculative_arg(sp):
-    """--num-speculative-tokens of the commands that build an engine (generate, chat, serve)."""
+    """--num-speculative-tokens and --lookup-history of the commands that build an engine (generate, chat, serve)."""
     sp.add_argument("--num-speculative-tokens", type=_NON_NEGATIVE_INT, default=0,
                     help="speculative decoding by prompt lookup: draft tokens verified per step for greedy requests "
                          "(0 = off; 3 is a good start)")
+    sp.add_argument("--lookup-history", type=_NON_NEGATIVE_INT, default=0, metavar="N",
+                    help="with --num-speculative-tokens: also draft from the last N finished requests (requests of "
+                         "one shape draft each other's structure; 0 = off)")
 
 
 def speculative_config(args) -> dict | None:
-    """The engine's speculative_config from --num-speculative-tokens (None: off)."""
-    k = getattr(args, "num_speculative_tokens", 0)
-    return {"num_speculative_tokens": k} if k else None
+    """The engine's speculative_config from --num-speculative-tokens / --lookup-history (None: off)."""
+    k, history = getattr(args, "num_speculative_tokens", 0), getattr(args, "lookup_history", 0)
+    if history and not k:
+        raise UserError("--lookup-history drafts for speculative decoding: give --num-speculative-tokens too")
+    return {"num_speculative_tokens": k, "lookup_history": history} if k else None
 
 
 def _quantize_arg(sp):

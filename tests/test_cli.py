@@ -123,6 +123,7 @@ def gpt2_dir(tmp_path_factory):
     (("generate", "hi", "--threads", "0"), "--threads"),
     (("generate", "hi", "--threads", "99"), "--threads"),
     (("generate", "hi", "--num-speculative-tokens", "-2"), "--num-speculative-tokens"),
+    (("generate", "hi", "--lookup-history", "8"), "give --num-speculative-tokens too"),
     (("chat", "--max-new-tokens", "x"), "--max-new-tokens"),
     (("bench", "--threads", "0"), "--threads"),
     (("bench", "--json", "/no/such/dir/out.json"), "does not exist"),

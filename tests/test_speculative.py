@@ -7,7 +7,7 @@ import torch
 import atb
 from atb.checkpoints import random_model
 from atb.engine import SamplingParams, SpeculativeConfig
-from atb.engine.speculative import NgramDrafter
+from atb.engine.speculative import LookupHistory, NgramDrafter
 
 CFG = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
            head_dim=16, vocab_size=128, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -99,6 +99,33 @@ def test_drafter_backs_off_after_rejections_and_resets_on_acceptance():
     assert d.propose([1], 2)
 
 
+def test_lookup_history_drafts_what_followed_in_the_most_recent_kept_request():
+    h = LookupHistory(max_requests=2, lo=2, hi=4)
+    h.add([1, 2, 3, 4, 5, 6])
+    assert h.draft([9, 9, 2, 3], 3) == [4, 5, 6]          # the longest suffix found: (2, 3) -> 4 5 6
+    assert h.draft([7, 8], 3) == [] and h.draft([5, 6], 3) == []  # nothing followed 5 6
+    h.add([0, 2, 3, 7, 7])
+    assert h.draft([2, 3], 2) == [7, 7]                   # the most recent occurrence wins
+    assert h.draft([1, 2, 3], 2) == [4, 5]                # ... unless a longer n-gram matches an older one
+    h.add([8, 8, 8])
+    assert len(h) == 2 and h.draft([1, 2, 3], 2) == [7, 7]  # the first request is gone: its entries skipped
+    for i in range(20):                                    # stale entries are cleared as requests come and go
+        h.add([100 + i, 200 + i, 300 + i])
+    assert sum(len(t) for t in h._tables) <= 2 * sum(len(q) for q in h._seqs.values()) * len(h._tables)
+    assert h.draft([119, 219], 1) == [319] and h.draft([2, 3], 1) == []
+    h.add([5])                                             # too short to hold an n-gram with a successor
+    assert len(h) == 2
+
+
+def test_drafter_looks_up_the_history_only_when_its_own_tokens_give_nothing():
+    h = LookupHistory(max_requests=4, lo=2, hi=3)
+    h.add([40, 41, 42, 43, 44])
+    d = NgramDrafter([1, 2, 3, 1, 2], lo=2, hi=3)
+    assert d.propose([], 2, h) == [3, 1]                   # its own (1, 2) -> 3 1
+    d = NgramDrafter([5, 6, 40, 41], lo=2, hi=3)
+    assert d.propose([], 2, h) == [42, 43] and d.propose([42], 2, None) == []
+
+
 # ---- the config -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad, match", [
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an int >= 1"),
@@ -107,6 +134,8 @@ def test_drafter_backs_off_after_rejections_and_resets_on_acceptance():
     ({"max_step_rows": 1}, "max_step_rows must be >= 2"),
     ({"method": "eagle"}, "method must be 'ngram'"),
     ({"num_speculative": 3}, "unknown key 'num_speculative'"),
+    ({"lookup_history": -1}, "lookup_history must be an int >= 0"),
+    ({"lookup_history": True}, "lookup_history must be an int >= 0"),
 ])
 def test_config_errors_name_the_field(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -317,6 +346,24 @@ def test_smollm2_chat_copy_task_tokens_equal_plain_and_hf(smollm2_fp32):
         hf = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=64, do_sample=False,
                             pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
     assert plain == hf
+
+
+def test_smollm2_requests_of_one_shape_draft_from_each_other(smollm2_fp32):
+    # JSON records of one schema for other people: prompt lookup finds little in a request's own tokens, the
+    # finished records hold the keys and punctuation. The tokens stay plain decoding's.
+    model, tok = smollm2_fp32
+    people = [("Alice", 30, "Paris"), ("Bob", 25, "Berlin"), ("Carol", 41, "Madrid"), ("Dave", 35, "Rome")]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"Write a JSON object with the keys name, age "
+                                         f"and city for this person: {n} is {a} and lives in {c}."}],
+                                       add_generation_prompt=True) for n, a, c in people]
+    prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
+    runs = {}
+    for label, cfg in (("plain", None), ("own", {}), ("history", {"lookup_history": 8})):
+        infer = atb.TransformerInfer(model, max_seq_len=256, max_batch_size=1, speculative_config=cfg)
+        runs[label] = ([infer.generate([p], 48)[0] for p in prompts], infer.stats())
+    assert runs["own"][0] == runs["plain"][0] and runs["history"][0] == runs["plain"][0]
+    own, hist = runs["own"][1], runs["history"][1]
+    assert hist["spec_accepted_tokens"] > own["spec_accepted_tokens"] + 10, (own, hist)
 
 
 def test_smollm2_structured_output_verifies_each_row_under_its_grammar(smollm2_fp32):

@@ -22,6 +22,13 @@ Greedy speculative tokens must equal plain ``atb``'s (``same``); HF's are shown 
 reference (bf16 kernels round differently, so a near tie may split). Sampled
 runs draw differently with and without speculation (same distribution), so
 their lengths differ and only tok/s compare.
+
+``--series N`` measures drafting across requests instead (``lookup_history``):
+a series of requests of one shape (a JSON record of the same keys for each of
+N people, one request after another, greedy) through a fresh engine per
+variant and repeat: plain, ``atb-k<K>`` (each request's own tokens only) and
+``atb-k<K>-h``, which also looks up the finished requests of the series. The
+cell is the series' tokens over its wall time.
 """
 from __future__ import annotations
 
@@ -50,6 +57,18 @@ def print_table(rows):
 _PARAGRAPH = ("The Amazon rainforest covers much of the Amazon basin of South America. The basin spans seven million "
               "square kilometres, of which five and a half million are covered by the rainforest. The region includes "
               "territory belonging to nine nations, and most of the forest lies within Brazil.")
+
+# --series: one request shape, other contents (the people of a made-up directory).
+_PEOPLE = [("Alice", 30, "Paris", "painting"), ("Bob", 25, "Berlin", "cycling"), ("Carol", 41, "Madrid", "chess"),
+           ("Dave", 35, "Rome", "cooking"), ("Erin", 28, "Lisbon", "surfing"), ("Frank", 52, "Vienna", "opera"),
+           ("Grace", 33, "Dublin", "running"), ("Heidi", 47, "Oslo", "skiing"), ("Ivan", 39, "Prague", "jazz"),
+           ("Judy", 22, "Athens", "poetry"), ("Karl", 61, "Zurich", "hiking"), ("Laura", 31, "Milan", "fashion")]
+
+
+def series_prompt(name: str, age: int, city: str, hobby: str) -> str:
+    return (f"Write a JSON object with the keys name, age, city, hobby and greeting for this person: {name} is "
+            f"{age}, lives in {city} and loves {hobby}. The greeting is one sentence in the person's voice.")
+
 
 # (name, user message): tasks whose answers copy from their context, then free prose.
 TASKS = [
@@ -88,9 +107,15 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--tasks", default=",".join(n for n, _ in TASKS), help="comma-separated subset of the tasks")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled (seed 0)")
     ap.add_argument("--no-hf", action="store_true", help="skip the two HF eager variants")
+    ap.add_argument("--series", type=int, default=0, metavar="N",
+                    help="instead: N requests of one shape in a row, with and without lookup_history")
     add_table_or_json_args(ap)
     args = ap.parse_args(argv)
     apply_threads(args.threads)
+    if args.series:
+        if not 2 <= args.series <= len(_PEOPLE):
+            ap.error(f"--series: between 2 and {len(_PEOPLE)} requests")
+        return json_results(bench_series(args), args.json)
     ks = [int(k) for k in args.tokens.split(",")]
     tasks = [(n, t) for n, t in TASKS if n in args.tasks.split(",")]
 
@@ -174,6 +199,49 @@ def main(argv=None) -> list[dict]:
                       f"{row['x_atb']:6.2f} {f(row['accepted_per_step'], '8.2f')} "
                       f"{f(row['tokens_per_forward'], '7.2f')} | {same}", flush=True)
     return json_results(results, args.json)
+
+
+def bench_series(args) -> list[dict]:
+    """``--series``: tok/s of a series of same-shape requests per variant (module docstring)."""
+    import atb
+    from atb.checkpoints import load_model
+
+    model, tok = load_model(dtype=_DTYPES[args.dtype])
+    model.eval()
+    k = int(args.tokens.split(",")[0])
+    prompts = [chat_ids(tok, series_prompt(*p)) for p in _PEOPLE[:args.series]]
+    spec = {"num_speculative_tokens": k, "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max}
+    variants = {"atb": None, f"atb-k{k}": spec, f"atb-k{k}-h": {**spec, "lookup_history": args.series}}
+    times = {v: [] for v in variants}
+    outs, stats = {}, {}
+    for _ in range(args.repeats):
+        for v, cfg in variants.items():
+            # A fresh engine per run: the history starts empty (the kernels are warm from the first run on).
+            infer = atb.TransformerInfer(model, max_seq_len=1024, max_batch_size=1, speculative_config=cfg)
+            t0 = time.perf_counter()
+            outs[v] = [infer.generate([ids], args.new)[0] for ids in prompts]
+            times[v].append(time.perf_counter() - t0)
+            stats[v] = infer.stats()
+    rows = []
+    if not args.json:
+        info = atb.build_info()
+        print_table_head(f"SmolLM2-135M {args.dtype}, greedy, a series of {args.series} JSON records, up to {args.new} "
+                         f"new tokens each | {info['processor']} isa {info['isa']} | median of {args.repeats}",
+                         f"{'variant':12} {'tokens':>6} {'tok/s':>7} {'x atb':>6} {'acc/step':>8} | tokens")
+    for v in variants:
+        n = sum(len(o) for o in outs[v])
+        st = stats[v]
+        row = {"variant": v, "tokens": n, "tok_s": n / statistics.median(times[v]),
+               "accepted_per_step": (st["spec_accepted_tokens"] / st["spec_decode_steps"]
+                                     if st["spec_decode_steps"] else None),
+               "same_as_atb": outs[v] == outs["atb"]}
+        row["x_atb"] = row["tok_s"] / (rows[0]["tok_s"] if rows else row["tok_s"])
+        rows.append(row)
+        if not args.json:
+            acc = f"{row['accepted_per_step']:8.2f}" if row["accepted_per_step"] is not None else f"{'-':>8}"
+            print(f"{v:12} {n:6d} {row['tok_s']:7.1f} {row['x_atb']:6.2f} {acc} | "
+                  f"{'same' if row['same_as_atb'] else 'DIFFERENT'}", flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from atb.engine.params import RequestOutput, SamplingParams
 from atb.engine.runner import ModelRunner
 from atb.engine.sampling import generator, select, token_logprobs, verify_draft
 from atb.engine.scheduler import Request, Scheduler
-from atb.engine.speculative import NgramDrafter, SpeculativeConfig
+from atb.engine.speculative import LookupHistory, NgramDrafter, SpeculativeConfig
 from atb.runtime import pool_launches_off_main_thread
 
 log = logging.getLogger("atb.engine")
@@ -72,6 +72,10 @@ class Engine:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.speculative = speculative
+        # Finished requests looked up for drafts across requests (SpeculativeConfig.lookup_history).
+        self._lookup_history = (LookupHistory(speculative.lookup_history, speculative.prompt_lookup_min,
+                                              speculative.prompt_lookup_max)
+                                if speculative is not None and speculative.lookup_history else None)
         # Speculation counters (stats()): verification steps, draft tokens verified, drafts accepted.
         self._spec_steps = self._spec_drafted = self._spec_accepted = 0
         self._grammars = None     # built from the tokenizer by the first constrained request
@@ -287,6 +291,14 @@ class Engine:
         return max(1, min(max_steps, left))
 
     def _step_locked(self, max_decode_steps: int = 1) -> list[Request]:
+        touched = self._step_body(max_decode_steps)
+        if self._lookup_history is not None:
+            for r in touched:
+                if r.finished and r.reason != "abort" and r.out:
+                    self._lookup_history.add(r.prompt + r.out)
+        return touched
+
+    def _step_body(self, max_decode_steps: int) -> list[Request]:
         sched, runner = self.scheduler, self.runner
         touched: dict[int, Request] = {id(r): r for r in sched.done}
         sched.done.clear()
@@ -374,7 +386,7 @@ class Engine:
                 continue
             if r.drafter is None:
                 r.drafter = NgramDrafter(r.prompt, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-            d = r.drafter.propose(r.out, k)
+            d = r.drafter.propose(r.out, k, self._lookup_history)
             spare -= len(d)
             drafts.append(d)
         return drafts if any(drafts) else None

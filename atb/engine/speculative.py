@@ -32,6 +32,7 @@ end and is overwritten by the next step before anything reads it.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, fields
 
 
@@ -44,6 +45,9 @@ class SpeculativeConfig:
     max_step_rows: rows a verification step may compute over the whole batch; drafts are trimmed, first come
         first served, to fit (each running request keeps its one row). At larger batches a step is bound by
         arithmetic rather than by the weight bytes, and extra rows stop being nearly free.
+    lookup_history: finished requests (prompt and output) kept and looked up too, most recent first, when a
+        request's own tokens give no draft (0: off). Requests of one shape (the same JSON schema, form or code
+        skeleton with other contents) then draft each other's structure (`LookupHistory`).
     """
 
     num_speculative_tokens: int = 3
@@ -51,6 +55,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     max_step_rows: int = 8
     method: str = "ngram"
+    lookup_history: int = 0
 
     def __post_init__(self):
         op = "speculative_config"
@@ -60,6 +65,9 @@ class SpeculativeConfig:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{op}: {f} must be an int >= 1, got {v!r}")
+        v = self.lookup_history
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{op}: lookup_history must be an int >= 0 (finished requests kept), got {v!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"{op}: prompt_lookup_min ({self.prompt_lookup_min}) is larger than prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
@@ -111,9 +119,9 @@ class NgramDrafter:
             self._backoff = min(self.MAX_BACKOFF, max(1, 2 * self._backoff))
             self._wait = self._backoff
 
-    def propose(self, out: list[int], k: int) -> list[int]:
-        """Up to ``k`` draft tokens to follow ``prompt + out`` (``out`` only grows between calls); none while
-        backing off after a rejected draft."""
+    def propose(self, out: list[int], k: int, history: LookupHistory | None = None) -> list[int]:
+        """Up to ``k`` draft tokens to follow ``prompt + out`` (``out`` only grows between calls), from the
+        request's own tokens, else from ``history``; none while backing off after a rejected draft."""
         if self._wait:
             self._wait -= 1
             return []
@@ -135,4 +143,53 @@ class NgramDrafter:
                 for j in range(k):
                     draft.append(src[j] if j < len(src) else draft[j - len(src)])
                 return draft
+        return history.draft(seq, k) if history is not None else []
+
+
+class LookupHistory:
+    """Finished requests' tokens, for drafting across requests (``SpeculativeConfig.lookup_history``).
+
+    Requests of one shape repeat each other's structure, not their own: the second JSON record of a schema
+    finds its keys, quotes and braces in the first one's output, where prompt lookup finds nothing. Each n-gram
+    (n from ``lo`` to ``hi``) maps to its most recent occurrence among the kept requests, keyed by its hash (a
+    collision only costs a rejected draft: verification decides what is emitted). The oldest request is
+    dropped past ``max_requests``; entries that point into it are skipped at lookup and cleared when they
+    outnumber the live ones."""
+
+    def __init__(self, max_requests: int, lo: int, hi: int):
+        self.max_requests, self.lo, self.hi = max_requests, lo, hi
+        self._seqs: OrderedDict[int, list[int]] = OrderedDict()
+        self._tables: list[dict[int, tuple[int, int]]] = [{} for _ in range(hi - lo + 1)]
+        self._next_id = 0
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def add(self, tokens: list[int]) -> None:
+        """Keeps a finished request's prompt + output (the most recent occurrence of each n-gram wins)."""
+        if len(tokens) <= self.lo:
+            return
+        sid, self._next_id = self._next_id, self._next_id + 1
+        self._seqs[sid] = list(tokens)
+        self._index(sid, self._seqs[sid])
+        while len(self._seqs) > self.max_requests:
+            self._seqs.popitem(last=False)
+        live = sum(len(t) for t in self._seqs.values()) * len(self._tables)
+        if sum(len(t) for t in self._tables) > 2 * live:  # mostly stale: rebuild from the kept requests
+            for table in self._tables:
+                table.clear()
+            for sid, seq in self._seqs.items():
+                self._index(sid, seq)
+
+    def _index(self, sid: int, seq: list[int]) -> None:
+        for n, table in zip(range(self.lo, self.hi + 1), self._tables):
+            for e in range(n - 1, len(seq) - 1):  # n-grams with a token after them
+                table[hash(tuple(seq[e + 1 - n:e + 1]))] = (sid, e)
+
+    def draft(self, seq: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the longest suffix of ``seq`` found in a kept request."""
+        for n in range(min(self.hi, len(seq)), self.lo - 1, -1):
+            hit = self._tables[n - self.lo].get(hash(tuple(seq[len(seq) - n:])))
+            if hit is not None and hit[0] in self._seqs:
+                return self._seqs[hit[0]][hit[1] + 1:hit[1] + 1 + k]
         return []
