@@ -147,9 +147,12 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, *, c
     """
     from atb.quant.engine import split_native
 
-    if quantize is not None and split_native(quantize)[0] not in ("native", "gguf"):
-        raise ValueError(f"load_model: quantize must be 'native' or 'native+<format>' (the file's own blocks), got "
-                         f"{quantize!r}; other formats: atb.TransformerInfer(model, quantize=...)")
+    if quantize is not None:
+        head = split_native(quantize)[0]
+        if head not in ("native", "gguf"):
+            raise ValueError(f"load_model: quantize must be 'native' or 'native+<format>' (the file's own blocks), "
+                             f"got {quantize!r}; other formats: atb.TransformerInfer(model, quantize=...)")
+        quantize = "native" + quantize[len(head):]  # "gguf" is its alias
     if cache is None:
         cache = path is None or quantize is not None
     path = default_model_path() if path is None else path

@@ -247,6 +247,8 @@ def test_gguf_native_load_reads_blocks_once_and_caches(smollm2_q4_k, tmp_path, m
     assert len(os.listdir(tmp_path / "cache")) == 1 and os.listdir(tmp_path / "cache")[0].endswith("-native")
     loaded, tok2 = checkpoints.load_model(path, progress=False, quantize="native")  # from the cache
     assert loaded.atb_source_path == os.path.abspath(path)
+    alias, _ = checkpoints.load_model(path, progress=False, quantize="gguf")  # the alias: the same cache entry
+    assert alias.atb_quantization_config["format"] == "native" and len(os.listdir(tmp_path / "cache")) == 1
     for a, b in zip(loaded.atb_quantized.layers, first.atb_quantized.layers):
         assert all(same_codes(getattr(a, f), getattr(b, f)) for f in ("q", "k", "v", "gate", "up", "down"))
         assert torch.equal(a.o, b.o)  # the Q5_1 tensors: float
