@@ -116,8 +116,8 @@ class SourceTensor:
     mapped: bool = False
     # load() -> the whole tensor in its final layout (GGUF: dequantized and processed).
     load: Callable[[], torch.Tensor] | None = None
-    # GGUF Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K: the block type, and blocks() -> the tensor as a QuantizedWeight read from the
-    # file's blocks as they are (rows in HF order), for --quantize to keep instead of re-quantizing floats.
+    # GGUF Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K: the block type, and blocks() -> the tensor as a QuantizedWeight read
+    # from the file's blocks as they are (rows in HF order), for --quantize to keep instead of re-quantizing floats.
     native: str | None = None
     blocks: Callable[[], object] | None = None
 
@@ -464,9 +464,11 @@ def plan_quantization(tensors: list[SourceTensor], fmt: str, group_size: int | N
     embed_format=...)``, with the same defaults (w8a16 per channel, w4a16 group 32, fp32 per-channel scales,
     fp16 group scales), so a converted checkpoint holds exactly the codes ``atb.quantize`` computes in memory.
 
-    A GGUF Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K tensor whose bit width is the target's is kept as its blocks (group 32,
-    the file's own values: fp16 scales, fp32 for Q4_K's exact products) unless an explicit ``group_size`` other than 32 was asked for. A tied
-    model's ``lm_head.weight``, if the checkpoint has one, is dropped: the embedding is the LM head.
+    A GGUF Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K tensor whose bit width is the target's is kept as its blocks (group
+    32, the file's own values: fp16 scales, fp32 for Q4_K's exact products) unless an explicit ``group_size``
+    other than 32 was asked for; under ``native`` every such tensor is, and the others stay float or take the
+    format after its ``+``. A tied model's ``lm_head.weight``, if the checkpoint has one, is dropped: the
+    embedding is the LM head.
     """
     from atb.quant.formats import quantize_weight
     from atb.quant.gguf import native_bits
@@ -480,6 +482,7 @@ def plan_quantization(tensors: list[SourceTensor], fmt: str, group_size: int | N
     if native and rest is None and not any(t.native for t in tensors):
         raise ConvertError(f"--quantize {fmt}: the source has no GGUF Q8_0/Q5_0/Q4_0/Q4_1/Q4_K tensors to keep "
                            f"(native+w8a16 would quantize its tensors instead)")
+    layers_fmt, layers_group = rest if rest is not None else (fmt, group_size)
     plan, dropped = {}, []
     for t in tensors:
         table = _EMBED.fullmatch(t.name) or t.name == _LM_HEAD
@@ -493,10 +496,9 @@ def plan_quantization(tensors: list[SourceTensor], fmt: str, group_size: int | N
             continue
         if (table and embed_format == "float") or (native and rest is None):
             continue
-        layers_fmt, group_size = rest if native else (fmt, group_size)
         f = embed_format if table else layers_fmt
         # atb.quantize gives the tables the layers' group size only when they share the layers' format.
-        g = group_size if (not table or f == layers_fmt) else None
+        g = layers_group if (not table or f == layers_fmt) else None
         bits = 8 if f == "w8a16" else 4
         if t.native is not None and native_bits(t.native) == bits and g in (None, 32):
             plan[t.name] = QuantTarget(bits, 32, _gguf_scale_dtype(t), keep_blocks=True)

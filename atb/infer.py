@@ -170,7 +170,8 @@ class TransformerInfer(Engine):
         elif from_path and os.fspath(model).endswith(".gguf") and os.path.isfile(model):
             if tensor_parallel:
                 raise ValueError(f"TransformerInfer: tensor parallelism reads a model directory slice by slice; "
-                                 f"{os.fspath(model)} is a GGUF file: convert it first (atb convert SRC DST --dtype ...)")
+                                 f"{os.fspath(model)} is a GGUF file: convert it first "
+                                 f"(atb convert SRC DST --dtype ...)")
             model, from_path = _load_gguf(os.fspath(model), dtype, quantize), False
         if tensor_parallel and getattr(model, "atb_quantized", None) is not None:
             raise ValueError("TransformerInfer: this model's weights are stored quantized by atb convert; tensor "

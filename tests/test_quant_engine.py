@@ -66,8 +66,8 @@ def test_native_is_the_gguf_as_shipped(smollm2_quantized):
 
 
 def test_gguf_q4_k_file_loads_natively(smollm2_q4_k):
-    # A file with Q4_K and Q5_0 tensors among Q4_1 / Q8_0 ones: each loads at its own precision, equal bit for bit to the
-    # float weights transformers dequantized from the same blocks, and the engine runs the mix.
+    # A file with Q4_K and Q5_0 tensors among Q4_1 / Q8_0 ones: each loads at its own precision, equal bit for bit
+    # to the float weights transformers dequantized from the same blocks, and the engine runs the mix.
     model, tok, path = smollm2_q4_k
     from atb.quant.gguf import load_native
 
