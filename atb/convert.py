@@ -512,8 +512,10 @@ def plan_quantization(tensors: list[SourceTensor], fmt: str, group_size: int | N
 
 
 def _native_spec(fmt: str, group_size: int | None) -> tuple[bool, tuple[str, int | None] | None]:
-    """``--quantize native[+<format>]``: (True, the rest's (format, group) or None); (False, None) otherwise."""
-    from atb.quant.engine import parse_spec
+    """``--quantize native[+<format>]``: (True, the rest's (format, group) or None); (False, None) otherwise.
+    The spec is parsed by ``atb.quant.engine.split_native``, as the engine's ``quantize=`` is; only the
+    command-line wording of its errors is added here."""
+    from atb.quant.engine import split_native
 
     if fmt != "native" and not fmt.startswith("native+"):
         return False, None
@@ -521,10 +523,13 @@ def _native_spec(fmt: str, group_size: int | None) -> tuple[bool, tuple[str, int
         raise ConvertError(f"--group-size: with --quantize {fmt} the file's blocks keep their groups of 32; give the "
                            f"other tensors' group in the format, e.g. native+w8a16-g32")
     try:
-        return True, (parse_spec(fmt[len("native+"):]) if fmt != "native" else None)
+        head, rest = split_native(fmt)
     except ValueError:
+        head = None
+    if head != "native":  # a rest that is no format ("native+w8a16+x" parses as a path-like head)
         raise ConvertError(f"--quantize {fmt}: after 'native+' comes the format of the tensors with no native form: "
-                           f"w8a16 or w4a16, optionally -g32, -g64 or -g128") from None
+                           f"w8a16 or w4a16, optionally -g32, -g64 or -g128")
+    return True, rest
 
 
 def _gguf_scale_dtype(t: SourceTensor) -> torch.dtype:
