@@ -161,6 +161,7 @@ class LookupHistory:
         self._seqs: OrderedDict[int, list[int]] = OrderedDict()
         self._tables: list[dict[int, tuple[int, int]]] = [{} for _ in range(hi - lo + 1)]
         self._next_id = 0
+        self._kept_tokens = 0  # sum of the kept requests' lengths, for the stale-entry check
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -171,10 +172,11 @@ class LookupHistory:
             return
         sid, self._next_id = self._next_id, self._next_id + 1
         self._seqs[sid] = list(tokens)
+        self._kept_tokens += len(tokens)
         self._index(sid, self._seqs[sid])
         while len(self._seqs) > self.max_requests:
-            self._seqs.popitem(last=False)
-        live = sum(len(t) for t in self._seqs.values()) * len(self._tables)
+            self._kept_tokens -= len(self._seqs.popitem(last=False)[1])
+        live = self._kept_tokens * len(self._tables)
         if sum(len(t) for t in self._tables) > 2 * live:  # mostly stale: rebuild from the kept requests
             for table in self._tables:
                 table.clear()
