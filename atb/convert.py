@@ -36,7 +36,9 @@ tensor; nothing is left behind.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import json
 import math
 import mmap
@@ -317,6 +319,30 @@ def _open_dir(src: str) -> Source:
     return Source(kind, src, tensors, copy_files=copy)
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once(reader):
+    """Inside, ``gguf.GGUFReader(reader's path)`` returns ``reader`` and ``gguf.get_tensor_name_map`` is memoized.
+
+    transformers parses a GGUF file's metadata afresh for the config and again for the tokenizer's config, and
+    builds gguf's tensor-name table once per module of the model (~400 times for a 30-layer llama); with a
+    49k-token vocabulary in the metadata that was most of a first load (SmolLM2: 21.9 s, of which the three
+    parses and the tables took ~12 s). Both look the names up in the ``gguf`` module when called, so they see
+    these for the duration; the reader is only read, and a name table is never modified after it is built."""
+    import gguf
+
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    path = os.path.realpath(reader.data.filename)
+
+    def shared_reader(p, *args, **kwargs):
+        return reader if os.path.realpath(p) == path and not args and not kwargs else reader_class(p, *args, **kwargs)
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+
+
 def _open_gguf(path: str) -> Source:
     try:
         import gguf
@@ -330,8 +356,8 @@ def _open_gguf(path: str) -> Source:
 
     from atb.quant.gguf import NATIVE_TYPES, permute_rows, tensor_to_quantized
 
-    # The tensor data comes through gguf's reader; the config through transformers' own GGUF parse, turned into
-    # a config object as AutoConfig.from_pretrained(gguf_file=...) does (without parsing the file a third time).
+    # The tensor data comes through gguf's reader; the config through transformers' own GGUF parse (of the same
+    # reader: _gguf_parsed_once), turned into a config object as AutoConfig.from_pretrained(gguf_file=...) does.
     try:
         reader = gguf.GGUFReader(path)
         arch = read_field(reader, "general.architecture")[0]
@@ -341,16 +367,17 @@ def _open_gguf(path: str) -> Source:
         # transformers loads these through its packed-GGUF path with its own conversions, not the per-tensor one.
         raise ConvertError(f"{path}: GGUF architecture '{arch}' is not supported by convert")
     directory, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
-    try:
-        parsed = load_gguf_checkpoint(path, return_tensors=False)
-        config = CONFIG_MAPPING[parsed["config"]["model_type"]].from_dict(dict(parsed["config"]))
-    except (ValueError, KeyError, NotImplementedError) as e:  # transformers' errors for a GGUF config it cannot map
-        raise ConvertError(f"{path}: cannot read the model configuration ({e})") from None
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed["config"])
-    names = get_gguf_hf_weights_map(skeleton, processor)
-    del skeleton
+    with _gguf_parsed_once(reader):
+        try:
+            parsed = load_gguf_checkpoint(path, return_tensors=False)
+            config = CONFIG_MAPPING[parsed["config"]["model_type"]].from_dict(dict(parsed["config"]))
+        except (ValueError, KeyError, NotImplementedError) as e:  # transformers' errors for a config it cannot map
+            raise ConvertError(f"{path}: cannot read the model configuration ({e})") from None
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed["config"])
+        names = get_gguf_hf_weights_map(skeleton, processor)
+        del skeleton
 
     tensors = []
     for t in reader.tensors:
@@ -383,7 +410,8 @@ def _open_gguf(path: str) -> Source:
         config.dtype = dtype
         config.save_pretrained(dst)
         GenerationConfig.from_model_config(config).save_pretrained(dst)
-        AutoTokenizer.from_pretrained(directory, gguf_file=name).save_pretrained(dst)
+        with _gguf_parsed_once(reader):
+            AutoTokenizer.from_pretrained(directory, gguf_file=name).save_pretrained(dst)
 
     return Source("gguf", path, tensors, write_extras=write_extras, config=config)
 
