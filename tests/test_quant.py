@@ -14,7 +14,7 @@ from reference import (DTYPES, assert_close, linear_ref, linear_residual_ref, li
                        quant_dequant_ref)
 
 ISAS = atb.quant.isa_paths()
-FORMATS = [("w8a16", 0), ("w8a16", 32), ("w8a16", 128), ("w4a16", 32), ("w4a16", 64), ("w4a16", 128)]
+FORMATS = [("w8a16", 0), ("w8a16", 16), ("w8a16", 32), ("w8a16", 128), ("w4a16", 32), ("w4a16", 64), ("w4a16", 128)]
 
 
 @pytest.fixture(params=ISAS)
@@ -106,7 +106,7 @@ def test_linear_matches_reference(dtype, m, fmt, group, isa):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("fmt,group", [("w8a16", 0), ("w8a16", 32), ("w4a16", 32), ("w4a16", 128)])
+@pytest.mark.parametrize("fmt,group", [("w8a16", 0), ("w8a16", 16), ("w8a16", 32), ("w4a16", 32), ("w4a16", 128)])
 @pytest.mark.parametrize("scale_dtype", [None, torch.bfloat16, torch.float32])
 def test_half_width_x_error_bound(dtype, fmt, group, scale_dtype, isa):
     # 16-bit x against the same values as fp32 x (the fp32 route). On AVX2 16-bit x takes the int16 route:
@@ -163,7 +163,7 @@ def test_linear_multi_mixed_formats(dtype, m, isa):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 3, 16, 64, 300])
-@pytest.mark.parametrize("fmt,group", [("w8a16", 0), ("w4a16", 64)])
+@pytest.mark.parametrize("fmt,group", [("w8a16", 0), ("w8a16", 16), ("w4a16", 64)])
 def test_linear_residual(dtype, m, fmt, group, isa):
     k, n = 1000, 77
     x, r = torch.randn(m, k).to(dtype), torch.randn(m, n).to(dtype)
@@ -174,7 +174,7 @@ def test_linear_residual(dtype, m, fmt, group, isa):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 3, 16, 64, 300])
-@pytest.mark.parametrize("fmt,group", [("w8a16", 32), ("w4a16", 32), ("w4a16", 128)])
+@pytest.mark.parametrize("fmt,group", [("w8a16", 16), ("w8a16", 32), ("w4a16", 32), ("w4a16", 128)])
 def test_linear_swiglu(dtype, m, fmt, group, isa):
     k, n = 576, 150
     x = torch.randn(m, k).to(dtype)
@@ -237,9 +237,10 @@ def _seg(n, bits, group, sdt=torch.float16):
 @pytest.mark.parametrize("soc", ALL_SOCS)
 @pytest.mark.parametrize("m,k", [(1, 576), (16, 576), (31, 5632), (32, 576), (300, 2048), (1, 70001)])
 @pytest.mark.parametrize("ep", [0, 1, 2])
-def test_tiling_fits_ub(soc, m, k, ep):
+@pytest.mark.parametrize("bits,group", [(4, 0), (8, 16)])  # 4-bit: G 32 (SWIGLU) / 128; W8 G16: two scales a chunk
+def test_tiling_fits_ub(soc, m, k, ep, bits, group):
     info = atb.get_soc(soc)
-    segs = [_seg(1536, 4, 32), _seg(1536, 4, 32)] if ep == 2 else [_seg(576, 4, 128)]
+    segs = [_seg(1536, bits, group or 32)] * 2 if ep == 2 else [_seg(576, bits, group or 128)]
     t = _C.quant_linear_tiling(m, k, segs, ep, 0, info)
     assert t["ub_bytes"] <= info.ub_size
     assert t["k_pad"] == -(-k // 32) * 32
@@ -278,6 +279,8 @@ def test_tiling_rejects_bad_formats():
         _C.quant_linear_tiling(1, 64, [_seg(8, 4, 48)], 0, 0, info)
     with pytest.raises(ValueError, match="4-bit"):
         _C.quant_linear_tiling(1, 64, [_seg(8, 4, 0)], 0, 0, info)
+    with pytest.raises(ValueError, match=r"has group 16, expected 0 \(per channel\), 32, 64 or 128$"):
+        _C.quant_linear_tiling(1, 64, [_seg(8, 4, 16)], 0, 0, info)  # groups of 16: 8 bits only
 
 
 # ---- bad input ----------------------------------------------------------------------------------------------------
@@ -298,6 +301,12 @@ def test_bad_input_errors():
         K.linear_residual(torch.randn(2, 64), q, torch.randn(2, 9))
     with pytest.raises(ValueError, match="group_size for w4a16 must be 32, 64 or 128, got 0"):
         quantize_weight(torch.randn(4, 4), "w4a16", 0)
+    with pytest.raises(ValueError, match="group_size for w4a16 must be 32, 64 or 128, got 16"):
+        quantize_weight(torch.randn(4, 4), "w4a16", 16)
+    with pytest.raises(ValueError, match="group_size for w8a16 must be 0 \\(per channel\\), 16, 32, 64 or 128, got 8"):
+        quantize_weight(torch.randn(4, 4), "w8a16", 8)
+    with pytest.raises(ValueError, match="4-bit weights need a group size of 32, 64 or 128, got 16"):
+        QuantizedWeight(q.data, q.scale, q.min, (8, 64), 4, 16)
     with pytest.raises(ValueError, match="format must be one of"):
         quantize_weight(torch.randn(4, 4), "w3a16")
     with pytest.raises(TypeError, match="quantize: weight must be"):

@@ -30,6 +30,8 @@ from atb.kernels._common import DTYPE_CODES, float_code, resolve_soc
 
 CHUNK = 32
 GROUP_SIZES = (32, 64, 128)
+# 8-bit weights also take groups of 16 values (GGUF's Q6_K: a scale per 16), two to a 32-value chunk.
+W8_GROUP_SIZES = (16,) + GROUP_SIZES
 FORMATS = ("w8a16", "w4a16")
 SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -124,10 +126,10 @@ class QuantizedWeight:
 def _validate(op: str, data, scale, min, n: int, k: int, bits: int, group: int) -> None:
     if bits not in (4, 8):
         raise ValueError(f"{op}: bits must be 4 or 8, got {bits}")
-    if group not in (0,) + GROUP_SIZES:
-        raise ValueError(f"{op}: group_size must be 0 (per channel), 32, 64 or 128, got {group}")
-    if bits == 4 and group == 0:
-        raise ValueError(f"{op}: 4-bit weights need a group size (32, 64 or 128)")
+    if group not in (0,) + W8_GROUP_SIZES:
+        raise ValueError(f"{op}: group_size must be 0 (per channel), 16 (8 bits only), 32, 64 or 128, got {group}")
+    if bits == 4 and group not in GROUP_SIZES:
+        raise ValueError(f"{op}: 4-bit weights need a group size of 32, 64 or 128, got {group}")
     if n < 1 or k < 1:
         raise ValueError(f"{op}: shape must be positive, got ({n}, {k})")
     kp = k_pad_of(k)
@@ -194,8 +196,8 @@ def quantize_weight(w: torch.Tensor, fmt: str = "w8a16", group_size: int | None 
         raise ValueError(f"{op}: format must be one of {FORMATS}, got {fmt!r}")
     bits = 8 if fmt == "w8a16" else 4
     group = (0 if bits == 8 else 32) if group_size is None else int(group_size)
-    if group not in (0,) + GROUP_SIZES or (bits == 4 and group == 0):
-        allowed = "0 (per channel), 32, 64 or 128" if bits == 8 else "32, 64 or 128"
+    if group not in ((0,) + W8_GROUP_SIZES if bits == 8 else GROUP_SIZES):
+        allowed = "0 (per channel), 16, 32, 64 or 128" if bits == 8 else "32, 64 or 128"
         raise ValueError(f"{op}: group_size for {fmt} must be {allowed}, got {group_size}")
     if scale_dtype is None:
         scale_dtype = torch.float32 if group == 0 else torch.float16
@@ -214,6 +216,9 @@ def quantize_weight(w: torch.Tensor, fmt: str = "w8a16", group_size: int | None 
     wg, vg = padded.reshape(n, groups, g), valid.reshape(1, groups, g)
     hi = torch.where(vg, wg, torch.tensor(-torch.inf)).amax(-1)
     lo = torch.where(vg, wg, torch.tensor(torch.inf)).amin(-1)
+    # A group of padding alone (groups of 16 past K = 32j + 1 .. 32j + 16) gets scale 0 (and min 0).
+    empty = ~vg.any(-1)
+    hi, lo = torch.where(empty, 0.0, hi), torch.where(empty, 0.0, lo)
     if bits == 8:
         scale = _round_toward((torch.maximum(hi.abs(), lo.abs()) / 127), scale_dtype, torch.inf)
         s = scale.float()

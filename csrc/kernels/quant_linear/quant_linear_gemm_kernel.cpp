@@ -43,9 +43,10 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
     Gemm::InitGemm(x, xPacked, ls, residual, t.base, t.kPad, !dp_);
     q_ = qs;
     kPad_ = t.kPad;
+    kGroups_ = t.kGroups;
     if (dp_) {
       Gemm::InitDpPacked();
-      int64_t groups = t_.kTile / kQuantChunk;  // at most: one per 32 values
+      const int64_t groups = t.kGroups;  // at most
       for (int st = 0; st < this->streams_; ++st) {
         pipe_.InitBuffer(panelScale_[st], AlignUp(t_.nTile, kPairPanelRows) * groups * sizeof(float));
         pipe_.InitBuffer(panelMin_[st], AlignUp(t_.nTile, kPairPanelRows) * groups * sizeof(float));
@@ -54,8 +55,8 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
     }
     if (!dp_) pipe_.InitBuffer(rowBuf_, kQuantPackRows * t_.kTile * sizeof(float));  // PackWeight's rows
     // A row's scales, or (dp) a tile's.
-    pipe_.InitBuffer(scaleBuf_, (dp_ ? t_.nTile : 1) * t.kChunks * sizeof(float));
-    pipe_.InitBuffer(minBuf_, (dp_ ? t_.nTile : 1) * t.kChunks * sizeof(float));
+    pipe_.InitBuffer(scaleBuf_, (dp_ ? t_.nTile : 1) * t.kGroups * sizeof(float));
+    pipe_.InitBuffer(minBuf_, (dp_ ? t_.nTile : 1) * t.kGroups * sizeof(float));
   }
 
  private:
@@ -75,7 +76,7 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
     else
       simd.pack_q8_pairs(dst, static_cast<const int8_t*>(q.data) + row * kPad_ + k0, kPad_, nt, kv);
     TileScales s = LoadScales(q, kPad_, row, nt, k0, kl, scaleBuf_.Get<float>().GetPhyAddr(),
-                              minBuf_.Get<float>().GetPhyAddr(), t_.kTile / kQuantChunk);
+                              minBuf_.Get<float>().GetPhyAddr(), kGroups_);
     // A per-channel segment's sums fold into the accumulators every kChannelFold values, not once per chunk,
     // so its bits do not depend on where K is split (chunks are multiples of it).
     group_[st] = q.group == 0 ? kChannelFold : s.group;
@@ -139,7 +140,7 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
   static constexpr int64_t kChannelFold = 128;   // the K chunks' multiple (kQuantKHalving)
 
   const QuantSegment* q_ = nullptr;
-  int64_t kPad_ = 0;
+  int64_t kPad_ = 0, kGroups_ = 0;
   bool dp_ = false;
   TBuf<TPosition::VECCALC> rowBuf_, scaleBuf_, minBuf_, panelScale_[2], panelMin_[2];
   int64_t group_[2] = {0, 0}, ldsp_[2] = {0, 0}, seg_[2] = {0, 0};  // this chunk's, per stream (PackPairs)

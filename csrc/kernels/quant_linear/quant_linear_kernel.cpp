@@ -35,6 +35,7 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
     q_ = qs;
     kPad_ = t.kPad;
     kChunks_ = t.kChunks;
+    kGroups_ = t.kGroups;
     int64_t mt = t_.mTile, nt = t_.nTile;
     pipe_.InitBuffer(xBuf_, mt * t_.kTile * sizeof(float));
     std::copy_n(t.lanes, kLinearMaxSegments, lanes_);
@@ -45,8 +46,8 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
       for (int s = 0; s < streams_; ++s) pipe_.InitBuffer(lanesBuf_[s], mt * nt * 8 * sizeof(float));
     }
     for (int s = 0; s < streams_; ++s) {
-      pipe_.InitBuffer(scaleBuf_[s], nt * kChunks_ * sizeof(float));
-      pipe_.InitBuffer(minBuf_[s], nt * kChunks_ * sizeof(float));
+      pipe_.InitBuffer(scaleBuf_[s], nt * kGroups_ * sizeof(float));
+      pipe_.InitBuffer(minBuf_[s], nt * kGroups_ * sizeof(float));
       pipe_.InitBuffer(sums_[s], mt * nt * sizeof(float));
     }
     if (!gemv_) return;
@@ -110,7 +111,7 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
     float* y = Stream::Sums(st);
     const float* xs = xsumBuf_.Get<float>().GetPhyAddr();
     if (int16_ && !lanes_[seg]) {
-      QuantScaleRows sr = StoredScales(q, kPad_, row, nt, k0, kl, scaleUb, minUb, kChunks_);
+      QuantScaleRows sr = StoredScales(q, kPad_, row, nt, k0, kl, scaleUb, minUb, kGroups_);
       const int64_t group = q.group ? q.group : kl;
       if (q.bits == 4)
         return QuantSimd().gemv_w4_i16(y, nt, XPairs(), XqPitch(), XInt16Scales(), kChunks_, xs, kChunks_,
@@ -120,7 +121,7 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
                                      static_cast<const int8_t*>(q.data) + row * kPad_ + k0, kPad_, sr, mt, nt, kl,
                                      group, k0 > 0);
     }
-    TileScales sc = LoadScales(q, kPad_, row, nt, k0, kl, scaleUb, minUb, kChunks_);
+    TileScales sc = LoadScales(q, kPad_, row, nt, k0, kl, scaleUb, minUb, kGroups_);
     const float* x = xBuf_.Get<float>().GetPhyAddr();
     if (lanes_[seg]) return DequantLanes(st, q, sc, row, mt, nt, k0, kl);
     if (q.bits == 4) {
@@ -172,7 +173,7 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
   const float* XInt16Scales() { return xqScaleBuf_.Get<float>().GetPhyAddr(); }
 
   const QuantSegment* q_ = nullptr;
-  int64_t kPad_ = 0, kChunks_ = 0, panel_ = 0;
+  int64_t kPad_ = 0, kChunks_ = 0, kGroups_ = 0, panel_ = 0;
   bool int16_ = false, gemv_ = false, w4Pairs_ = false, w8Order_ = false, lanes_[kLinearMaxSegments] = {false, false, false};
   TBuf<TPosition::VECCALC> xBuf_, xsumBuf_, xbBuf_, xqBuf_, xqScaleBuf_, xqPairsBuf_, scaleBuf_[2], minBuf_[2], wBuf_, lanesBuf_[2];
 };
@@ -193,8 +194,9 @@ class KernelQuantDequantRows {
     first_ = GetBlockIdx() * blockFactor;
     last_ = std::min(count, first_ + blockFactor);
     pipe_.InitBuffer(rowBuf_, piece_ * sizeof(float));
-    pipe_.InitBuffer(scaleBuf_, piece_ / kQuantChunk * sizeof(float));
-    pipe_.InitBuffer(minBuf_, piece_ / kQuantChunk * sizeof(float));
+    const int64_t groups = piece_ / (w.group == kQuantHalfChunkGroup ? kQuantHalfChunkGroup : kQuantChunk);
+    pipe_.InitBuffer(scaleBuf_, groups * sizeof(float));
+    pipe_.InitBuffer(minBuf_, groups * sizeof(float));
   }
   void Process() {
     float* row = rowBuf_.Get<float>().GetPhyAddr();

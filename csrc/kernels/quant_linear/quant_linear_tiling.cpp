@@ -21,16 +21,16 @@ namespace {
 //   x bf16     bf16 [mTile, kTile]     (bf16 x only: the AVX512-BF16 W4 route reads x as it came)
 //   x int16    int16 [mTile, kTile rounded up to 64] and its fp32 scales [mTile, kTile/32] (fp16/bf16 x: the
 //              gemv_*_i16 routes), in gemv_w8_i16's order or gemv_w4_i16's pairs; twice when both run
-//   scale, min fp32 [nTile, kTile/32]  per stream (this tile's group scales, widened)
+//   scale, min fp32 [nTile, kTile/32 x groupsPerChunk]  per stream (this tile's group scales, widened)
 //   sums       fp32 [mTile, nTile]     per stream
 //   and LinearIo's out (and residual) queues
 //   lanes      (a segment on the dequantized-lanes route) one panel of dequantized W rows fp32
 //              [QuantLanesPanelRows, kTile] and per stream the lanes fp32 [mTile, nTile, 8]
 //   xsum and the bf16/int16 x only when some segment takes the GEMV
 int64_t StreamUb(int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep, bool bf16, bool lanes,
-                 int64_t gemvFormats) {
+                 int64_t gemvFormats, int64_t groupsPerChunk) {
   int64_t streams = ep == LINEAR_SWIGLU ? 2 : 1, chunks = kt / kQuantChunk;
-  int64_t ub = UbSlot(mt * kt * 4) + streams * (2 * UbSlot(nt * chunks * 4) + UbSlot(mt * nt * 4)) +
+  int64_t ub = UbSlot(mt * kt * 4) + streams * (2 * UbSlot(nt * chunks * groupsPerChunk * 4) + UbSlot(mt * nt * 4)) +
                LinearIoUb(mt, nt, elt, ep);
   if (lanes) {
     int64_t panel = QuantLanesPanelRows(kt);
@@ -47,15 +47,16 @@ int64_t StreamUb(int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue
 //   packed W   fp32 [kTile, nTile]  per stream (the dequantized B operand)
 //   C          fp32 [mPass, nTile]  per stream (accumulators across K chunks)
 //   rows       fp32 [kQuantPackRows, kTile]  (weight rows dequantized before their transposed store)
-//   scale, min fp32 [kTile/32]      (that row's group scales)
+//   scale, min fp32 [kTile/32 x groupsPerChunk]  (that row's group scales)
 //   and LinearIo's out (and residual) queues (x is the A operand as fp32 in GM: PackedX)
 // kDpPacked instead: packed W bf16 pairs [AlignUp(nTile, 16), kTile] per stream (x's group sums are in GM:
 // GroupSums)
-int64_t GemmUb(int64_t mPass, int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep, bool dp) {
+int64_t GemmUb(int64_t mPass, int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep, bool dp,
+               int64_t groupsPerChunk) {
   int64_t streams = ep == LINEAR_SWIGLU ? 2 : 1;
   int64_t packed = dp ? UbSlot(AlignUp(nt, 16) * kt * 2) : UbSlot(kt * nt * 4);
   // + per stream the panels' scales and mins [AlignUp(nTile, 16), kTile/32] fp32.
-  int64_t groups = kt / kQuantChunk;
+  int64_t groups = kt / kQuantChunk * groupsPerChunk;
   int64_t rows = dp ? streams * 2 * UbSlot(AlignUp(nt, 16) * groups * 4) : UbSlot(kQuantPackRows * kt * 4);
   // scale, min: one row's (dp: the tile's, [nTile, kTile/32]).
   return streams * (packed + UbSlot(mPass * nt * 4)) + rows + 2 * UbSlot((dp ? nt : 1) * groups * 4) +
@@ -90,8 +91,10 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
     const QuantSegment& g = segs[s];
     ATB_CHECK(g.bits == 4 || g.bits == 8, "quant_linear tiling: segment ", s, " has ", g.bits,
               " bits, expected 4 or 8");
-    ATB_CHECK(g.group == 0 || g.group == 32 || g.group == 64 || g.group == 128, "quant_linear tiling: segment ", s,
-              " has group ", g.group, ", expected 0 (per channel), 32, 64 or 128");
+    ATB_CHECK(g.group == 0 || g.group == 32 || g.group == 64 || g.group == 128 ||
+                  (g.group == kQuantHalfChunkGroup && g.bits == 8),
+              "quant_linear tiling: segment ", s, " has group ", g.group, ", expected 0 (per channel), 32, 64 or 128",
+              g.bits == 8 ? " (or 16 for 8 bits)" : "");
     ATB_CHECK(g.bits == 8 || g.group != 0, "quant_linear tiling: 4-bit segment ", s, " needs a group size");
   }
   q.kPad = AlignUp(k, kQuantChunk);
@@ -100,6 +103,10 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
   bool lanesTable = QuantSimd().gemv_w4_i16 != nullptr;  // the AVX2 table (see QuantLanesMinRows)
   // bf16 x on a table with vdpbf16ps: the k-pair-packed dp GEMM (the running CPU's, whatever SoC is modelled),
   // from kQuantDpMinRowsW4 / W8 rows on (see there).
+  // Groups of 16 (W8) double the scale entries per chunk.
+  const bool halfChunkGroups = std::any_of(segs, segs + numSegments,
+                                           [](const QuantSegment& g) { return g.group == kQuantHalfChunkGroup; });
+  const int64_t groupsPerChunk = halfChunkGroups ? 2 : 1;
   bool dp = bf16 && AscendC::Simd().mmad_dp_bf16_grouped != nullptr;
   int64_t dpMin = kQuantDpMinRowsW4;
   for (int64_t s = 0; s < numSegments; ++s)
@@ -112,9 +119,10 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
       t.kTile = q.kPad;
     }
     GemmShrinkAndSplit(t, kQuantKHalving, ep, "quant_linear", soc, [&](const LinearTilingData& c) {
-      return GemmUb(c.mPass, c.mTile, c.nTile, c.kTile, elt, ep, dp);
+      return GemmUb(c.mPass, c.mTile, c.nTile, c.kTile, elt, ep, dp, groupsPerChunk);
     });
     q.kChunks = t.kTile / kQuantChunk;
+    q.kGroups = q.kChunks * groupsPerChunk;
     t.tilingKey = LINEAR_GEMM * 100 + int64_t(dtype) * 10 + ep;
     return q;
   }
@@ -131,9 +139,11 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
     (segs[s].bits == 4 ? q.gemvW4 : q.gemvW8) |= !q.lanes[s];
   }
   StreamShrink(t, kQuantKHalving, "quant_linear", soc, [&](const LinearTilingData& c) {
-    return StreamUb(c.mTile, c.nTile, c.kTile, elt, ep, bf16, q.AnyLanes(), int64_t(q.gemvW4) + q.gemvW8);
+    return StreamUb(c.mTile, c.nTile, c.kTile, elt, ep, bf16, q.AnyLanes(), int64_t(q.gemvW4) + q.gemvW8,
+                    groupsPerChunk);
   });
   q.kChunks = t.kTile / kQuantChunk;
+  q.kGroups = q.kChunks * groupsPerChunk;
   t.tilingKey = LINEAR_STREAM * 100 + int64_t(dtype) * 10 + ep;
   return q;
 }

@@ -24,9 +24,10 @@ namespace atb {
 //   bits 4: 16 bytes per 32 values (quant_simd.h), w = scale[g] * q + min[g],  q in [0, 15]
 // with g = k / group over ceil(K / group) groups per row (the last one may be
 // short: K = 576 with group 128 has 4.5 groups), group 0 meaning one group of
-// the whole row (per output channel). scale/min: [N, groups] in scaleType
+// the whole row (per output channel). Groups are 32, 64 or 128 values; W8 also
+// takes 16 (GGUF's Q6_K), two groups per chunk. scale/min: [N, groups] in scaleType
 // (fp32, fp16 or bf16), widened to fp32 in UB per tile.
-constexpr int64_t kQuantChunk = 32;  // values per SIMD chunk; kPad and every group are multiples of it
+constexpr int64_t kQuantChunk = 32;  // values per SIMD chunk; kPad and every group but W8's 16 are multiples of it
 // Weight rows the GEMM kernel dequantizes before one transposed store into its packed B tile (an 8 x 8
 // SIMD transpose block).
 constexpr int64_t kQuantPackRows = 8;
@@ -72,7 +73,9 @@ struct QuantLinearTilingData {
   // tiling key exactly as the float linear's (kTile counts padded values here).
   LinearTilingData base;
   int64_t kPad = 0;
-  int64_t kChunks = 0;    // kTile / 32: xsum entries per x row, scale entries per weight row (at most)
+  int64_t kChunks = 0;    // kTile / 32: xsum entries per x row
+  int64_t kGroups = 0;    // scale (and min) entries per weight row of a tile, at most: kChunks, or twice that when
+                          // a W8 segment has groups of 16 (kQuantHalfChunkGroup)
   // STREAM: per segment, the dequantized-lanes route (else the GEMV).
   bool lanes[kLinearMaxSegments] = {false, false, false};
   // STREAM: some segment of that many bits takes the GEMV (with 16-bit x on the AVX2 table, the int16 GEMVs,

@@ -41,11 +41,14 @@ struct QuantScaleRows {
 
 // Bound on min(M, 4) x kLen / 32 of one gemv_w4 call (its x group sums live on the stack).
 constexpr int64_t kQuantMaxGroupSums = 8192;
+// The one group size below a 32-value chunk, W8 only (GGUF's Q6_K: a scale per 16 values): each chunk holds
+// two groups, each of its SIMD registers' values one group.
+constexpr int64_t kQuantHalfChunkGroup = 16;
 
 struct QuantSimdOps {
   const char* isa;
   // W4 GEMV over one K chunk of kLen values (a multiple of 32) and groups of G
-  // values (a multiple of 32; the last group may be shorter):
+  // values (a multiple of 32; the last group may be shorter; W8 also takes G = 16):
   //   y[m*ldy + n] (+)= sum_g scale[n*lds + g] * sum_{k in g} q(n, k) * x[m*ldx + k]
   //                     + min[n*lds + g] * sum_{k in g} x[m*ldx + k]
   // with the group sums of x given per 32-value chunk: xsum[m*ldxs + c].

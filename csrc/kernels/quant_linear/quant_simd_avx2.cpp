@@ -154,6 +154,29 @@ void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const fl
       }
     }
   };
+  // W8 at G = 16 (kQuantHalfChunkGroup): chunk c's two halves are groups 2c and 2c + 1, and each half's 16
+  // products are one vpmaddwd (8 exact int32 sums of 2), so each is scaled by its own group scale times x's
+  // chunk scale, the first into a and the second into t (two chains per row), folded at the end.
+  auto chunkHalves = [&](int64_t c) __attribute__((always_inline)) {
+    __m256i xv[MB][2];
+    __m256 xs[MB];
+    for (int mb = 0; mb < MB; ++mb) {
+      xv[mb][0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + mb * ldx + 32 * c));
+      xv[mb][1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + mb * ldx + 32 * c + 16));
+      xs[mb] = _mm256_broadcast_ss(xsc + mb * ldxc + c);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const auto* p = reinterpret_cast<const __m128i*>(q + r * ldq + c * kChunkBytes);
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(p)), w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(p + 1));
+      const __m256 s0 = _mm256_broadcast_ss(scale + r * lds + 2 * c), s1 = _mm256_broadcast_ss(scale + r * lds + 2 * c + 1);
+      for (int mb = 0; mb < MB; ++mb) {
+        a[r][mb] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(w0, xv[mb][0])), _mm256_mul_ps(xs[mb], s0),
+                                   a[r][mb]);
+        t[r][mb] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(w1, xv[mb][1])), _mm256_mul_ps(xs[mb], s1),
+                                   t[r][mb]);
+      }
+    }
+  };
   // W4: chunks c and c + 1 of every row (c even: x's pair at 32 c), or chunk c alone (Single: the last of an
   // odd count; its lane 1 of weights and of x is zero, its scales repeat chunk c's so the zeros stay zero).
   auto pair = [&](int64_t c, auto singleTag) __attribute__((always_inline)) {
@@ -204,7 +227,17 @@ void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const fl
     }
   };
   const int64_t nc = kLen / 32;
-  if constexpr (kGroupPerChunk) {
+  if (Bits == 8 && G == kQuantHalfChunkGroup) {
+    int64_t c = 0;
+    for (; c + kStepChunks <= nc; c += kStepChunks) {
+      prefetchLine(c);
+#pragma GCC unroll 2
+      for (int i = 0; i < kStepChunks; ++i) chunkHalves(c + i);
+    }
+    for (; c < nc; ++c) chunkHalves(c);
+    for (int r = 0; r < NR; ++r)
+      for (int mb = 0; mb < MB; ++mb) a[r][mb] = _mm256_add_ps(a[r][mb], t[r][mb]);
+  } else if constexpr (kGroupPerChunk) {
     int64_t c = 0;
     for (; c + kStepChunks <= nc; c += kStepChunks) {
       prefetchLine(c);

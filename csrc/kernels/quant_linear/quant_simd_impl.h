@@ -41,6 +41,35 @@ void GemvBlock(float* y, int64_t ldy, const float* x, int64_t ldx, const float* 
     for (int mb = 0; mb < MB; ++mb) a[r][mb] = V::zero();
   const AscendC::BlockPrefetch<NR> prefetch(q, ldq, kLen * Bits / 8);
   int64_t ng = (kLen + G - 1) / G;
+  if (Bits == 8 && G == kQuantHalfChunkGroup) {
+    // Two groups per chunk (GGUF's Q6_K sub-blocks): each register's 8 or 16 values lie in one group, so
+    // they are scaled as they are unpacked and summed straight into the row's chains, with no per-group fold.
+    R t[NR][MB][TV];
+    for (int r = 0; r < NR; ++r)
+      for (int mb = 0; mb < MB; ++mb)
+        for (int v = 0; v < TV; ++v) t[r][mb][v] = V::zero();
+    for (int64_t k = 0; k < kLen; k += 32) {
+      if (k % 64 == 0) prefetch.At(k);
+      R xv[MB][V::kVecs];
+      for (int mb = 0; mb < MB; ++mb)
+        for (int v = 0; v < V::kVecs; ++v) xv[mb][v] = V::load(x + mb * ldx + k + V::kW8Off[v]);
+      for (int r = 0; r < NR; ++r) {
+        R w[V::kVecs];
+        V::UnpackW8(reinterpret_cast<const int8_t*>(q + r * ldq + k), w);
+        for (int v = 0; v < V::kVecs; ++v) {
+          const R ws = V::mul(w[v], V::set1(scale[r * lds + (k + V::kW8Off[v]) / kQuantHalfChunkGroup]));
+          for (int mb = 0; mb < MB; ++mb) t[r][mb][v % TV] = V::fma(ws, xv[mb][v], t[r][mb][v % TV]);
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int mb = 0; mb < MB; ++mb) {
+        R sum = t[r][mb][0];
+        for (int v = 1; v < TV; ++v) sum = V::add(sum, t[r][mb][v]);
+        a[r][mb] = sum;
+      }
+    ng = 0;  // the group loop below has nothing left to do
+  }
   for (int64_t g = 0; g < ng; ++g) {
     int64_t k0 = g * G, k1 = std::min(kLen, k0 + G);
     R t[NR][MB][TV];
@@ -170,8 +199,9 @@ void DequantW8(float* dst, const int8_t* q, const float* scale, int64_t kLen, in
   for (int64_t k = 0; k < kLen; k += 32) {
     typename V::reg w[V::kVecs];
     V::UnpackW8(q + k, w);
-    typename V::reg s = V::set1(scale[k / G]);
-    for (int v = 0; v < V::kVecs; ++v) V::store(dst + k + V::kW8Off[v], V::mul(w[v], s));
+    // Each register's values lie in one group, also at G = 16 (8 or 16 values per register).
+    for (int v = 0; v < V::kVecs; ++v)
+      V::store(dst + k + V::kW8Off[v], V::mul(w[v], V::set1(scale[(k + V::kW8Off[v]) / G])));
   }
 }
 
