@@ -23,7 +23,7 @@ Memory stays near one chunk of one tensor, never a shard or the model:
 * ``quantize=`` (``--quantize``): each projection, the embedding and the LM head is
   quantized by :func:`atb.quant.quantize_weight` in blocks of rows (its quantized parts,
   a quarter to an eighth of the float tensor, are the bound), or taken as the GGUF file's
-  own Q8_0/Q5_0/Q4_0/Q4_1/Q4_K blocks, and stored as its parts (README "Converting checkpoints": the
+  own Q8_0/Q5_0/Q4_0/Q4_1/Q4_K/Q6_K blocks, and stored as its parts (README "Converting checkpoints": the
   on-disk format).
 * GGUF tensors are dequantized whole, one at a time, with the ``gguf`` package and
   transformers' own GGUF name mapping and per-architecture tensor processing (the code
@@ -118,7 +118,7 @@ class SourceTensor:
     mapped: bool = False
     # load() -> the whole tensor in its final layout (GGUF: dequantized and processed).
     load: Callable[[], torch.Tensor] | None = None
-    # GGUF Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K: the block type, and blocks() -> the tensor as a QuantizedWeight read
+    # GGUF Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K / Q6_K: the block type, and blocks() -> the tensor as a QuantizedWeight read
     # from the file's blocks as they are (rows in HF order), for --quantize to keep instead of re-quantizing floats.
     native: str | None = None
     blocks: Callable[[], object] | None = None
@@ -492,14 +492,14 @@ def plan_quantization(tensors: list[SourceTensor], fmt: str, group_size: int | N
     embed_format=...)``, with the same defaults (w8a16 per channel, w4a16 group 32, fp32 per-channel scales,
     fp16 group scales), so a converted checkpoint holds exactly the codes ``atb.quantize`` computes in memory.
 
-    A GGUF Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K tensor whose bit width is the target's is kept as its blocks (group
-    32, the file's own values: fp16 scales, fp32 for Q4_K's exact products) unless an explicit ``group_size``
-    other than 32 was asked for; under ``native`` every such tensor is, and the others stay float or take the
-    format after its ``+``. A tied model's ``lm_head.weight``, if the checkpoint has one, is dropped: the
+    A GGUF Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K / Q6_K tensor whose bit width is the target's is kept as its blocks
+    (group 32, Q6_K's 16, the file's own values: fp16 scales, fp32 for Q4_K's and Q6_K's exact products) unless
+    an explicit ``group_size`` other than its own was asked for; under ``native`` every such tensor is, and the
+    others stay float or take the format after its ``+``. A tied model's ``lm_head.weight``, if the checkpoint has one, is dropped: the
     embedding is the LM head.
     """
     from atb.quant.formats import quantize_weight
-    from atb.quant.gguf import native_bits
+    from atb.quant.gguf import NATIVE_TYPES, native_bits, native_group
 
     native, rest = _native_spec(fmt, group_size)
     if not native and fmt not in QUANT_FORMATS:
@@ -508,7 +508,7 @@ def plan_quantization(tensors: list[SourceTensor], fmt: str, group_size: int | N
     if embed_format not in EMBED_FORMATS:
         raise ConvertError(f"--embed-format: expected one of {', '.join(EMBED_FORMATS)}, got '{embed_format}'")
     if native and rest is None and not any(t.native for t in tensors):
-        raise ConvertError(f"--quantize {fmt}: the source has no GGUF Q8_0/Q5_0/Q4_0/Q4_1/Q4_K tensors to keep "
+        raise ConvertError(f"--quantize {fmt}: the source has no GGUF {'/'.join(NATIVE_TYPES)} tensors to keep "
                            f"(native+w8a16 would quantize its tensors instead)")
     layers_fmt, layers_group = rest if rest is not None else (fmt, group_size)
     plan, dropped = {}, []
@@ -520,7 +520,8 @@ def plan_quantization(tensors: list[SourceTensor], fmt: str, group_size: int | N
         if not (table or _PROJECTION.fullmatch(t.name)) or t.dtype not in FLOAT_DTYPES or len(t.shape) != 2:
             continue
         if native and t.native is not None:  # the file's own blocks, whatever their width
-            plan[t.name] = QuantTarget(native_bits(t.native), 32, _gguf_scale_dtype(t), keep_blocks=True)
+            plan[t.name] = QuantTarget(native_bits(t.native), native_group(t.native), _gguf_scale_dtype(t),
+                                       keep_blocks=True)
             continue
         if (table and embed_format == "float") or (native and rest is None):
             continue
@@ -528,8 +529,8 @@ def plan_quantization(tensors: list[SourceTensor], fmt: str, group_size: int | N
         # atb.quantize gives the tables the layers' group size only when they share the layers' format.
         g = layers_group if (not table or f == layers_fmt) else None
         bits = 8 if f == "w8a16" else 4
-        if t.native is not None and native_bits(t.native) == bits and g in (None, 32):
-            plan[t.name] = QuantTarget(bits, 32, _gguf_scale_dtype(t), keep_blocks=True)
+        if t.native is not None and native_bits(t.native) == bits and g in (None, native_group(t.native)):
+            plan[t.name] = QuantTarget(bits, native_group(t.native), _gguf_scale_dtype(t), keep_blocks=True)
             continue
         try:  # validates the group size for the format, and gives the default scale dtype, on a 1x1 weight
             probe = quantize_weight(torch.zeros(1, 1), f, g)
@@ -561,7 +562,7 @@ def _native_spec(fmt: str, group_size: int | None) -> tuple[bool, tuple[str, int
 
 
 def _gguf_scale_dtype(t: SourceTensor) -> torch.dtype:
-    """fp16, as the blocks store it (Q4_K: fp32, where its products are exact; atb.quant.gguf.scale_dtype);
+    """fp16, as the blocks store it (Q4_K, Q6_K: fp32, where their products are exact; atb.quant.gguf.scale_dtype);
     Q4_0's min = -8 d is kept in fp32 (with d) where it overflows fp16, as atb.quant.gguf does, so a Q4_0
     tensor's blocks are read once here to know (Q4_0 files are rare)."""
     from atb.quant.gguf import scale_dtype
@@ -943,7 +944,7 @@ def convert(src: str, dst: str, dtype: str | torch.dtype = "bfloat16", *, max_sh
     ``quantize`` ("w8a16" / "w4a16", ``group_size`` as for :func:`atb.quantize`) stores every projection in
     that atb format and the embedding / LM head in ``embed_format`` ("w8a16" by default, "w4a16", or
     "float"); the other tensors (norms, biases) are stored in ``dtype``. ``quantize="native"`` (a GGUF source)
-    keeps every Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K tensor as its own blocks and the others float, or with
+    keeps every Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K / Q6_K tensor as its own blocks and the others float, or with
     ``"native+<format>"`` quantized to that format. See the README's "atb convert".
     """
     import atb

@@ -111,24 +111,27 @@ def smollm2_bf16():
 @pytest.fixture(scope="session")
 def smollm2_q4_k(tmp_path_factory):
     """(fp32 model, tokenizer, path): the embedded SmolLM2 GGUF re-quantized in part as a Q4_K_M file of it would
-    be: every ffn_down (K = 1536, the one projection width that is a multiple of Q4_K's 256) to Q4_K and every
-    attn_v to Q5_0 (llama.cpp's fallback for such rows of other widths), from the file's own Q4_1 values; every
-    attn_output to Q5_1, a type with no native form; the other tensors as shipped. The model is what
-    transformers loads from that file."""
+    be: ffn_down (K = 1536, the one projection width that is a multiple of the K-quants' 256) to Q4_K in even
+    layers and Q6_K in odd ones (a Q4_K_M file gives some layers' ffn_down more bits), every attn_v to Q5_0
+    (llama.cpp's fallback for rows of other widths), from the file's own Q4_1 values; every attn_output to
+    Q5_1, a type with no native form; the other tensors as shipped. The model is what transformers loads from
+    that file."""
     import gguf
     from atb.checkpoints import default_model_path, load_model
-    from gguf_blocks import copy_gguf, quantize_q4_k
+    from gguf_blocks import copy_gguf, quantize_q4_k, quantize_q6_k
 
     src = default_model_path()
     replace = {}
+    writers = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}
     for t in gguf.GGUFReader(src).tensors:
-        kind = {"ffn_down.weight": "Q4_K", "attn_v.weight": "Q5_0", "attn_output.weight": "Q5_1"}.get(
-            t.name.split(".", 2)[-1])
+        layer, name = (t.name.split(".", 2)[1:] + [""])[:2] if t.name.startswith("blk.") else ("", t.name)
+        kind = {"ffn_down.weight": "Q4_K" if int(layer or 0) % 2 == 0 else "Q6_K", "attn_v.weight": "Q5_0",
+                "attn_output.weight": "Q5_1"}.get(name)
         if kind is None:
             continue
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(int(t.shape[1]), int(t.shape[0]))
-        kind = gguf.GGMLQuantizationType[kind]
-        replace[t.name] = (quantize_q4_k(w) if kind.name == "Q4_K" else gguf.quants.quantize(w, kind), kind)
+        write = writers.get(kind) or (lambda v, kind=gguf.GGMLQuantizationType[kind]: gguf.quants.quantize(v, kind))
+        replace[t.name] = (write(w), gguf.GGMLQuantizationType[kind])
     path = str(tmp_path_factory.mktemp("q4_k") / "SmolLM2-135M-Instruct.Q4_K-Q5_0.gguf")
     copy_gguf(src, path, replace)
     model, tok = load_model(path, dtype=torch.float32, progress=False)

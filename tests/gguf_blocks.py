@@ -53,6 +53,43 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     return _pack_q4_k(d, dmin, sc, mins, q).reshape(n, -1)
 
 
+def _pack_q6_k(d16: np.ndarray, sc: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Super-blocks [..., 210] from fp16 d [...], int8 scales [..., 16] and 6-bit values [..., 256] (q + 32).
+
+    ggml's layout: per half of 128 values, value 32 i + l (i = 0..3, l = 0..31) keeps its low 4 bits in ql[l]
+    (i = 0, 2) or ql[32 + l] (i = 1, 3), low nibble for i < 2, high for i >= 2, its top 2 bits at bits 2 i
+    of qh[l]; the fields are ql[128], qh[64], scales[16], d."""
+    v = q.astype(np.uint8).reshape(*q.shape[:-1], 2, 4, 32)
+    lo, hi = v & 0x0F, v >> 4
+    ql = np.concatenate([lo[..., 0, :] | (lo[..., 2, :] << 4), lo[..., 1, :] | (lo[..., 3, :] << 4)], axis=-1)
+    qh = hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)
+    lead = q.shape[:-1]
+    return np.concatenate([ql.reshape(*lead, 128), qh.reshape(*lead, 64), sc.astype(np.int8).view(np.uint8),
+                           _fp16_bytes(d16)], axis=-1)
+
+
+def random_q6_k(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random Q6_K blocks uint8 [n, k / 256 * 210]: every int8 scale and 6-bit value pattern, finite d."""
+    sb = (n, k // QK_K)
+    d = (rng.standard_normal(sb) * 1e-3).astype(np.float16)
+    return _pack_q6_k(d, rng.integers(-128, 128, (*sb, 16)), rng.integers(0, 64, (*sb, QK_K))).reshape(n, -1)
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """A float32 [n, k] weight (k a multiple of 256) as Q6_K blocks uint8 [n, k / 256 * 210]: each 16-value
+    sub-block symmetric over [-32, 31], its scale on the super-block's int8 grid (a plain quantizer, not
+    llama.cpp's search)."""
+    n, k = w.shape
+    x = w.reshape(n, k // QK_K, 16, 16).astype(np.float32)
+    step = np.abs(x).max(-1) / 31                                     # [n, blocks, 16]
+    d = (step.max(-1) / 127).astype(np.float16)
+    unit = d.astype(np.float32)[..., None]
+    sc = np.clip(np.rint(step / np.where(unit > 0, unit, 1)), 0, 127) * (unit > 0)
+    s = (unit * sc)[..., None]
+    q = np.clip(np.rint(x / np.where(s > 0, s, 1)), -32, 31) * (s > 0)
+    return _pack_q6_k(d, sc, (q + 32).reshape(n, k // QK_K, QK_K)).reshape(n, -1)
+
+
 def copy_gguf(src: str, dst: str, replace: dict) -> None:
     """Writes ``dst``: the GGUF file ``src`` with its metadata, each tensor named in ``replace`` as the
     ``(uint8 blocks [rows, bytes], GGMLQuantizationType)`` given there, every other tensor as it is."""

@@ -196,8 +196,8 @@ def test_gguf_source_keeps_q4_1_and_q8_0_blocks(tmp_path):
 
 def test_gguf_source_keeps_q4_k_blocks(smollm2_q4_k, tmp_path):
     """Q4_K tensors (fp32 scales: d * sc is not exact in fp16) are kept as their blocks too, beside Q4_1 and Q8_0
-    ones; Q5_0 ones (8-bit, as w8a16) and Q5_1 ones (no native form) are re-quantized to the 4-bit target like
-    any float."""
+    ones; Q5_0 and Q6_K ones (8-bit, as w8a16) and Q5_1 ones (no native form) are re-quantized to the 4-bit
+    target like any float."""
     from atb.quant.gguf import load_native
 
     model, _, path = smollm2_q4_k
@@ -207,16 +207,17 @@ def test_gguf_source_keeps_q4_k_blocks(smollm2_q4_k, tmp_path):
     assert qc["kept_gguf_blocks"] == ["Q4_1", "Q4_K", "Q8_0"]
     stored = checkpoints.load_model(str(dst), progress=False)[0].atb_quantized
     native, requantized = load_native(model, path), atb.quantize(model, "w4a16")
-    for a, b, c in zip(stored.layers, native.layers, requantized.layers):
-        assert all(same_codes(getattr(a, f), getattr(b, f)) for f in ("q", "k", "gate", "up", "down"))
+    for i, (a, b, c) in enumerate(zip(stored.layers, native.layers, requantized.layers)):
+        assert all(same_codes(getattr(a, f), getattr(b, f)) for f in ("q", "k", "gate", "up"))
+        assert same_codes(a.down, (b if i % 2 == 0 else c).down)  # Q4_K kept; Q6_K (8-bit) re-quantized
         assert same_codes(a.v, c.v) and same_codes(a.o, c.o)  # Q5_0 (8-bit) and Q5_1 (no native form)
     assert stored.layers[0].down.source.endswith("gguf:Q4_K") and stored.layers[0].down.scale.dtype == torch.float32
     assert same_codes(stored.embed, native.embed)
 
 
 def test_gguf_native_conversion_keeps_every_native_tensor(smollm2_q4_k, tmp_path):
-    """--quantize native: every Q8_0 / Q5_0 / Q4_1 / Q4_K tensor as its blocks whatever its width, the others (the
-    fixture's Q5_1 attn_output) float; native+w8a16-g32 quantizes those as atb.quantize would."""
+    """--quantize native: every Q8_0 / Q5_0 / Q4_1 / Q4_K / Q6_K tensor as its blocks whatever its width, the others
+    (the fixture's Q5_1 attn_output) float; native+w8a16-g32 quantizes those as atb.quantize would."""
     from atb.quant.gguf import load_native
 
     model, _, path = smollm2_q4_k
@@ -225,7 +226,7 @@ def test_gguf_native_conversion_keeps_every_native_tensor(smollm2_q4_k, tmp_path
         dst = tmp_path / spec
         assert cli.main(["convert", path, str(dst), "--quantize", spec, "--quiet"]) == 0
         qc = json.loads((dst / "config.json").read_text())["quantization_config"]
-        assert (qc["format"], qc["kept_gguf_blocks"]) == (spec, ["Q4_1", "Q4_K", "Q5_0", "Q8_0"])
+        assert (qc["format"], qc["kept_gguf_blocks"]) == (spec, ["Q4_1", "Q4_K", "Q5_0", "Q6_K", "Q8_0"])
         stored = checkpoints.load_model(str(dst), progress=False)[0].atb_quantized
         for a, b in zip(stored.layers, native.layers):
             assert all(same_codes(getattr(a, f), getattr(b, f)) for f in ("q", "k", "v", "gate", "up", "down"))
@@ -273,7 +274,7 @@ def test_gguf_native_errors(smollm2_q4_k, tiny, tmp_path):
         checkpoints.load_model(str(tiny), progress=False, quantize="native")
     with pytest.raises(ValueError, match="quantize must be 'native' or 'native\\+<format>'"):
         checkpoints.load_model(path, progress=False, quantize="w8a16")
-    with pytest.raises(convert.ConvertError, match="has no GGUF Q8_0/Q5_0/Q4_0/Q4_1/Q4_K tensors"):
+    with pytest.raises(convert.ConvertError, match="has no GGUF Q8_0/Q5_0/Q4_0/Q4_1/Q4_K/Q6_K tensors"):
         convert.convert(str(tiny), str(tmp_path / "a"), "float32", quantize="native", progress=False)
     with pytest.raises(convert.ConvertError, match="--group-size: with --quantize native"):
         convert.convert(path, str(tmp_path / "b"), "float32", quantize="native", group_size=32, progress=False)

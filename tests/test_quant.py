@@ -387,6 +387,37 @@ def test_gguf_q4_k_blocks_bit_exact(n, k, isa):
         assert_close(K.linear(x, q), linear_ref(x, want.double()), scale=_scale(k))
 
 
+@pytest.mark.parametrize("n,k", [(5, 256), (37, 768), (3, 1536)])
+def test_gguf_q6_k_blocks_bit_exact(n, k, isa):
+    # Random super-blocks (every int8 scale, every 6-bit value, d of either sign): w8a16 with groups of 16, int8
+    # q - 32 and fp32 scale d * sc, gives gguf's own dequantization bit for bit (every product is exact in fp32),
+    # and the kernels run it: decode GEMV, the prefill GEMM, the embedding rows.
+    from gguf_blocks import random_q6_k
+
+    t = _FakeTensor.of_blocks("blk.0.ffn_down.weight", "Q6_K", random_q6_k(n, k, np.random.default_rng(n)), n, k)
+    q = qgguf.tensor_to_quantized(t)
+    want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).reshape(n, k)
+    assert torch.equal(q.dequantize(), want)
+    assert (q.source, q.bits, q.group_size, q.scale.dtype, q.min) == ("gguf:Q6_K", 8, 16, torch.float32, None)
+    assert torch.equal(q.rows(torch.tensor([n - 1, 0])), want[[n - 1, 0]])
+    for m in (1, 3, 40):
+        for dtype in DTYPES:
+            x = torch.randn(m, k).to(dtype)
+            assert_close(K.linear(x, q), linear_ref(x, want.double()), scale=_scale(k))
+
+
+def test_gguf_q6_k_quantizer_of_the_tests():
+    # The tests' Q6_K writer (gguf has no Q6_K quantizer): each 16-value sub-block's values within half a step of
+    # the weight (plus the int8 scale grid's rounding), the step being the sub-block's largest |w| over 31.
+    from gguf_blocks import quantize_q6_k
+
+    w = np.random.default_rng(0).standard_normal((7, 512)).astype(np.float32) * 0.05
+    back = gguf.quants.dequantize(quantize_q6_k(w), gguf.GGMLQuantizationType.Q6_K).reshape(7, 512)
+    sub = lambda a: a.reshape(7, 2, 16, 16)  # noqa: E731
+    step = np.abs(sub(w)).max(-1) / 31
+    assert (np.abs(sub(back - w)).max(-1) <= 0.6 * step).all()
+
+
 def test_gguf_q4_k_quantizer_of_the_tests():
     # The tests' Q4_K writer (gguf has no Q4_K quantizer): each sub-block's values within half a step of the
     # weight, where the step is the sub-block's range over 15 levels (plus the 6-bit grids' rounding).

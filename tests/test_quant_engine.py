@@ -66,15 +66,18 @@ def test_native_is_the_gguf_as_shipped(smollm2_quantized):
 
 
 def test_gguf_q4_k_file_loads_natively(smollm2_q4_k):
-    # A file with Q4_K and Q5_0 tensors among Q4_1 / Q8_0 ones: each loads at its own precision, equal bit for bit
-    # to the float weights transformers dequantized from the same blocks, and the engine runs the mix.
+    # A file with Q4_K, Q6_K and Q5_0 tensors among Q4_1 / Q8_0 ones: each loads at its own precision (Q6_K as
+    # w8a16 with groups of 16), equal bit for bit to the float weights transformers dequantized from the same
+    # blocks, and the engine runs the mix.
     model, tok, path = smollm2_q4_k
     from atb.quant.gguf import load_native
 
     w = load_native(model, path)
     for i in (0, 29):
         lw, mlp = w.layers[i], model.model.layers[i].mlp
-        assert lw.down.source == "gguf:Q4_K" and lw.down.scale.dtype == torch.float32
+        kind, bits, group = ("Q4_K", 4, 32) if i % 2 == 0 else ("Q6_K", 8, 16)
+        assert (lw.down.source, lw.down.bits, lw.down.group_size) == (f"gguf:{kind}", bits, group)
+        assert lw.down.scale.dtype == torch.float32
         assert lw.v.source == "gguf:Q5_0" and lw.v.bits == 8
         assert lw.gate.source == "gguf:Q4_1" and w.embed.source == "gguf:Q8_0"
         assert torch.equal(lw.down.dequantize(), mlp.down_proj.weight.detach())
@@ -116,8 +119,8 @@ def test_check_lists_what_native_makes_of_a_gguf_file(smollm2_q4_k, capsys):
     assert cli.main(["check", "--model", path, "--quiet"]) == 0
     line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("GGUF weight matrices")]
     assert line == ["GGUF weight matrices under --quantize native: Q4_1 120 (native: w4a16), 1-D 61 (float), "
-                    "Q4_K 30 (native: w4a16), Q5_1 30 (float; native+w8a16-g32 quantizes them), Q5_0 30 (native: "
-                    "w8a16), Q8_0 1 (native: w8a16)"], line
+                    "Q5_1 30 (float; native+w8a16-g32 quantizes them), Q5_0 30 (native: w8a16), Q4_K 15 (native: "
+                    "w4a16), Q6_K 15 (native: w8a16), Q8_0 1 (native: w8a16)"], line
 
 
 def test_native_spec_forms():

@@ -3,7 +3,7 @@
 * :class:`QuantizedWeight` and the formats: :mod:`atb.quant.formats` (README "Quantized weights").
 * :func:`quantize` converts a float weight, or every projection (and the embedding / LM head)
   of a model, to a format; :func:`dequantize` gives float back.
-* :mod:`atb.quant.gguf` loads GGUF Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K tensors straight into these formats.
+* :mod:`atb.quant.gguf` loads GGUF Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K / Q6_K tensors straight into these formats.
 * :func:`set_isa` / :func:`isa_paths`: the quantized kernels' SIMD path (AVX-512, AVX2, portable).
 """
 from __future__ import annotations

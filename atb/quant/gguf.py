@@ -1,4 +1,4 @@
-"""GGUF checkpoints at their own precision: Q8_0, Q5_0, Q4_0, Q4_1 and Q4_K tensors loaded straight into
+"""GGUF checkpoints at their own precision: Q8_0, Q5_0, Q4_0, Q4_1, Q4_K and Q6_K tensors loaded straight into
 :class:`QuantizedWeight` (no float round trip), through the ``gguf`` package's reader.
 
 Block layouts (32 values along K per block, ``d`` and ``m`` fp16; Q4_K's below):
@@ -25,9 +25,16 @@ Block layouts (32 values along K per block, ``d`` and ``m`` fp16; Q4_K's below):
   nibbles are stored a 32-byte chunk per two sub-blocks (sub-block 2c in the low nibbles of chunk c,
   2c + 1 in the high ones) and are repacked to the W4 layout once, at load.
 
-Tensors of any other GGUF type (F32, F16, Q6_K, Q5_K, ...) are dequantized to float by ``gguf`` and
-reported per tensor: none of them maps exactly onto W8A16 / W4A16 (Q6_K's 6-bit values have a scale per
-16 values, and the formats' groups are 32 or more; Q5_1 and Q5_K have a min, which W8A16 has not).
+* Q6_K (the 6-bit type of llama.cpp's ``Q6_K`` files, and of the LM head and half of ``attn_v`` /
+  ``ffn_down`` in ``Q4_K_M`` ones): super-blocks of 256 values, ``ql[128]`` (low 4 bits), ``qh[64]`` (high
+  2 bits), sixteen int8 scales ``sc[j]`` (one per 16 values) and ``d`` (fp16); w = d * sc[j] * (q - 32)
+  -> w8a16, **group 16**, int8 ``q - 32`` in [-32, 31] and fp32 scale ``d * sc[j]``. Every product is
+  exact in fp32 (11 + 7 + 5 significant bits), so the weights are gguf's own bit for bit. 1.25 bytes
+  per weight (Q6_K's own 0.82; bf16's 2).
+
+Tensors of any other GGUF type (F32, F16, Q5_1, Q5_K, ...) are dequantized to float by ``gguf`` and
+reported per tensor: none of them maps exactly onto W8A16 / W4A16 (Q5_1 and Q5_K have a min, which W8A16
+has not; 5 bits with a min need more than W4A16's 4).
 
 llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` (its rope layout); HF's GGUF
 loader undoes that, and so does :func:`load_native`, on whole quantized rows.
@@ -39,9 +46,10 @@ import torch
 
 from atb.quant.formats import QuantizedWeight, quantize_weight
 
-NATIVE_TYPES = ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K")
+NATIVE_TYPES = ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 # Values per block, and bytes per block, of each.
-_BLOCK = {"Q8_0": (32, 34), "Q5_0": (32, 22), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
+_BLOCK = {"Q8_0": (32, 34), "Q5_0": (32, 22), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144),
+          "Q6_K": (256, 210)}
 
 # GGUF tensor name (after "blk.{i}.") -> LayerWeights field.
 LAYER_NAMES = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate", "ffn_up": "up",
@@ -62,7 +70,7 @@ def _f16(raw: np.ndarray, off: int) -> torch.Tensor:
 
 
 def tensor_to_quantized(t, name: str = "") -> QuantizedWeight:
-    """One ``gguf.ReaderTensor`` of type Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K as a :class:`QuantizedWeight` ``[N, K]``."""
+    """One ``gguf.ReaderTensor`` of a native type (:data:`NATIVE_TYPES`) as a :class:`QuantizedWeight` ``[N, K]``."""
     kind = t.tensor_type.name
     if kind not in NATIVE_TYPES:
         raise ValueError(f"gguf: tensor {name or t.name} is {kind}; natively loadable types are {NATIVE_TYPES}")
@@ -85,6 +93,8 @@ def tensor_to_quantized(t, name: str = "") -> QuantizedWeight:
                                source=src)
     if kind == "Q4_K":
         return _q4_k(*_blocks(t), src)
+    if kind == "Q6_K":
+        return _q6_k(*_blocks(t), src)
     if kind == "Q4_0":
         raw, n, k = _blocks(t)
         scale = _f16(raw, 0)
@@ -123,15 +133,36 @@ def _q4_k(raw: np.ndarray, n: int, k: int, source: str) -> QuantizedWeight:
                            4, 32, source=source)
 
 
+def _q6_k(raw: np.ndarray, n: int, k: int, source: str) -> QuantizedWeight:
+    """Q6_K super-blocks ``[N, K / 256, 210]`` as w8a16 group 16 with fp32 scales (module docstring)."""
+    ql, qh = raw[..., 0:128].reshape(n, k // 256, 2, 64), raw[..., 128:192].reshape(n, k // 256, 2, 1, 32)
+    sc = torch.from_numpy(np.ascontiguousarray(raw[..., 192:208]).view(np.int8).astype(np.float32))
+    d = _f16(raw, 208).float()
+    # Each half of 128 values: value 32 i + l (i = 0..3, l = 0..31) has its low 4 bits in ql[l] (i = 0, 2) or
+    # ql[32 + l] (i = 1, 3), low nibble for i < 2 and high for i >= 2, and its top 2 bits at bits 2 i of qh[l].
+    low = np.stack([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=-2)
+    high = (qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 0x03
+    q = (low | (high << 4)).astype(np.int8) - np.int8(32)                  # [N, K / 256, 2, 4, 32]
+    scale = (d[..., None] * sc).reshape(n, k // 16)
+    return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(q.reshape(n, k))), scale.contiguous(), None, (n, k),
+                           8, 16, source=source)
+
+
 def native_bits(kind: str) -> int:
-    """The W8/W4 format a native tensor of GGUF type ``kind`` loads as: 8 for Q8_0 and Q5_0, else 4."""
-    return 8 if kind in ("Q8_0", "Q5_0") else 4
+    """The W8/W4 format a native tensor of GGUF type ``kind`` loads as: 8 for Q8_0, Q5_0 and Q6_K, else 4."""
+    return 8 if kind in ("Q8_0", "Q5_0", "Q6_K") else 4
+
+
+def native_group(kind: str) -> int:
+    """The group size a native tensor of GGUF type ``kind`` loads with: 16 for Q6_K, else 32."""
+    return 16 if kind == "Q6_K" else 32
 
 
 def scale_dtype(kind: str) -> torch.dtype:
     """The scale (and min) dtype a native tensor of GGUF type ``kind`` loads with: the blocks' own fp16, or fp32
-    for Q4_K (exact products). Q4_0 may also load in fp32 (-8 d overflowing fp16): read its blocks to know."""
-    return torch.float32 if kind == "Q4_K" else torch.float16
+    for Q4_K and Q6_K (exact products). Q4_0 may also load in fp32 (-8 d overflowing fp16): read its blocks to
+    know."""
+    return torch.float32 if kind in ("Q4_K", "Q6_K") else torch.float16
 
 
 def type_summary(path: str) -> str:
@@ -164,7 +195,7 @@ def permute_rows(w: QuantizedWeight, n_head: int) -> QuantizedWeight:
 
 def load_native(model, path: str | None = None, *, rest: tuple[str, int | None] | None = None):
     """The weights of ``model`` (an HF model loaded from the GGUF file ``path``, default the embedded
-    SmolLM2) for the engine at the file's own precision: every Q8_0/Q5_0/Q4_0/Q4_1/Q4_K projection, embedding and
+    SmolLM2) for the engine at the file's own precision: every Q8_0/Q5_0/Q4_0/Q4_1/Q4_K/Q6_K projection, embedding and
     LM head as a :class:`QuantizedWeight` read from the file; other types stay as the float tensors HF
     loaded, unless ``rest`` = ``(format, group_size)`` (``atb.quantize``'s) quantizes them: projections to that
     format, the embedding / LM head to 8 bits as ``atb.quantize`` puts them. Norms and biases are the model's own
