@@ -25,7 +25,8 @@ import torch
 import atb
 from atb import kernels as K
 from atb.kernels.linear import native_linear_wins
-from reference import (TOLERANCES, assert_close, flash_attention_ref, linear_ref, linear_residual_ref,
+from atb.quant import quantize_weight
+from reference import (TOLERANCES, assert_close, flash_attention_ref, linear_ref, linear_residual_ref, quant_dequant_ref,
                        linear_swiglu_ref, paged_attention_ref, reshape_and_cache_ref, rms_norm_ref, add_rms_norm_ref,
                        rope_ref, silu_mul_ref, swiglu_ref)
 
@@ -34,6 +35,8 @@ BATCH = 40             # cases per forked child
 HANG_SECONDS = 120     # no result from a child for this long = the case hangs
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+QUANT_FORMATS = [("w8a16", 0), ("w8a16", 16), ("w8a16", 32), ("w8a16", 128), ("w4a16", 32), ("w4a16", 64),
+                 ("w4a16", 128)]
 SOCS = atb.soc_names()
 BF16_SOCS = [s for s in SOCS if atb.get_soc(s).supports_bf16]
 NO_BF16_SOCS = [s for s in SOCS if not atb.get_soc(s).supports_bf16]
@@ -288,29 +291,38 @@ def _fuzz_linear(rng, g, bad, op):
     bias = _view(rng, g, (n,), dtype) if rng.random() < 0.4 else None
     # fp32 accumulation: error ~ sqrt(K) ulps of the inputs' magnitude (as tests/test_linear.py scales it)
     tol = max(1.0, k ** 0.5 / 4)
+    # A valid call may take quantized weights (every format and group, W8's 16 included), one draw per call:
+    # the same entries, their float64 reference over the dequantized values.
+    quant = None
+    if bad is None and op != "linear_auto" and m > 0 and rng.random() < 0.35:
+        quant = (rng.choice(QUANT_FORMATS), rng.choice([None, torch.float32, torch.bfloat16]))
+    qw = (lambda t: quantize_weight(t.float(), *quant[0], scale_dtype=quant[1])) if quant else (lambda t: t)
+    wr = (lambda t: quant_dequant_ref(t)) if quant else (lambda t: t)
+    w = qw(w)
     if op in ("linear", "linear_auto"):
         call = lambda x=x, w=w, bias=bias, soc=soc: getattr(K, op)(x, w, bias, soc_type=soc)  # noqa: E731
-        ref = lambda: linear_ref(x, w, bias)  # noqa: E731
+        ref = lambda: linear_ref(x, wr(w), bias)  # noqa: E731
     elif op == "linear_multi":
-        ws = [w] + [_view(rng, g, (_dim(rng, (1, 5, 64)), k), dtype, scale=k ** -0.5) for _ in range(rng.randint(0, 2))]
+        ws = [w] + [qw(_view(rng, g, (_dim(rng, (1, 5, 64)), k), dtype, scale=k ** -0.5))
+                    for _ in range(rng.randint(0, 2))]
         bs = [None if rng.random() < 0.5 else _randn(g, (t.shape[0],), dtype) for t in ws]
         call = lambda x=x, ws=ws, bs=bs, soc=soc: K.linear_multi(x, ws, bs, soc_type=soc)  # noqa: E731
-        ref = lambda: [linear_ref(x, t, b) for t, b in zip(ws, bs)]  # noqa: E731
+        ref = lambda: [linear_ref(x, wr(t), b) for t, b in zip(ws, bs)]  # noqa: E731
     elif op == "linear_residual":
         res = _view(rng, g, (m, n), dtype)
         call = lambda x=x, w=w, res=res, bias=bias, soc=soc: K.linear_residual(x, w, res, bias, soc_type=soc)  # noqa: E731
-        ref = lambda: linear_residual_ref(x, w, res, bias)  # noqa: E731
+        ref = lambda: linear_residual_ref(x, wr(w), res, bias)  # noqa: E731
     else:
-        up = _view(rng, g, (n, k), dtype, scale=k ** -0.5)
+        up = qw(_view(rng, g, (n, k), dtype, scale=k ** -0.5))
         call = lambda x=x, w=w, up=up, soc=soc: K.linear_swiglu(x, w, up, soc_type=soc)  # noqa: E731
-        ref = lambda: linear_swiglu_ref(x, w, up)  # noqa: E731
+        ref = lambda: linear_swiglu_ref(x, wr(w), wr(up))  # noqa: E731
     if bad and op == "linear_auto" and not native_linear_wins(m, dtype):
         bad = None  # torch's GEMM runs these shapes: its errors are torch's, so only valid calls are fuzzed
     if bad is None:
         out, expected = call(), ref()
         for i, (a, b) in enumerate(zip(out, expected) if op == "linear_multi" else [(out, expected)]):
             _close(a, b, dtype, f"{op} output {i}", scale=tol)
-        return op, "valid"
+        return op, "valid" if quant is None else "valid quantized"
     muts = {
         "x_3d": lambda: call(x=x[None]),
         "x_int": lambda: call(x=torch.zeros(m, k, dtype=torch.int32)),
@@ -639,13 +651,15 @@ def run_cases(cases, runner=run_case, batch=BATCH, hang_seconds=HANG_SECONDS):
 
 
 def _summary(counts):
-    by_op = collections.defaultdict(lambda: [0, 0])
+    by_op = collections.defaultdict(lambda: [0, 0, 0])  # valid, invalid, valid with quantized weights
     for (op, tag), n in counts.items():
-        by_op[op][tag != "valid"] += n
-    valid = sum(v for v, _ in by_op.values())
-    invalid = sum(x for _, x in by_op.values())
+        by_op[op][not tag.startswith("valid")] += n
+        by_op[op][2] += n if tag == "valid quantized" else 0
+    valid = sum(v[0] for v in by_op.values())
+    invalid = sum(v[1] for v in by_op.values())
     lines = [f"fuzz: {valid + invalid} cases, {valid} valid, {invalid} invalid (seed {SEED})"]
-    lines += [f"  {op:16s} valid {v:5d}  invalid {x:5d}" for op, (v, x) in sorted(by_op.items())]
+    lines += [f"  {op:16s} valid {v:5d}  invalid {x:5d}" + (f"  (valid, quantized weights: {q})" if q else "")
+              for op, (v, x, q) in sorted(by_op.items())]
     return "\n".join(lines)
 
 
