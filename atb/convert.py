@@ -495,8 +495,8 @@ def plan_quantization(tensors: list[SourceTensor], fmt: str, group_size: int | N
     A GGUF Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K / Q6_K tensor whose bit width is the target's is kept as its blocks
     (group 32, Q6_K's 16, the file's own values: fp16 scales, fp32 for Q4_K's and Q6_K's exact products) unless
     an explicit ``group_size`` other than its own was asked for; under ``native`` every such tensor is, and the
-    others stay float or take the format after its ``+``. A tied model's ``lm_head.weight``, if the checkpoint has one, is dropped: the
-    embedding is the LM head.
+    others stay float or take the format after its ``+``. A tied model's ``lm_head.weight``, if the checkpoint
+    has one, is dropped: the embedding is the LM head.
     """
     from atb.quant.formats import quantize_weight
     from atb.quant.gguf import NATIVE_TYPES, native_bits, native_group

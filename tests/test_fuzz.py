@@ -26,9 +26,9 @@ import atb
 from atb import kernels as K
 from atb.kernels.linear import native_linear_wins
 from atb.quant import quantize_weight
-from reference import (TOLERANCES, assert_close, flash_attention_ref, linear_ref, linear_residual_ref, quant_dequant_ref,
-                       linear_swiglu_ref, paged_attention_ref, reshape_and_cache_ref, rms_norm_ref, add_rms_norm_ref,
-                       rope_ref, silu_mul_ref, swiglu_ref)
+from reference import (TOLERANCES, assert_close, flash_attention_ref, linear_ref, linear_residual_ref,
+                       linear_swiglu_ref, paged_attention_ref, quant_dequant_ref, reshape_and_cache_ref, rms_norm_ref,
+                       add_rms_norm_ref, rope_ref, silu_mul_ref, swiglu_ref)
 
 SEED = int(os.environ.get("ATB_FUZZ_SEED", "20261130"))
 BATCH = 40             # cases per forked child

@@ -30,8 +30,8 @@ from atb.bench.roofline import add_table_or_json_args, apply_threads, generate_r
 
 
 def tensor_types(report: dict) -> str:
-    """``load_native``'s per-tensor report as counts per GGUF type, e.g. ``Q5_0 166, Q4_K 16, Q6_K (float) 14``
-    (``Q6_K (as w8a16) 14`` where ``rest`` quantized them)."""
+    """``load_native``'s per-tensor report as counts per GGUF type, e.g. ``Q5_0 166, Q4_K 16, Q5_1 (float) 30``
+    (``Q5_1 (as w8a16) 30`` where ``rest`` quantized them)."""
     kinds = collections.Counter()
     for what in report.values():
         if "from gguf:" in what:

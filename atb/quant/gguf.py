@@ -167,7 +167,7 @@ def scale_dtype(kind: str) -> torch.dtype:
 
 def type_summary(path: str) -> str:
     """What ``quantize="native"`` makes of a GGUF file's weight matrices, per tensor type, e.g. ``Q5_0 166
-    (native: w8a16), Q6_K 14 (float; native+w8a16-g32 quantizes them), 1-D 61 (float)``."""
+    (native: w8a16), Q6_K 14 (native: w8a16), Q5_1 30 (float; native+w8a16-g32 quantizes them), 1-D 61 (float)``."""
     import collections
 
     import gguf

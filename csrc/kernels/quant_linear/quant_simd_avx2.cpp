@@ -168,7 +168,8 @@ void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const fl
     for (int r = 0; r < NR; ++r) {
       const auto* p = reinterpret_cast<const __m128i*>(q + r * ldq + c * kChunkBytes);
       const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(p)), w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(p + 1));
-      const __m256 s0 = _mm256_broadcast_ss(scale + r * lds + 2 * c), s1 = _mm256_broadcast_ss(scale + r * lds + 2 * c + 1);
+      const __m256 s0 = _mm256_broadcast_ss(scale + r * lds + 2 * c);
+      const __m256 s1 = _mm256_broadcast_ss(scale + r * lds + 2 * c + 1);
       for (int mb = 0; mb < MB; ++mb) {
         a[r][mb] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(w0, xv[mb][0])), _mm256_mul_ps(xs[mb], s0),
                                    a[r][mb]);
