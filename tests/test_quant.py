@@ -370,37 +370,29 @@ def test_gguf_blocks_bit_exact(kind, isa):
     assert_close(K.linear(x, q), linear_ref(x, want.double()), scale=_scale(96))
 
 
-@pytest.mark.parametrize("n,k", [(5, 256), (37, 768), (3, 1536)])
-def test_gguf_q4_k_blocks_bit_exact(n, k, isa):
-    # Random super-blocks (every 6-bit scale and min, every nibble): w4a16 group 32 with fp32 scale d * sc and
-    # min -dmin * m gives gguf's own dequantization bit for bit, and the kernels run it.
-    from gguf_blocks import random_q4_k
+# K-quants, random super-blocks: Q4_K (every 6-bit scale and min, every nibble) as w4a16 group 32 with fp32 scale
+# d * sc and min -dmin * m; Q6_K (every int8 scale, every 6-bit value, d of either sign) as w8a16 with groups of
+# 16, int8 q - 32 and fp32 scale d * sc. Every product is exact in fp32, so both give gguf's own dequantization bit
+# for bit.
+_K_QUANTS = {"Q4_K": ("random_q4_k", (4, 32, torch.float32, torch.float32)),
+             "Q6_K": ("random_q6_k", (8, 16, torch.float32, None))}
 
-    t = _FakeTensor.of_blocks("blk.0.ffn_down.weight", "Q4_K", random_q4_k(n, k, np.random.default_rng(n)), n, k)
+
+@pytest.mark.parametrize("kind", sorted(_K_QUANTS))
+@pytest.mark.parametrize("n,k", [(5, 256), (37, 768), (3, 1536)])
+def test_gguf_k_quant_blocks_bit_exact(kind, n, k, isa):
+    import gguf_blocks
+
+    writer, form = _K_QUANTS[kind]
+    blocks = getattr(gguf_blocks, writer)(n, k, np.random.default_rng(n))
+    t = _FakeTensor.of_blocks("blk.0.ffn_down.weight", kind, blocks, n, k)
     q = qgguf.tensor_to_quantized(t)
     want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).reshape(n, k)
     assert torch.equal(q.dequantize(), want)
-    assert (q.source, q.bits, q.group_size, q.scale.dtype, q.min.dtype) == ("gguf:Q4_K", 4, 32, torch.float32,
-                                                                           torch.float32)
+    assert q.source == f"gguf:{kind}"
+    assert (q.bits, q.group_size, q.scale.dtype, None if q.min is None else q.min.dtype) == form
+    assert torch.equal(q.rows(torch.tensor([n - 1, 0])), want[[n - 1, 0]])  # the embedding lookup
     for m in (1, 3, 40):  # the decode GEMV and the prefill GEMM
-        x = torch.randn(m, k)
-        assert_close(K.linear(x, q), linear_ref(x, want.double()), scale=_scale(k))
-
-
-@pytest.mark.parametrize("n,k", [(5, 256), (37, 768), (3, 1536)])
-def test_gguf_q6_k_blocks_bit_exact(n, k, isa):
-    # Random super-blocks (every int8 scale, every 6-bit value, d of either sign): w8a16 with groups of 16, int8
-    # q - 32 and fp32 scale d * sc, gives gguf's own dequantization bit for bit (every product is exact in fp32),
-    # and the kernels run it: decode GEMV, the prefill GEMM, the embedding rows.
-    from gguf_blocks import random_q6_k
-
-    t = _FakeTensor.of_blocks("blk.0.ffn_down.weight", "Q6_K", random_q6_k(n, k, np.random.default_rng(n)), n, k)
-    q = qgguf.tensor_to_quantized(t)
-    want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).reshape(n, k)
-    assert torch.equal(q.dequantize(), want)
-    assert (q.source, q.bits, q.group_size, q.scale.dtype, q.min) == ("gguf:Q6_K", 8, 16, torch.float32, None)
-    assert torch.equal(q.rows(torch.tensor([n - 1, 0])), want[[n - 1, 0]])
-    for m in (1, 3, 40):
         for dtype in DTYPES:
             x = torch.randn(m, k).to(dtype)
             assert_close(K.linear(x, q), linear_ref(x, want.double()), scale=_scale(k))

@@ -136,8 +136,13 @@ void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const fl
     prefetch.At(c * kChunkBytes);
     farPrefetch.At(c * kChunkBytes);
   };
-  // W8 (always on the group loop): chunk c of every row into t.
-  auto chunk = [&](int64_t c) __attribute__((always_inline)) {
+  // W8: chunk c of every row; its two vpmaddwd give 8 exact int32 sums of 2 products each, for values 0-15
+  // and 16-31. On the group loop (kHalves false) they add into one sum, scaled by x's chunk scale into t. At
+  // G = 16 (kQuantHalfChunkGroup, kHalves) the halves are groups 2c and 2c + 1: each is scaled by its own
+  // group scale times x's chunk scale, the first into a and the second into t (two chains per row), which
+  // are added at the end.
+  auto chunk = [&](int64_t c, auto halvesTag) __attribute__((always_inline)) {
+    constexpr bool kHalves = decltype(halvesTag)::value;
     __m256i xv[MB][2];
     __m256 xs[MB];
     for (int mb = 0; mb < MB; ++mb) {
@@ -149,32 +154,15 @@ void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const fl
       const auto* p = reinterpret_cast<const __m128i*>(q + r * ldq + c * kChunkBytes);
       const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(p)), w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(p + 1));
       for (int mb = 0; mb < MB; ++mb) {
-        __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w0, xv[mb][0]), _mm256_madd_epi16(w1, xv[mb][1]));
-        t[r][mb] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), xs[mb], t[r][mb]);
-      }
-    }
-  };
-  // W8 at G = 16 (kQuantHalfChunkGroup): chunk c's two halves are groups 2c and 2c + 1, and each half's 16
-  // products are one vpmaddwd (8 exact int32 sums of 2), so each is scaled by its own group scale times x's
-  // chunk scale, the first into a and the second into t (two chains per row), folded at the end.
-  auto chunkHalves = [&](int64_t c) __attribute__((always_inline)) {
-    __m256i xv[MB][2];
-    __m256 xs[MB];
-    for (int mb = 0; mb < MB; ++mb) {
-      xv[mb][0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + mb * ldx + 32 * c));
-      xv[mb][1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + mb * ldx + 32 * c + 16));
-      xs[mb] = _mm256_broadcast_ss(xsc + mb * ldxc + c);
-    }
-    for (int r = 0; r < NR; ++r) {
-      const auto* p = reinterpret_cast<const __m128i*>(q + r * ldq + c * kChunkBytes);
-      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(p)), w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(p + 1));
-      const __m256 s0 = _mm256_broadcast_ss(scale + r * lds + 2 * c);
-      const __m256 s1 = _mm256_broadcast_ss(scale + r * lds + 2 * c + 1);
-      for (int mb = 0; mb < MB; ++mb) {
-        a[r][mb] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(w0, xv[mb][0])), _mm256_mul_ps(xs[mb], s0),
-                                   a[r][mb]);
-        t[r][mb] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(w1, xv[mb][1])), _mm256_mul_ps(xs[mb], s1),
-                                   t[r][mb]);
+        const __m256i lo = _mm256_madd_epi16(w0, xv[mb][0]), hi = _mm256_madd_epi16(w1, xv[mb][1]);
+        if constexpr (kHalves) {
+          const __m256 s0 = _mm256_broadcast_ss(scale + r * lds + 2 * c);
+          const __m256 s1 = _mm256_broadcast_ss(scale + r * lds + 2 * c + 1);
+          a[r][mb] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(xs[mb], s0), a[r][mb]);
+          t[r][mb] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(xs[mb], s1), t[r][mb]);
+        } else {
+          t[r][mb] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), xs[mb], t[r][mb]);
+        }
       }
     }
   };
@@ -224,7 +212,7 @@ void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const fl
       else
         pair(c, std::true_type{});
     } else {
-      chunk(c);
+      chunk(c, std::false_type{});
     }
   };
   const int64_t nc = kLen / 32;
@@ -233,9 +221,9 @@ void GemvI16Block(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const fl
     for (; c + kStepChunks <= nc; c += kStepChunks) {
       prefetchLine(c);
 #pragma GCC unroll 2
-      for (int i = 0; i < kStepChunks; ++i) chunkHalves(c + i);
+      for (int i = 0; i < kStepChunks; ++i) chunk(c + i, std::true_type{});
     }
-    for (; c < nc; ++c) chunkHalves(c);
+    for (; c < nc; ++c) chunk(c, std::true_type{});
     for (int r = 0; r < NR; ++r)
       for (int mb = 0; mb < MB; ++mb) a[r][mb] = _mm256_add_ps(a[r][mb], t[r][mb]);
   } else if constexpr (kGroupPerChunk) {
