@@ -629,8 +629,9 @@ def speculative_config(args) -> dict | None:
 def _quantize_arg(sp):
     """--quantize of the commands that build an engine (generate, chat, serve)."""
     sp.add_argument("--quantize", default=None,
-                    help="weight-only quantization: w8a16 | w4a16 (| -g64 | -g128 suffix) | native (a GGUF file's "
-                         "Q8_0/Q5_0/Q4_0/Q4_1/Q4_K/Q6_K tensors as shipped; native+w8a16-g32: its other tensors at 8 bits)")
+                    help="weight-only quantization: w8a16 | w4a16 (| -g32 | -g64 | -g128 suffix; w8a16 also -g16) | "
+                         "native (a GGUF file's Q8_0/Q5_0/Q4_0/Q4_1/Q4_K/Q6_K tensors as shipped; native+w8a16-g32: "
+                         "its other tensors at 8 bits)")
 
 
 def _add_bench(sub):
@@ -700,9 +701,9 @@ def _add_convert(sub):
                    help="store every projection in atb's W8A16 / W4A16 format (loads in atb only); native (a GGUF "
                         "source): its Q8_0/Q5_0/Q4_0/Q4_1/Q4_K/Q6_K tensors as their own blocks, the others float, or "
                         "quantized to FORMAT (e.g. native+w8a16-g32)")
-    v.add_argument("--group-size", type=int, choices=(0, 32, 64, 128),
-                   help="with --quantize: values per scale along K (w8a16: 0 = per channel, the default; "
-                        "w4a16: 32, the default, 64 or 128)")
+    v.add_argument("--group-size", type=int, choices=(0, 16, 32, 64, 128),
+                   help="with --quantize: values per scale along K (w8a16: 0 = per channel, the default, or 16 "
+                        "to 128; w4a16: 32, the default, 64 or 128)")
     v.add_argument("--embed-format", choices=("w8a16", "w4a16", "float"), default="w8a16",
                    help="with --quantize: the embedding / LM head's format (default w8a16: at 4 bits SmolLM2's "
                         "tied table loses the capital-of-France answer)")

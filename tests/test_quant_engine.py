@@ -165,7 +165,7 @@ def test_quantize_model_keeps_embedding_at_8_bits_by_default():
     assert q4.layers[0].input_norm is model.model.layers[0].input_layernorm.weight  # norms shared, not copied
 
 
-@pytest.mark.parametrize("spec", ["w8a16", "w4a16-g64"])
+@pytest.mark.parametrize("spec", ["w8a16", "w8a16-g16", "w4a16-g64"])
 @pytest.mark.parametrize("graph_mode", [False, True])
 def test_patched_model_matches_engine(spec, graph_mode):
     model = random_model("tiny")
@@ -189,6 +189,8 @@ def test_bad_quantize_spec():
     model = random_model("tiny")
     with pytest.raises(ValueError, match="unknown spec 'w5a16'"):
         atb.TransformerInfer(model, max_seq_len=64, quantize="w5a16")
+    with pytest.raises(ValueError, match="unknown spec 'w4a16-g16'.*w8a16 also -g16"):  # groups of 16: 8 bits only
+        atb.TransformerInfer(model, max_seq_len=64, quantize="w4a16-g16")
     with pytest.raises(ValueError, match="not loaded from one"):
         atb.TransformerInfer(model, max_seq_len=64, quantize="native")
     with pytest.raises(TypeError, match="quantize: expected"):

@@ -15,16 +15,16 @@ import os
 
 from atb.quant.api import QuantizedModelWeights, quantize_model
 
-_GROUPS = {"": None, "-g32": 32, "-g64": 64, "-g128": 128}
+_GROUPS = {"": None, "-g16": 16, "-g32": 32, "-g64": 64, "-g128": 128}
 
 
 def parse_spec(spec: str) -> tuple[str, int | None]:
     """``"w4a16-g128"`` -> ``("w4a16", 128)``; ValueError naming the valid forms."""
     for fmt in ("w8a16", "w4a16"):
-        if spec.startswith(fmt) and spec[len(fmt):] in _GROUPS:
+        if spec.startswith(fmt) and spec[len(fmt):] in _GROUPS and (fmt, spec[len(fmt):]) != ("w4a16", "-g16"):
             return fmt, _GROUPS[spec[len(fmt):]]
-    raise ValueError(f"quantize: unknown spec {spec!r}; valid: 'w8a16', 'w4a16' (optionally with -g32, -g64, -g128), "
-                     f"'native', 'gguf', 'gguf:<path>', or an atb.quantize(model, ...) result")
+    raise ValueError(f"quantize: unknown spec {spec!r}; valid: 'w8a16', 'w4a16' (optionally with -g32, -g64, -g128; "
+                     f"w8a16 also -g16), 'native', 'gguf', 'gguf:<path>', or an atb.quantize(model, ...) result")
 
 
 def split_native(spec: str) -> tuple[str | None, tuple[str, int | None] | None]:
