@@ -48,6 +48,7 @@ import resource
 import shutil
 import struct
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -319,6 +320,9 @@ def _open_dir(src: str) -> Source:
     return Source(kind, src, tensors, copy_files=copy)
 
 
+_GGUF_PATCH_LOCK = threading.Lock()  # one patch of the gguf module at a time (each restores what it replaced)
+
+
 @contextlib.contextmanager
 def _gguf_parsed_once(reader):
     """Inside, ``gguf.GGUFReader(reader's path)`` returns ``reader`` and ``gguf.get_tensor_name_map`` is memoized.
@@ -330,17 +334,18 @@ def _gguf_parsed_once(reader):
     these for the duration; the reader is only read, and a name table is never modified after it is built."""
     import gguf
 
-    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     path = os.path.realpath(reader.data.filename)
 
     def shared_reader(p, *args, **kwargs):
         return reader if os.path.realpath(p) == path and not args and not kwargs else reader_class(p, *args, **kwargs)
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.lru_cache(maxsize=None)(name_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+    with _GGUF_PATCH_LOCK:
+        reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.lru_cache(maxsize=None)(name_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
 
 
 def _open_gguf(path: str) -> Source:
