@@ -138,10 +138,10 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, *, c
     ``atb convert --quantize`` loads through :func:`load_quantized` (its weights as stored).
 
     ``quantize="native"`` (GGUF files only; or ``"native+<format>"``): the file's Q8_0 / Q5_0 / Q4_0 / Q4_1 /
-    Q4_K tensors are read as their own blocks and never dequantized (``atb convert --quantize native``, then
+    Q4_K / Q6_K tensors are read as their own blocks and never dequantized (``atb convert --quantize native``, then
     :func:`load_quantized`): no float copy of them is made, so the model takes about its file's size in memory.
     That conversion is cached like the embedded model's (``cache`` defaults to on here: parsing a GGUF file's
-    metadata and tokenizer with transformers takes most of a first load, ~20 s for SmolLM2, and a cached one
+    metadata and tokenizer with transformers takes most of a first load, ~10 s for SmolLM2, and a cached one
     loads in a few seconds). The model runs through ``TransformerInfer(model)`` or ``patch_hf_model(model)``
     as loaded, like an ``atb convert --quantize`` directory.
     """

@@ -554,7 +554,7 @@ def _native_spec(fmt: str, group_size: int | None) -> tuple[bool, tuple[str, int
     if fmt != "native" and not fmt.startswith("native+"):
         return False, None
     if group_size is not None:
-        raise ConvertError(f"--group-size: with --quantize {fmt} the file's blocks keep their groups of 32; give the "
+        raise ConvertError(f"--group-size: with --quantize {fmt} the file's blocks keep their own groups; give the "
                            f"other tensors' group in the format, e.g. native+w8a16-g32")
     try:
         head, rest = split_native(fmt)
@@ -562,7 +562,7 @@ def _native_spec(fmt: str, group_size: int | None) -> tuple[bool, tuple[str, int
         head = None
     if head != "native":  # a rest that is no format ("native+w8a16+x" parses as a path-like head)
         raise ConvertError(f"--quantize {fmt}: after 'native+' comes the format of the tensors with no native form: "
-                           f"w8a16 or w4a16, optionally -g32, -g64 or -g128")
+                           f"w8a16 or w4a16, optionally -g32, -g64 or -g128 (w8a16 also -g16)")
     return True, rest
 
 

@@ -38,7 +38,7 @@ def split_native(spec: str) -> tuple[str | None, tuple[str, int | None] | None]:
         except ValueError:
             if not head.startswith("gguf:"):
                 raise ValueError(f"quantize: {spec!r}: after '{head}+' comes the format of the tensors the file has no "
-                                 f"native form for: 'w8a16' or 'w4a16', optionally with -g32, -g64, -g128") from None
+                                 f"native form for: 'w8a16' or 'w4a16', optionally with -g32, -g64, -g128 (w8a16 also -g16)") from None
     if spec in ("native", "gguf") or spec.startswith("gguf:"):
         return spec, None
     return None, None

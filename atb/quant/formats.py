@@ -4,8 +4,8 @@ Two formats, ATB's weight-only "anti-quant" linear (W8A16 / W4A16), and the GGUF
 blocks that map onto them (:mod:`atb.quant.gguf`):
 
 * ``w8a16``: int8, symmetric, ``w = scale[g] * q`` with q in [-127, 127]; one scale per
-  output channel (``group_size=0``) or per group of 32/64/128 values along K (GGUF Q8_0 is
-  group 32).
+  output channel (``group_size=0``) or per group of 16/32/64/128 values along K (GGUF Q8_0 is
+  group 32; Q6_K is group 16 with fp32 scales).
 * ``w4a16``: 4-bit, asymmetric, ``w = scale[g] * q + min[g]`` with q in [0, 15], one scale
   and one min per group of G = 32, 64 or 128 values along K (GGUF Q4_1 is G = 32; Q4_0 is
   G = 32 with ``min = -8 * scale``).

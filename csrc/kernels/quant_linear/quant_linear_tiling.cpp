@@ -101,12 +101,12 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
   int64_t elt = AscendC::DataTypeSize(dtype);
   bool bf16 = dtype == AscendC::DataType::BFLOAT16;
   bool lanesTable = QuantSimd().gemv_w4_i16 != nullptr;  // the AVX2 table (see QuantLanesMinRows)
-  // bf16 x on a table with vdpbf16ps: the k-pair-packed dp GEMM (the running CPU's, whatever SoC is modelled),
-  // from kQuantDpMinRowsW4 / W8 rows on (see there).
   // Groups of 16 (W8) double the scale entries per chunk.
   const bool halfChunkGroups = std::any_of(segs, segs + numSegments,
                                            [](const QuantSegment& g) { return g.group == kQuantHalfChunkGroup; });
   const int64_t groupsPerChunk = halfChunkGroups ? 2 : 1;
+  // bf16 x on a table with vdpbf16ps: the k-pair-packed dp GEMM (the running CPU's, whatever SoC is modelled),
+  // from kQuantDpMinRowsW4 / W8 rows on (see there).
   bool dp = bf16 && AscendC::Simd().mmad_dp_bf16_grouped != nullptr;
   int64_t dpMin = kQuantDpMinRowsW4;
   for (int64_t s = 0; s < numSegments; ++s)

@@ -40,7 +40,7 @@ void GemvBlock(float* y, int64_t ldy, const float* x, int64_t ldx, const float* 
   for (int r = 0; r < NR; ++r)
     for (int mb = 0; mb < MB; ++mb) a[r][mb] = V::zero();
   const AscendC::BlockPrefetch<NR> prefetch(q, ldq, kLen * Bits / 8);
-  int64_t ng = (kLen + G - 1) / G;
+  const int64_t ng = (kLen + G - 1) / G;
   if (Bits == 8 && G == kQuantHalfChunkGroup) {
     // Two groups per chunk (GGUF's Q6_K sub-blocks): each register's 8 or 16 values lie in one group, so
     // they are scaled as they are unpacked and summed straight into the row's chains, with no per-group fold.
@@ -68,36 +68,36 @@ void GemvBlock(float* y, int64_t ldy, const float* x, int64_t ldx, const float* 
         for (int v = 1; v < TV; ++v) sum = V::add(sum, t[r][mb][v]);
         a[r][mb] = sum;
       }
-    ng = 0;  // the group loop below has nothing left to do
-  }
-  for (int64_t g = 0; g < ng; ++g) {
-    int64_t k0 = g * G, k1 = std::min(kLen, k0 + G);
-    R t[NR][MB][TV];
-    for (int r = 0; r < NR; ++r)
-      for (int mb = 0; mb < MB; ++mb)
-        for (int v = 0; v < TV; ++v) t[r][mb][v] = V::zero();
-    for (int64_t k = k0; k < k1; k += 32) {
-      if (k * Bits / 8 % 64 == 0) prefetch.At(k * Bits / 8);
-      R xv[MB][V::kVecs];
-      for (int mb = 0; mb < MB; ++mb)
-        for (int v = 0; v < V::kVecs; ++v)
-          xv[mb][v] = V::load(x + mb * ldx + k + (Bits == 4 ? V::kW4Off[v] : V::kW8Off[v]));
-      for (int r = 0; r < NR; ++r) {
-        R w[V::kVecs];
-        if constexpr (Bits == 4)
-          V::UnpackW4(q + r * ldq + k / 2, w);
-        else
-          V::UnpackW8(reinterpret_cast<const int8_t*>(q + r * ldq + k), w);
+  } else {
+    for (int64_t g = 0; g < ng; ++g) {
+      int64_t k0 = g * G, k1 = std::min(kLen, k0 + G);
+      R t[NR][MB][TV];
+      for (int r = 0; r < NR; ++r)
         for (int mb = 0; mb < MB; ++mb)
-          for (int v = 0; v < V::kVecs; ++v) t[r][mb][v % TV] = V::fma(w[v], xv[mb][v], t[r][mb][v % TV]);
+          for (int v = 0; v < TV; ++v) t[r][mb][v] = V::zero();
+      for (int64_t k = k0; k < k1; k += 32) {
+        if (k * Bits / 8 % 64 == 0) prefetch.At(k * Bits / 8);
+        R xv[MB][V::kVecs];
+        for (int mb = 0; mb < MB; ++mb)
+          for (int v = 0; v < V::kVecs; ++v)
+            xv[mb][v] = V::load(x + mb * ldx + k + (Bits == 4 ? V::kW4Off[v] : V::kW8Off[v]));
+        for (int r = 0; r < NR; ++r) {
+          R w[V::kVecs];
+          if constexpr (Bits == 4)
+            V::UnpackW4(q + r * ldq + k / 2, w);
+          else
+            V::UnpackW8(reinterpret_cast<const int8_t*>(q + r * ldq + k), w);
+          for (int mb = 0; mb < MB; ++mb)
+            for (int v = 0; v < V::kVecs; ++v) t[r][mb][v % TV] = V::fma(w[v], xv[mb][v], t[r][mb][v % TV]);
+        }
       }
-    }
-    for (int r = 0; r < NR; ++r) {
-      R s = V::set1(scale[r * lds + g]);
-      for (int mb = 0; mb < MB; ++mb) {
-        R sum = t[r][mb][0];
-        for (int v = 1; v < TV; ++v) sum = V::add(sum, t[r][mb][v]);
-        a[r][mb] = V::fma(sum, s, a[r][mb]);
+      for (int r = 0; r < NR; ++r) {
+        R s = V::set1(scale[r * lds + g]);
+        for (int mb = 0; mb < MB; ++mb) {
+          R sum = t[r][mb][0];
+          for (int v = 1; v < TV; ++v) sum = V::add(sum, t[r][mb][v]);
+          a[r][mb] = V::fma(sum, s, a[r][mb]);
+        }
       }
     }
   }
