@@ -104,8 +104,9 @@ def test_smollm2_bf16_close_to_hf(smollm2_bf16):
     seqs, logits = _run(g, [prompt], 8, 64 // BLOCK)
     hf = _hf_teacher_forced(model, seqs[0])
     # bf16 rounds every activation (2^-8 relative): logits of magnitude ~20 differ by a few tenths
-    # between two summation orders; the greedy choice on this prompt is far from a tie.
-    torch.testing.assert_close(logits[0][0], hf[len(prompt) - 1], atol=0.6, rtol=0)
+    # between two summation orders (up to 0.625, 5 bf16 ulps there, where HF's GEMMs run on AMX); the greedy
+    # choice on this prompt is far from a tie.
+    torch.testing.assert_close(logits[0][0], hf[len(prompt) - 1], atol=1.0, rtol=0)
     assert seqs[0][len(prompt)] == int(hf[len(prompt) - 1].argmax())
 
 

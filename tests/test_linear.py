@@ -216,7 +216,7 @@ def test_gemm_bf16_every_isa(isa, m, k, n):
     # bf16 from 6 rows on: the vdpbf16ps micro-kernel where the table has it (AVX512-BF16, and the SIMDe
     # table), odd M, N and K (tails of the 8-row, 3-column and 32-deep blocks; 9 to 16 rows walk the weight
     # panels first, with 1 or 2 columns left over), every fused epilogue.
-    dp = (isa == "avx512" and "avx512bf16" in _C.cpu_features()) or isa == "avx512-simde"
+    dp = _has_dp(isa)
     x = torch.randn(m, k).bfloat16()
     ws = [torch.randn(n, k).bfloat16() for _ in range(3)]
     b = torch.randn(n).bfloat16()
@@ -234,7 +234,9 @@ def test_gemm_bf16_every_isa(isa, m, k, n):
 
 
 def _has_dp(isa: str) -> bool:
-    return (isa == "avx512" and "avx512bf16" in _C.cpu_features()) or isa == "avx512-simde"
+    """Whether the table has the vdpbf16ps / AMX bf16 micro-kernels (AVX512-BF16 natively, SIMDe's always)."""
+    return (isa == "avx512" and "avx512bf16" in _C.cpu_features()) or isa in ("avx512-amx", "avx512-simde",
+                                                                               "avx512-amx-simde")
 
 
 @pytest.mark.parametrize("m,k,n", [(128, 577, 70), (129, 1, 17), (200, 33, 1), (130, 64, 64), (300, 3001, 33),

@@ -52,7 +52,7 @@ def test_threads_roundtrip():
 
 def test_build_info_reports_isa():
     info = atb.build_info()
-    assert info["isa"] in ("avx512", "avx2", "portable")
+    assert info["isa"] in ("avx512-amx", "avx512", "avx2", "portable")
     assert info["isa"] == info["available_isas"][0] and "portable" in info["available_isas"]
     assert "num_threads" in info and "cpu_features" in info
 

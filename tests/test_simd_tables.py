@@ -138,6 +138,8 @@ def test_isa_selection_and_errors():
     features = atb.build_info()["cpu_features"].split()
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= set(features):
         assert "avx512" in isas  # (unless the OS does not save zmm state; this machine does)
+    if "amx-bf16" in features:  # (unless the kernel refuses the tile state; this one grants it)
+        assert isas[0] == "avx512-amx"
     for name in isas:
         atb.set_isa(name)
         assert atb.build_info()["isa"] == name

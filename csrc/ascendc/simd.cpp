@@ -8,6 +8,8 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace AscendC {
@@ -55,6 +57,23 @@ bool CpuHasAvx512Bf16() {
 #endif
 }
 
+// AMX-BF16 is usable when CPUID reports it, the OS enables the tile state in XCR0 (bits 17-18) and, as Linux
+// requires before a process's first tile instruction, arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+// grants it (once per process; torch's oneDNN asks the same).
+bool CpuHasAmxBf16() {
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__linux__)
+  static const bool usable = [] {
+    if (!CpuHasAvx512Bf16() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
+    if (((Xcr0() >> 17) & 3) != 3) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+#else
+  return false;
+#endif
+}
+
 std::string DetectFeatures() {
   std::string s;
 #if defined(__x86_64__) || defined(_M_X64)
@@ -86,7 +105,9 @@ const SimdOps* Lookup(const std::string& isa) {
   if (isa == "portable") return PortableSimdOps();
   if (isa == "avx2") return CpuHasAvx2Fma() ? Avx2SimdOps() : nullptr;
   if (isa == "avx512") return !CpuHasAvx512() ? nullptr : CpuHasAvx512Bf16() ? Avx512Bf16SimdOps() : Avx512SimdOps();
+  if (isa == "avx512-amx") return CpuHasAmxBf16() ? Avx512AmxSimdOps() : nullptr;
   if (isa == "avx512-simde") return Avx512SimdeSimdOps();
+  if (isa == "avx512-amx-simde") return Avx512AmxSimdeSimdOps();
   return nullptr;
 }
 
@@ -96,7 +117,7 @@ const SimdOps* Lookup(const std::string& isa) {
 // exact logit tie, never more: a SmolLM2 bf16 greedy split blamed on this table was a tie between two
 // tokens below a masked EOS.
 const SimdOps* Fastest() {
-  for (const char* isa : {"avx512", "avx2"})
+  for (const char* isa : {"avx512-amx", "avx512", "avx2"})
     if (const SimdOps* t = Lookup(isa)) return t;
   return PortableSimdOps();
 }
@@ -125,11 +146,14 @@ void SelectSimd(const char* isa) {
     gActive = Fastest();
     return;
   }
-  ATB_CHECK(want == "portable" || want == "avx2" || want == "avx512" || want == "avx512-simde", "set_isa: unknown ISA '",
-            want, "'; valid: auto, ", AvailableIsas());
+  ATB_CHECK(want == "portable" || want == "avx2" || want == "avx512" || want == "avx512-amx" || want == "avx512-simde" ||
+                want == "avx512-amx-simde",
+            "set_isa: unknown ISA '", want, "'; valid: auto, ", AvailableIsas());
   const SimdOps* t = Lookup(want);
   ATB_CHECK(t, "set_isa: '", want, "' cannot run here (CPU features: ", CpuFeatures(), "; available: ", AvailableIsas(),
-            want == "avx512-simde" ? "; the build found no SIMDe headers: pip install simde-py, then rebuild" : "",
+            want.find("simde") != std::string::npos
+                ? "; the build found no SIMDe headers: pip install simde-py, then rebuild"
+                : "",
             ")");
   gActive = t;
 }
@@ -137,7 +161,8 @@ void SelectSimd(const char* isa) {
 const char* AvailableIsas() {
   static const std::string names = [] {
     std::string s;
-    for (const char* isa : {"avx512", "avx2", "portable", "avx512-simde"})  // "auto"'s pick first
+    // "auto"'s pick first
+    for (const char* isa : {"avx512-amx", "avx512", "avx2", "portable", "avx512-simde", "avx512-amx-simde"})
       if (Lookup(isa)) s += (s.empty() ? "" : " ") + std::string(isa);
     return s;
   }();

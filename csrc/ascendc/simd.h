@@ -191,8 +191,14 @@ const SimdOps* Avx512SimdOps();
 // The AVX-512 table plus the AVX512-BF16 entries (mmad_nt_dp_bf16): what "avx512" runs where CPUID reports
 // avx512bf16.
 const SimdOps* Avx512Bf16SimdOps();
+// Avx512Bf16SimdOps with mmad_dp_bf16_packed on AMX tiles (simd_amx.h): "avx512-amx", what "auto" picks
+// where CPUID reports AMX-BF16 and the kernel grants the tile state.
+const SimdOps* Avx512AmxSimdOps();
 const SimdOps* Avx512SimdeSimdOps();
-// Forces a table by name ("auto", "avx512", "avx2", "portable", "avx512-simde");
+// The SIMDe table with the AMX GEMM over an emulation of the tiles (test-only "avx512-amx-simde").
+const SimdOps* Avx512AmxSimdeSimdOps();
+// Forces a table by name ("auto", "avx512-amx", "avx512", "avx2", "portable", "avx512-simde",
+// "avx512-amx-simde");
 // throws if this CPU (or build) cannot run it.
 void SelectSimd(const char* isa);
 // Names of the tables this CPU and build can run, fastest native first.

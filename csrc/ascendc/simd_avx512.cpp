@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "dtype.h"
 #include "simd.h"
@@ -41,6 +42,7 @@
 #endif
 #define ATB_AVX512_TABLE kAvx512Simde
 #define ATB_AVX512_NAME "avx512-simde"
+#define ATB_AVX512_AMX_NAME "avx512-amx-simde"
 #define ATB_AVX512_BUILT 1
 #elif defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -53,6 +55,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #define ATB_AVX512_TABLE kAvx512
 #define ATB_AVX512_NAME "avx512"
+#define ATB_AVX512_AMX_NAME "avx512-amx"
 #define ATB_AVX512_BUILT 1
 #define ATB_AVX512_NATIVE 1
 #endif
@@ -1213,6 +1216,7 @@ void MmadDpBf16Grouped(float* C, int64_t ldc, const uint16_t* A, int64_t lda, co
 #pragma GCC pop_options
 #endif
 
+#include "simd_amx.h"  // MmadAmxBf16Packed
 #include "simd_read_sum.h"  // ReadSumRuns
 
 struct Line512 {
@@ -1265,13 +1269,26 @@ const SimdOps* WithBf16() {
   return &table;
 }
 
+// The AVX512-BF16 table with the bf16 prefill GEMM on AMX tiles (SIMDe build: on the tiles' emulation).
+const SimdOps* WithAmx() {
+  static const SimdOps table = [] {
+    SimdOps t = *WithBf16();
+    t.isa = ATB_AVX512_AMX_NAME;
+    t.mmad_dp_bf16_packed = MmadAmxBf16Packed;
+    return t;
+  }();
+  return &table;
+}
+
 }  // namespace
 
 #if defined(ATB_AVX512_NATIVE)
 const SimdOps* Avx512SimdOps() { return &ATB_AVX512_TABLE; }
 const SimdOps* Avx512Bf16SimdOps() { return WithBf16(); }
+const SimdOps* Avx512AmxSimdOps() { return WithAmx(); }
 #else
 const SimdOps* Avx512SimdeSimdOps() { return WithBf16(); }
+const SimdOps* Avx512AmxSimdeSimdOps() { return WithAmx(); }
 #endif
 
 }  // namespace AscendC
@@ -1286,5 +1303,6 @@ const SimdOps* Avx512SimdeSimdOps() { return WithBf16(); }
 namespace AscendC {
 const SimdOps* Avx512SimdOps() { return nullptr; }
 const SimdOps* Avx512Bf16SimdOps() { return nullptr; }
+const SimdOps* Avx512AmxSimdOps() { return nullptr; }
 }  // namespace AscendC
 #endif

@@ -1,0 +1,252 @@
+// AMX-BF16 form of mmad_dp_bf16_packed (the bf16 prefill GEMM over k-pair-packed weights), included by
+// simd_avx512.cpp inside its anonymous namespace, so it is built twice as that file is:
+// * natively (target amx-tile, amx-bf16) for the table "avx512-amx", which simd.cpp offers where CPUID
+//   reports AMX-BF16 and the kernel grants this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM);
+// * in the SIMDe build, over a plain C++ emulation of the six tile instructions used here, for the
+//   test-only table "avx512-amx-simde": a CPU without AMX runs this code's blocking, tails and layout.
+//
+// Why: on Sapphire Rapids one core's tdpbf16ps does 1024 bf16 multiply-adds per cycle, about 8x what its
+// two vdpbf16ps ports do (2.65 TFLOP/s against ~0.3 measured on one core here, operands in L1), and the
+// k-pair panels pack_bf16_pairs lays out are exactly AMX's B operand: 16 k pairs of a 16-row panel are a
+// 16 x 64-byte tile, one 1 KiB run. A is x's rows as they lie (16 rows, 32 k each, lda apart).
+//
+// Numerics: each element of C is its 32-k chunks in order, each chunk one tdpbf16ps (the hardware's sum of
+// 16 exact pair products, bf16 denormal inputs and fp32 denormal results flushed) into the fp32
+// accumulator; rows past M, columns past N and k past K are zeros in padded copies, never read from the
+// caller's memory. A row's bits therefore depend neither on M, N nor on the blocking, and a K split at a
+// multiple of 32 changes nothing (C goes through memory in fp32). They differ in the last bits from the
+// vdpbf16ps table's, whose chain adds one pair at a time (measured: most elements differ by an ulp or so).
+#if defined(ATB_AVX512_NATIVE)
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16")
+#endif
+
+// Tiles: 0-3 the 2 x 2 accumulators C[i][j] (16 x 16 fp32 each), 4-5 A's two row tiles, 6-7 B's two panels.
+// Every tile is configured 16 rows of 64 bytes; tails are padded copies, so the configuration never changes.
+constexpr int64_t kAmxRows = 16;   // rows of a tile (A rows, k pairs of B, rows of C)
+constexpr int64_t kAmxChunk = 32;  // k per tdpbf16ps: 16 pairs
+
+struct alignas(64) AmxTileConfig {
+  uint8_t palette = 1, startRow = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  AmxTileConfig() {
+    for (int t = 0; t < 8; ++t) {
+      colsb[t] = 64;
+      rows[t] = kAmxRows;
+    }
+  }
+};
+
+#if defined(ATB_AVX512_NATIVE)
+// The tile configuration is per thread and anything else on the thread (oneDNN's AMX kernels share the
+// OpenMP pool) may change it, so every call loads its own and releases the tiles after.
+inline void AmxConfigure() {
+  static const AmxTileConfig config;
+  _tile_loadconfig(&config);
+}
+inline void AmxRelease() { _tile_release(); }
+// GCC's tile intrinsics paste their tile numbers into the asm text, so each tile's op is spelled out.
+template <int T>
+void AmxZero();
+template <int T>
+void AmxLoad(const void* p, int64_t strideBytes);
+template <int T>
+void AmxStore(void* p, int64_t strideBytes);
+template <int C, int A, int B>
+void AmxDp();
+#define ATB_AMX_TILE(T)                                                                                   \
+  template <>                                                                                             \
+  inline void AmxZero<T>() {                                                                              \
+    _tile_zero(T);                                                                                        \
+  }                                                                                                       \
+  template <>                                                                                             \
+  inline void AmxLoad<T>(const void* p, int64_t strideBytes) {                                            \
+    _tile_loadd(T, p, strideBytes);                                                                       \
+  }                                                                                                       \
+  template <>                                                                                             \
+  inline void AmxStore<T>(void* p, int64_t strideBytes) {                                                 \
+    _tile_stored(T, p, strideBytes);                                                                      \
+  }
+ATB_AMX_TILE(0)
+ATB_AMX_TILE(1)
+ATB_AMX_TILE(2)
+ATB_AMX_TILE(3)
+ATB_AMX_TILE(4)
+ATB_AMX_TILE(5)
+ATB_AMX_TILE(6)
+ATB_AMX_TILE(7)
+#undef ATB_AMX_TILE
+#define ATB_AMX_DP(C, A, B)        \
+  template <>                      \
+  inline void AmxDp<C, A, B>() {   \
+    _tile_dpbf16ps(C, A, B);       \
+  }
+ATB_AMX_DP(0, 4, 6)
+ATB_AMX_DP(1, 4, 7)
+ATB_AMX_DP(2, 5, 6)
+ATB_AMX_DP(3, 5, 7)
+#undef ATB_AMX_DP
+#else
+// The emulation: eight thread-local 1 KiB tiles. Its dot product adds each pair's two products in k order
+// in fp32 (no flushes), so its last bits are its own; the tests hold every table to float64.
+struct AmxTile {
+  alignas(64) uint8_t bytes[kAmxRows][64];
+};
+inline AmxTile* AmxTiles() {
+  thread_local AmxTile tiles[8];
+  return tiles;
+}
+inline void AmxConfigure() {}
+inline void AmxRelease() {}
+template <int T>
+inline void AmxZero() {
+  std::memset(AmxTiles()[T].bytes, 0, sizeof(AmxTile));
+}
+template <int T>
+inline void AmxLoad(const void* p, int64_t strideBytes) {
+  for (int64_t r = 0; r < kAmxRows; ++r)
+    std::memcpy(AmxTiles()[T].bytes[r], static_cast<const uint8_t*>(p) + r * strideBytes, 64);
+}
+template <int T>
+inline void AmxStore(void* p, int64_t strideBytes) {
+  for (int64_t r = 0; r < kAmxRows; ++r)
+    std::memcpy(static_cast<uint8_t*>(p) + r * strideBytes, AmxTiles()[T].bytes[r], 64);
+}
+inline float AmxBf16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+template <int C, int A, int B>
+inline void AmxDp() {
+  AmxTile &c = AmxTiles()[C], &a = AmxTiles()[A], &b = AmxTiles()[B];
+  for (int m = 0; m < kAmxRows; ++m)
+    for (int n = 0; n < 16; ++n) {
+      float s;
+      std::memcpy(&s, c.bytes[m] + 4 * n, 4);
+      for (int j = 0; j < 16; ++j) {
+        s += AmxBf16(a.bytes[m] + 4 * j) * AmxBf16(b.bytes[j] + 4 * n);
+        s += AmxBf16(a.bytes[m] + 4 * j + 2) * AmxBf16(b.bytes[j] + 4 * n + 2);
+      }
+      std::memcpy(c.bytes[m] + 4 * n, &s, 4);
+    }
+}
+#endif
+
+// One row tile of A: its full chunks at a (strideBytes apart), its K-tail chunk (16 x 32, zero-padded) at tail.
+struct AmxRowTile {
+  const uint16_t* a;
+  int64_t strideBytes;
+  const uint16_t* tail;
+};
+
+// One block of MT row tiles by NT panels (C: rows x cols of it valid, ldc apart) over `chunks` full chunks
+// and, if `hasTail`, the K tail. Panels: p0 at b, p1 at b + panelStride (their tails at bTail, bTail + 512).
+// A partial block goes through a 32 x 32 copy of its C, so no tile touches C past rows or cols.
+template <int MT, int NT>
+void AmxBlock(float* C, int64_t ldc, int64_t rows, int64_t cols, const AmxRowTile (&a)[2], const uint16_t* b,
+              int64_t panelStride, const uint16_t* bTail, int64_t chunks, bool hasTail, bool acc) {
+  alignas(64) float part[32 * 32];
+  const bool whole = rows == MT * kAmxRows && cols == NT * kAmxRows;
+  float* c = whole ? C : part;
+  const int64_t ld = whole ? ldc : 32;
+  if (!whole && acc) {
+    std::memset(part, 0, sizeof(part));
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(part + r * 32, C + r * ldc, cols * sizeof(float));
+  }
+  if (acc) {
+    AmxLoad<0>(c, ld * 4);
+    if constexpr (NT == 2) AmxLoad<1>(c + 16, ld * 4);
+    if constexpr (MT == 2) AmxLoad<2>(c + 16 * ld, ld * 4);
+    if constexpr (MT == 2 && NT == 2) AmxLoad<3>(c + 16 * ld + 16, ld * 4);
+  } else {
+    AmxZero<0>();
+    if constexpr (NT == 2) AmxZero<1>();
+    if constexpr (MT == 2) AmxZero<2>();
+    if constexpr (MT == 2 && NT == 2) AmxZero<3>();
+  }
+  auto step = [&](const uint16_t* a0, int64_t s0, const uint16_t* a1, int64_t s1, const uint16_t* b0,
+                  const uint16_t* b1) {
+    AmxLoad<4>(a0, s0);
+    if constexpr (MT == 2) AmxLoad<5>(a1, s1);
+    AmxLoad<6>(b0, 64);
+    if constexpr (NT == 2) AmxLoad<7>(b1, 64);
+    AmxDp<0, 4, 6>();
+    if constexpr (NT == 2) AmxDp<1, 4, 7>();
+    if constexpr (MT == 2) AmxDp<2, 5, 6>();
+    if constexpr (MT == 2 && NT == 2) AmxDp<3, 5, 7>();
+  };
+  for (int64_t ch = 0; ch < chunks; ++ch)
+    step(a[0].a + ch * kAmxChunk, a[0].strideBytes, a[1].a + ch * kAmxChunk, a[1].strideBytes,
+         b + ch * kAmxRows * 32, b + panelStride + ch * kAmxRows * 32);
+  if (hasTail) step(a[0].tail, 64, a[1].tail, 64, bTail, bTail + kAmxRows * 32);
+  AmxStore<0>(c, ld * 4);
+  if constexpr (NT == 2) AmxStore<1>(c + 16, ld * 4);
+  if constexpr (MT == 2) AmxStore<2>(c + 16 * ld, ld * 4);
+  if constexpr (MT == 2 && NT == 2) AmxStore<3>(c + 16 * ld + 16, ld * 4);
+  if (!whole)
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(C + r * ldc, part + r * 32, cols * sizeof(float));
+}
+
+// mmad_dp_bf16_packed on AMX (contract: simd.h; numerics: above). Blocks of 2 row tiles x 2 panels (32 x 32
+// of C: 4 tile loads per 4 tdpbf16ps), all of K per block; per pair of panels (2 x 16 rows x K of B, from
+// the caller's packed tile in L2) every pair of row tiles.
+void MmadAmxBf16Packed(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t M,
+                       int64_t N, int64_t K, bool acc) {
+  const int64_t pairs = (K + 1) / 2, panelStride = 32 * pairs;
+  const int64_t chunks = K / kAmxChunk, tailK = K % kAmxChunk;
+  const int64_t rowTiles = (M + kAmxRows - 1) / kAmxRows, panels = (N + kAmxRows - 1) / kAmxRows;
+  const int64_t lastRows = M - (rowTiles - 1) * kAmxRows;
+  // Zero-padded copies (per thread; tile-sized pieces of 16 x 32 bf16 = 512 words): each row tile's K tail,
+  // each panel's K tail (its pairs past the last full chunk; the next panel's pairs follow them in Bp), and
+  // the last row tile's full chunks when it has fewer than 16 rows.
+  thread_local std::vector<uint16_t> scratch;
+  const int64_t tileWords = kAmxRows * kAmxChunk, padWords = lastRows < kAmxRows ? kAmxRows * chunks * kAmxChunk : 0;
+  const int64_t aTailWords = tailK ? rowTiles * tileWords : 0, bTailWords = tailK ? panels * tileWords : 0;
+  scratch.assign(size_t(aTailWords + bTailWords + padWords), 0);
+  uint16_t* aTail = scratch.data();
+  uint16_t* bTail = aTail + aTailWords;
+  uint16_t* aPad = bTail + bTailWords;
+  if (tailK) {
+    for (int64_t m = 0; m < M; ++m)
+      std::memcpy(aTail + m * kAmxChunk, A + m * lda + chunks * kAmxChunk, size_t(tailK) * 2);
+    const int64_t tailPairs = pairs - chunks * kAmxRows;
+    for (int64_t p = 0; p < panels; ++p)
+      std::memcpy(bTail + p * tileWords, Bp + p * panelStride + chunks * kAmxRows * 32, size_t(tailPairs) * 64);
+  }
+  for (int64_t r = 0; padWords && r < lastRows; ++r)
+    std::memcpy(aPad + r * chunks * kAmxChunk, A + ((rowTiles - 1) * kAmxRows + r) * lda,
+                size_t(chunks * kAmxChunk) * 2);
+  auto rowTile = [&](int64_t t) {
+    if (t >= rowTiles) return AmxRowTile{A, lda * 2, aTail};  // no such tile: a block of one row tile
+    const uint16_t* tail = aTail + t * tileWords;
+    if (t == rowTiles - 1 && padWords) return AmxRowTile{aPad, chunks * kAmxChunk * 2, tail};
+    return AmxRowTile{A + t * kAmxRows * lda, lda * 2, tail};
+  };
+  AmxConfigure();
+  for (int64_t p = 0; p < panels; p += 2) {
+    const int64_t n0 = p * kAmxRows, cols = std::min<int64_t>(2 * kAmxRows, N - n0);
+    const uint16_t* b = Bp + p * panelStride;
+    const uint16_t* bt = bTail + p * tileWords;
+    for (int64_t t = 0; t < rowTiles; t += 2) {
+      const int64_t m0 = t * kAmxRows, rows = std::min<int64_t>(2 * kAmxRows, M - m0);
+      const AmxRowTile a[2] = {rowTile(t), rowTile(t + 1)};
+      float* c = C + m0 * ldc + n0;
+      const bool twoRows = rows > kAmxRows, twoCols = cols > kAmxRows;
+      if (twoRows && twoCols) AmxBlock<2, 2>(c, ldc, rows, cols, a, b, panelStride, bt, chunks, tailK, acc);
+      else if (twoRows) AmxBlock<2, 1>(c, ldc, rows, cols, a, b, panelStride, bt, chunks, tailK, acc);
+      else if (twoCols) AmxBlock<1, 2>(c, ldc, rows, cols, a, b, panelStride, bt, chunks, tailK, acc);
+      else AmxBlock<1, 1>(c, ldc, rows, cols, a, b, panelStride, bt, chunks, tailK, acc);
+    }
+  }
+  AmxRelease();
+}
+
+#if defined(ATB_AVX512_NATIVE)
+#pragma GCC pop_options
+#endif
