@@ -25,16 +25,17 @@ def set_num_threads(n: int) -> None:
 
 
 def set_isa(isa: str) -> None:
-    """Forces a SIMD path: ``"auto"`` (the fastest this CPU runs, from CPUID), ``"avx512"``, ``"avx2"``,
-    ``"portable"``, or the test-only ``"avx512-simde"`` (the AVX-512 code built against SIMDe, which runs on
-    any CPU); ValueError when this CPU or build cannot run it (``available_isas()`` lists those that can)."""
+    """Forces a SIMD path: ``"auto"`` (the fastest this CPU runs, from CPUID), ``"avx512-amx"`` (AVX512-BF16
+    with the bf16 prefill GEMM on AMX tiles), ``"avx512"``, ``"avx2"``, ``"portable"``, or the test-only
+    ``"avx512-simde"`` (the AVX-512 code built against SIMDe, which runs on any CPU) and ``"avx512-amx-simde"``
+    (that, with the AMX GEMM over an emulation of the tiles); ValueError when this CPU or build cannot run it (``available_isas()`` lists those that can)."""
     if not isinstance(isa, str):
         raise TypeError(f"set_isa: isa must be a str, got {type(isa).__name__}")
     _C.set_isa(isa)
 
 
 def available_isas() -> list[str]:
-    """The SIMD tables this CPU and build can run, fastest native first (``"avx512-simde"`` last, if built)."""
+    """The SIMD tables this CPU and build can run, fastest native first (the SIMDe tables last, if built)."""
     return _C.available_isas().split()
 
 
