@@ -454,9 +454,10 @@ def test_gguf_load_native_matches_hf_weights(smollm2_fp32):
 
 
 def _dp_tables() -> list[str]:
-    """The float SIMD tables with the vdpbf16ps GEMM: the native AVX-512 one on an AVX512-BF16 CPU, the SIMDe one."""
+    """The float SIMD tables with the bf16 dot-product GEMM: the native AVX-512 one on an AVX512-BF16 CPU (vdpbf16ps)
+    and its AMX form where the CPU has AMX-BF16; the SIMDe ones (the AMX form over the tiles' emulation)."""
     native = ["avx512"] if "avx512bf16" in _C.cpu_features() else []
-    return native + [t for t in ("avx512-simde",) if t in atb.available_isas()]
+    return native + [t for t in ("avx512-amx", "avx512-simde", "avx512-amx-simde") if t in atb.available_isas()]
 
 
 @pytest.mark.parametrize("table", _dp_tables())

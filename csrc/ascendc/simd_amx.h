@@ -1,4 +1,5 @@
-// AMX-BF16 form of mmad_dp_bf16_packed (the bf16 prefill GEMM over k-pair-packed weights), included by
+// AMX-BF16 forms of mmad_dp_bf16_packed (the bf16 prefill GEMM over k-pair-packed weights) and
+// mmad_dp_bf16_grouped (the same over quantized weights' integer values, per-group scales), included by
 // simd_avx512.cpp inside its anonymous namespace, so it is built twice as that file is:
 // * natively (target amx-tile, amx-bf16) for the table "avx512-amx", which simd.cpp offers where CPUID
 //   reports AMX-BF16 and the kernel grants this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM);
@@ -145,33 +146,46 @@ struct AmxRowTile {
   const uint16_t* tail;
 };
 
-// One block of MT row tiles by NT panels (C: rows x cols of it valid, ldc apart) over `chunks` full chunks
-// and, if `hasTail`, the K tail. Panels: p0 at b, p1 at b + panelStride (their tails at bTail, bTail + 512).
-// A partial block goes through a 32 x 32 copy of its C, so no tile touches C past rows or cols.
+// The MT x NT accumulator tiles (0, 1 | 2, 3) from zero, from C (ld floats apart) or into it.
 template <int MT, int NT>
-void AmxBlock(float* C, int64_t ldc, int64_t rows, int64_t cols, const AmxRowTile (&a)[2], const uint16_t* b,
-              int64_t panelStride, const uint16_t* bTail, int64_t chunks, bool hasTail, bool acc) {
-  alignas(64) float part[32 * 32];
-  const bool whole = rows == MT * kAmxRows && cols == NT * kAmxRows;
-  float* c = whole ? C : part;
-  const int64_t ld = whole ? ldc : 32;
-  if (!whole && acc) {
-    std::memset(part, 0, sizeof(part));
-    for (int64_t r = 0; r < rows; ++r) std::memcpy(part + r * 32, C + r * ldc, cols * sizeof(float));
-  }
-  if (acc) {
-    AmxLoad<0>(c, ld * 4);
-    if constexpr (NT == 2) AmxLoad<1>(c + 16, ld * 4);
-    if constexpr (MT == 2) AmxLoad<2>(c + 16 * ld, ld * 4);
-    if constexpr (MT == 2 && NT == 2) AmxLoad<3>(c + 16 * ld + 16, ld * 4);
-  } else {
-    AmxZero<0>();
-    if constexpr (NT == 2) AmxZero<1>();
-    if constexpr (MT == 2) AmxZero<2>();
-    if constexpr (MT == 2 && NT == 2) AmxZero<3>();
-  }
-  auto step = [&](const uint16_t* a0, int64_t s0, const uint16_t* a1, int64_t s1, const uint16_t* b0,
-                  const uint16_t* b1) {
+inline void AmxZeroC() {
+  AmxZero<0>();
+  if constexpr (NT == 2) AmxZero<1>();
+  if constexpr (MT == 2) AmxZero<2>();
+  if constexpr (MT == 2 && NT == 2) AmxZero<3>();
+}
+template <int MT, int NT>
+inline void AmxLoadC(const float* c, int64_t ld) {
+  AmxLoad<0>(c, ld * 4);
+  if constexpr (NT == 2) AmxLoad<1>(c + 16, ld * 4);
+  if constexpr (MT == 2) AmxLoad<2>(c + 16 * ld, ld * 4);
+  if constexpr (MT == 2 && NT == 2) AmxLoad<3>(c + 16 * ld + 16, ld * 4);
+}
+template <int MT, int NT>
+inline void AmxStoreC(float* c, int64_t ld) {
+  AmxStore<0>(c, ld * 4);
+  if constexpr (NT == 2) AmxStore<1>(c + 16, ld * 4);
+  if constexpr (MT == 2) AmxStore<2>(c + 16 * ld, ld * 4);
+  if constexpr (MT == 2 && NT == 2) AmxStore<3>(c + 16 * ld + 16, ld * 4);
+}
+
+// A block's operands: MT row tiles of A, NT panels (p0 at b, p1 at b + panelStride; their K tails at bTail,
+// bTail + 512), over `chunks` full 32-k chunks and, if hasTail, the K tail.
+struct AmxBlockOperands {
+  AmxRowTile a[2];
+  const uint16_t* b;
+  int64_t panelStride;
+  const uint16_t* bTail;
+  int64_t chunks;
+  bool hasTail;
+};
+
+// The accumulators += chunks [c0, c1) of the block, then the K tail if `tail`: per chunk 4 tile loads, 4
+// tdpbf16ps.
+template <int MT, int NT>
+inline void AmxChunks(const AmxBlockOperands& o, int64_t c0, int64_t c1, bool tail) {
+  auto step = [](const uint16_t* a0, int64_t s0, const uint16_t* a1, int64_t s1, const uint16_t* b0,
+                 const uint16_t* b1) {
     AmxLoad<4>(a0, s0);
     if constexpr (MT == 2) AmxLoad<5>(a1, s1);
     AmxLoad<6>(b0, 64);
@@ -181,23 +195,78 @@ void AmxBlock(float* C, int64_t ldc, int64_t rows, int64_t cols, const AmxRowTil
     if constexpr (MT == 2) AmxDp<2, 5, 6>();
     if constexpr (MT == 2 && NT == 2) AmxDp<3, 5, 7>();
   };
-  for (int64_t ch = 0; ch < chunks; ++ch)
-    step(a[0].a + ch * kAmxChunk, a[0].strideBytes, a[1].a + ch * kAmxChunk, a[1].strideBytes,
-         b + ch * kAmxRows * 32, b + panelStride + ch * kAmxRows * 32);
-  if (hasTail) step(a[0].tail, 64, a[1].tail, 64, bTail, bTail + kAmxRows * 32);
-  AmxStore<0>(c, ld * 4);
-  if constexpr (NT == 2) AmxStore<1>(c + 16, ld * 4);
-  if constexpr (MT == 2) AmxStore<2>(c + 16 * ld, ld * 4);
-  if constexpr (MT == 2 && NT == 2) AmxStore<3>(c + 16 * ld + 16, ld * 4);
+  for (int64_t ch = c0; ch < c1; ++ch)
+    step(o.a[0].a + ch * kAmxChunk, o.a[0].strideBytes, o.a[1].a + ch * kAmxChunk, o.a[1].strideBytes,
+         o.b + ch * kAmxRows * 32, o.b + o.panelStride + ch * kAmxRows * 32);
+  if (tail) step(o.a[0].tail, 64, o.a[1].tail, 64, o.bTail, o.bTail + kAmxRows * 32);
+}
+
+// The plain block: C (rows x cols of it valid, ldc apart) (+)= A . B over all of K. A partial block goes
+// through a 32 x 32 copy of its C, so no tile touches C past rows or cols.
+template <int MT, int NT>
+void AmxBlock(float* C, int64_t ldc, int64_t rows, int64_t cols, const AmxBlockOperands& o, bool acc) {
+  alignas(64) float part[32 * 32];
+  const bool whole = rows == MT * kAmxRows && cols == NT * kAmxRows;
+  float* c = whole ? C : part;
+  const int64_t ld = whole ? ldc : 32;
+  if (!whole && acc) {
+    std::memset(part, 0, sizeof(part));
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(part + r * 32, C + r * ldc, cols * sizeof(float));
+  }
+  if (acc) AmxLoadC<MT, NT>(c, ld);
+  else AmxZeroC<MT, NT>();
+  AmxChunks<MT, NT>(o, 0, o.chunks, o.hasTail);
+  AmxStoreC<MT, NT>(c, ld);
   if (!whole)
     for (int64_t r = 0; r < rows; ++r) std::memcpy(C + r * ldc, part + r * 32, cols * sizeof(float));
 }
 
-// mmad_dp_bf16_packed on AMX (contract: simd.h; numerics: above). Blocks of 2 row tiles x 2 panels (32 x 32
-// of C: 4 tile loads per 4 tdpbf16ps), all of K per block; per pair of panels (2 x 16 rows x K of B, from
-// the caller's packed tile in L2) every pair of row tiles.
-void MmadAmxBf16Packed(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t M,
-                       int64_t N, int64_t K, bool acc) {
+// The grouped form's per-block view (mmad_dp_bf16_grouped's contract, simd.h): groups of G = 32 * groupChunks
+// k; scale / min of the block's first panel ([groups][16] per panel, ldsp apart), xsum of its first row.
+struct AmxGroups {
+  int64_t groupChunks;
+  const float* scale;
+  const float* min;
+  int64_t ldsp;
+  const float* xsum;
+  int64_t ldx;
+};
+
+// The grouped block: per group the tiles from zero over the group's chunks, stored, then each element's fma
+// with its panel's scale (and the min's with x's group sum) into fp32 sums kept here across the groups.
+template <int MT, int NT>
+void AmxGroupedBlock(float* C, int64_t ldc, int64_t rows, int64_t cols, const AmxBlockOperands& o,
+                     const AmxGroups& q, bool acc) {
+  alignas(64) float sums[32 * 32], part[32 * 32];
+  std::memset(sums, 0, sizeof(sums));
+  if (acc)
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(sums + r * 32, C + r * ldc, cols * sizeof(float));
+  const int64_t groups = (o.chunks + (o.hasTail ? 1 : 0) + q.groupChunks - 1) / q.groupChunks;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t c0 = g * q.groupChunks, c1 = std::min(c0 + q.groupChunks, o.chunks);
+    AmxZeroC<MT, NT>();
+    AmxChunks<MT, NT>(o, c0, c1, o.hasTail && g == groups - 1);
+    AmxStoreC<MT, NT>(part, 32);
+    for (int v = 0; v < NT; ++v) {
+      const V s = _mm512_loadu_ps(q.scale + v * q.ldsp + g * 16);
+      const V m = q.min ? _mm512_loadu_ps(q.min + v * q.ldsp + g * 16) : _mm512_setzero_ps();
+      for (int64_t r = 0; r < rows; ++r) {
+        float* acc16 = sums + r * 32 + 16 * v;
+        V t = _mm512_fmadd_ps(_mm512_load_ps(part + r * 32 + 16 * v), s, _mm512_load_ps(acc16));
+        if (q.min) t = _mm512_fmadd_ps(_mm512_set1_ps(q.xsum[r * q.ldx + g]), m, t);
+        _mm512_store_ps(acc16, t);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(C + r * ldc, sums + r * 32, cols * sizeof(float));
+}
+
+// The walk both forms share: zero-padded copies of the tails, then blocks of 2 row tiles x 2 panels (32 x 32
+// of C: 4 tile loads per 4 tdpbf16ps), all of K per block; per pair of panels (2 x 16 rows x K of B, from the
+// caller's packed tile in L2) every pair of row tiles. block(MT, NT, C, rows, cols, operands, n0, m0).
+template <class Block>
+void AmxForBlocks(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t M, int64_t N,
+                  int64_t K, Block&& block) {
   const int64_t pairs = (K + 1) / 2, panelStride = 32 * pairs;
   const int64_t chunks = K / kAmxChunk, tailK = K % kAmxChunk;
   const int64_t rowTiles = (M + kAmxRows - 1) / kAmxRows, panels = (N + kAmxRows - 1) / kAmxRows;
@@ -228,23 +297,50 @@ void MmadAmxBf16Packed(float* C, int64_t ldc, const uint16_t* A, int64_t lda, co
     if (t == rowTiles - 1 && padWords) return AmxRowTile{aPad, chunks * kAmxChunk * 2, tail};
     return AmxRowTile{A + t * kAmxRows * lda, lda * 2, tail};
   };
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
   AmxConfigure();
   for (int64_t p = 0; p < panels; p += 2) {
     const int64_t n0 = p * kAmxRows, cols = std::min<int64_t>(2 * kAmxRows, N - n0);
-    const uint16_t* b = Bp + p * panelStride;
-    const uint16_t* bt = bTail + p * tileWords;
     for (int64_t t = 0; t < rowTiles; t += 2) {
       const int64_t m0 = t * kAmxRows, rows = std::min<int64_t>(2 * kAmxRows, M - m0);
-      const AmxRowTile a[2] = {rowTile(t), rowTile(t + 1)};
+      const AmxBlockOperands o{{rowTile(t), rowTile(t + 1)}, Bp + p * panelStride, panelStride,
+                               bTail + p * tileWords, chunks, tailK != 0};
       float* c = C + m0 * ldc + n0;
       const bool twoRows = rows > kAmxRows, twoCols = cols > kAmxRows;
-      if (twoRows && twoCols) AmxBlock<2, 2>(c, ldc, rows, cols, a, b, panelStride, bt, chunks, tailK, acc);
-      else if (twoRows) AmxBlock<2, 1>(c, ldc, rows, cols, a, b, panelStride, bt, chunks, tailK, acc);
-      else if (twoCols) AmxBlock<1, 2>(c, ldc, rows, cols, a, b, panelStride, bt, chunks, tailK, acc);
-      else AmxBlock<1, 1>(c, ldc, rows, cols, a, b, panelStride, bt, chunks, tailK, acc);
+      if (twoRows && twoCols) block(Two{}, Two{}, c, rows, cols, o, n0, m0);
+      else if (twoRows) block(Two{}, One{}, c, rows, cols, o, n0, m0);
+      else if (twoCols) block(One{}, Two{}, c, rows, cols, o, n0, m0);
+      else block(One{}, One{}, c, rows, cols, o, n0, m0);
     }
   }
   AmxRelease();
+}
+
+// mmad_dp_bf16_packed on AMX (contract: simd.h; numerics: above).
+void MmadAmxBf16Packed(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t M,
+                       int64_t N, int64_t K, bool acc) {
+  AmxForBlocks(C, ldc, A, lda, Bp, M, N, K, [&](auto mt, auto nt, float* c, int64_t rows, int64_t cols,
+                                               const AmxBlockOperands& o, int64_t, int64_t) {
+    AmxBlock<decltype(mt)::value, decltype(nt)::value>(c, ldc, rows, cols, o, acc);
+  });
+}
+
+// mmad_dp_bf16_grouped on AMX for groups of whole chunks (G a multiple of 32); smaller groups (W8's 16: half
+// a tdpbf16ps) take the vdpbf16ps form. Per element the same order as that form: the groups in order, each
+// group's chunks, then its scale's fma, then the min's.
+void MmadAmxBf16Grouped(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t M,
+                        int64_t N, int64_t K, int64_t G, const float* scale, const float* min, int64_t ldsp,
+                        const float* xsum, int64_t ldx, bool acc) {
+  if (G % kAmxChunk != 0)
+    return MmadDpBf16Grouped(C, ldc, A, lda, Bp, M, N, K, G, scale, min, ldsp, xsum, ldx, acc);
+  AmxForBlocks(C, ldc, A, lda, Bp, M, N, K, [&](auto mt, auto nt, float* c, int64_t rows, int64_t cols,
+                                               const AmxBlockOperands& o, int64_t n0, int64_t m0) {
+    const int64_t p = n0 / kAmxRows;
+    const AmxGroups q{G / kAmxChunk, scale + p * ldsp, min ? min + p * ldsp : nullptr, ldsp,
+                      xsum ? xsum + m0 * ldx : nullptr, ldx};
+    AmxGroupedBlock<decltype(mt)::value, decltype(nt)::value>(c, ldc, rows, cols, o, q, acc);
+  });
 }
 
 #if defined(ATB_AVX512_NATIVE)

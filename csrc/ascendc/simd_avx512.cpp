@@ -1275,6 +1275,7 @@ const SimdOps* WithAmx() {
     SimdOps t = *WithBf16();
     t.isa = ATB_AVX512_AMX_NAME;
     t.mmad_dp_bf16_packed = MmadAmxBf16Packed;
+    t.mmad_dp_bf16_grouped = MmadAmxBf16Grouped;
     return t;
   }();
   return &table;
