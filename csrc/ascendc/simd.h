@@ -180,6 +180,13 @@ struct SimdOps {
   // miss buffers until DRAM answers, and L2 measured faster; on Zen 3 (AVX2) only L1 has been measured
   // (a gain over no prefetch), so the AVX2 and portable tables keep it.
   bool prefetch_to_l2;
+  // The few-row bf16 GEMM with x packed rather than the weights (AMX tables; null elsewhere), batch decode's:
+  //   C[m][n] (+)= sum_k X[m][k] * W[n][k], Xp = pack_bf16_pairs(X, M, K) (X's rows as the panels), W's rows as
+  // they lie (ldw apart), all of K per call. The weights, read once per call, go straight to the tiles as A
+  // operands, 16 rows at a time; x's panels are the B operands and C comes out transposed. Each element: its
+  // 32-k chunks in order, one tdpbf16ps each (the tail zero-padded), so independent of M, N and the blocking.
+  void (*mmad_dp_bf16_packed_x)(float* C, int64_t ldc, const uint16_t* Xp, const uint16_t* W, int64_t ldw,
+                                int64_t M, int64_t N, int64_t K, bool accumulate);
 };
 
 // The active table (selected on first use; never null).

@@ -306,7 +306,7 @@ void AmxForBlocks(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const u
       const int64_t m0 = t * kAmxRows, rows = std::min<int64_t>(2 * kAmxRows, M - m0);
       const AmxBlockOperands o{{rowTile(t), rowTile(t + 1)}, Bp + p * panelStride, panelStride,
                                bTail + p * tileWords, chunks, tailK != 0};
-      float* c = C + m0 * ldc + n0;
+      float* c = C ? C + m0 * ldc + n0 : nullptr;
       const bool twoRows = rows > kAmxRows, twoCols = cols > kAmxRows;
       if (twoRows && twoCols) block(Two{}, Two{}, c, rows, cols, o, n0, m0);
       else if (twoRows) block(Two{}, One{}, c, rows, cols, o, n0, m0);
@@ -323,6 +323,35 @@ void MmadAmxBf16Packed(float* C, int64_t ldc, const uint16_t* A, int64_t lda, co
   AmxForBlocks(C, ldc, A, lda, Bp, M, N, K, [&](auto mt, auto nt, float* c, int64_t rows, int64_t cols,
                                                const AmxBlockOperands& o, int64_t, int64_t) {
     AmxBlock<decltype(mt)::value, decltype(nt)::value>(c, ldc, rows, cols, o, acc);
+  });
+}
+
+// The transposed block (mmad_dp_bf16_packed_x): the block's rows are weight rows and its columns x's, so the
+// tiles' C^T goes to C (ldc apart) through a 32 x 32 copy, C[j][i] = part[i][j].
+template <int MT, int NT>
+void AmxBlockT(float* C, int64_t ldc, int64_t rows, int64_t cols, const AmxBlockOperands& o, bool acc) {
+  alignas(64) float part[32 * 32];
+  if (acc) {
+    std::memset(part, 0, sizeof(part));
+    for (int64_t j = 0; j < cols; ++j)
+      for (int64_t i = 0; i < rows; ++i) part[i * 32 + j] = C[j * ldc + i];
+    AmxLoadC<MT, NT>(part, 32);
+  } else {
+    AmxZeroC<MT, NT>();
+  }
+  AmxChunks<MT, NT>(o, 0, o.chunks, o.hasTail);
+  AmxStoreC<MT, NT>(part, 32);
+  for (int64_t j = 0; j < cols; ++j)
+    for (int64_t i = 0; i < rows; ++i) C[j * ldc + i] = part[i * 32 + j];
+}
+
+// mmad_dp_bf16_packed_x (contract: simd.h): the same walk with the roles swapped, W's N rows as A and x's
+// panels as B.
+void MmadAmxBf16PackedX(float* C, int64_t ldc, const uint16_t* Xp, const uint16_t* W, int64_t ldw, int64_t M,
+                        int64_t N, int64_t K, bool acc) {
+  AmxForBlocks(nullptr, 0, W, ldw, Xp, N, M, K, [&](auto mt, auto nt, float*, int64_t rows, int64_t cols,
+                                                   const AmxBlockOperands& o, int64_t x0, int64_t w0) {
+    AmxBlockT<decltype(mt)::value, decltype(nt)::value>(C + x0 * ldc + w0, ldc, rows, cols, o, acc);
   });
 }
 

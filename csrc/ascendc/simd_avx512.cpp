@@ -1276,6 +1276,7 @@ const SimdOps* WithAmx() {
     t.isa = ATB_AVX512_AMX_NAME;
     t.mmad_dp_bf16_packed = MmadAmxBf16Packed;
     t.mmad_dp_bf16_grouped = MmadAmxBf16Grouped;
+    t.mmad_dp_bf16_packed_x = MmadAmxBf16PackedX;
     return t;
   }();
   return &table;

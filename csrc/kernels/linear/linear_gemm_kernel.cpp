@@ -42,8 +42,10 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
   using Gemm::t_, Gemm::ep_, Gemm::streams_, Gemm::xGm_, Gemm::wGm_, Gemm::bBuf_, Gemm::cBuf_;
 
  public:
-  void Init(GM_ADDR x, const float* xPacked, const LinearSegment* segs, GM_ADDR residual, const LinearTilingData& t) {
+  void Init(GM_ADDR x, const float* xPacked, const uint16_t* xPairs, const LinearSegment* segs, GM_ADDR residual,
+            const LinearTilingData& t) {
     dp_ = t.dpBf16;
+    xPairs_ = xPairs;
     Gemm::InitGemm(x, xPacked, segs, residual, t, t.k, dp_ == kDpNone);
     if (dp_ == kDpPacked) Gemm::InitDpPacked();
   }
@@ -59,6 +61,7 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
   // L2 across the pass's row tiles), then the epilogue.
   void ProcessUnitDp(const GemmUnit& u) {
     if constexpr (std::is_same<T, bfloat16_t>::value) {
+      if (xPairs_) return ProcessUnitPackedX(u);
       const auto dp = Simd().mmad_nt_dp_bf16;
       for (int64_t mt0 = 0; mt0 < u.mp; mt0 += t_.mTile) {
         int64_t mt = std::min(t_.mTile, u.mp - mt0);
@@ -71,6 +74,27 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
         Gemm::OutputRows(u, mt0, mt);
       }
     }
+  }
+
+  // dp on a table with mmad_dp_bf16_packed_x (AMX): the pass's rows of x in k pairs (packed once per call,
+  // LinearGemm), every stream's weight rows read once into all of the pass's sums, then the epilogue per
+  // mTile rows. A pass that starts inside a 16-row panel (only under a UB small enough to shrink mTile below
+  // 16) packs its own rows first.
+  void ProcessUnitPackedX(const GemmUnit& u) {
+    const int64_t panel = 32 * ((t_.k + 1) / 2);
+    const uint16_t* xp = xPairs_ + (u.m0 / 16) * panel;
+    if (u.m0 % 16 != 0) {
+      thread_local std::vector<uint16_t> own;
+      own.resize(size_t(CeilDiv(u.mp, 16) * panel));
+      Simd().pack_bf16_pairs(own.data(), StorageBits(xGm_.GetPhyAddr(u.m0 * t_.k)), t_.k, u.mp, t_.k);
+      xp = own.data();
+    }
+    for (int st = 0; st < streams_; ++st) {
+      const uint16_t* w = StorageBits(wGm_[st == 1 ? 1 : u.s].GetPhyAddr(u.row * t_.k));
+      Simd().mmad_dp_bf16_packed_x(cBuf_[st].template Get<float>().GetPhyAddr(), t_.nTile, xp, w, t_.k, u.mp, u.nt,
+                                   t_.k, false);
+    }
+    for (int64_t mt0 = 0; mt0 < u.mp; mt0 += t_.mTile) Gemm::OutputRows(u, mt0, std::min(t_.mTile, u.mp - mt0));
   }
 
   // kDpPacked's B operand: the weight rows as they lie, packed in k pairs.
@@ -93,6 +117,7 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
   }
 
   int64_t dp_ = kDpNone;
+  const uint16_t* xPairs_ = nullptr;  // dp with mmad_dp_bf16_packed_x: x in k pairs (LinearGemm), else null
 };
 
 // PackedX blocks [first, last) of x into dst: this core's share.
@@ -133,10 +158,21 @@ const float* PackedX(const void* x, int64_t m, int64_t k, DataType dtype, const 
   return dst;
 }
 
+// x in k pairs for mmad_dp_bf16_packed_x (pack_bf16_pairs' panels of 16 rows), once per call on the calling
+// thread: at most a few hundred KiB (the dp rows kernel runs below kLinearDpPackedMinRows rows).
+const uint16_t* PackedPairsX(const void* x, int64_t m, int64_t k) {
+  thread_local std::vector<uint16_t> workspace;
+  workspace.resize(size_t(CeilDiv(m, 16) * 32 * ((k + 1) / 2)));
+  Simd().pack_bf16_pairs(workspace.data(), static_cast<const uint16_t*>(x), k, m, k);
+  return workspace.data();
+}
+
 void LinearGemm(const void* x, const LinearSegment* segs, const void* residual, const LinearTilingData& t,
                 const SocInfo& soc) {
   const float* xPacked = t.dpBf16 != kDpNone ? nullptr : PackedX(x, t.m, t.k, DataType(t.tilingKey / 10 % 10), soc);
-  LaunchLinearKernel<KernelLinearGemm>(t, soc, GmAddr(x), xPacked, segs, GmAddr(residual), t);
+  const uint16_t* xPairs =
+      t.dpBf16 == kDpRows && Simd().mmad_dp_bf16_packed_x ? PackedPairsX(x, t.m, t.k) : nullptr;
+  LaunchLinearKernel<KernelLinearGemm>(t, soc, GmAddr(x), xPacked, xPairs, segs, GmAddr(residual), t);
 }
 
 }  // namespace atb
