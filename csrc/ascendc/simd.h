@@ -187,6 +187,11 @@ struct SimdOps {
   // 32-k chunks in order, one tdpbf16ps each (the tail zero-padded), so independent of M, N and the blocking.
   void (*mmad_dp_bf16_packed_x)(float* C, int64_t ldc, const uint16_t* Xp, const uint16_t* W, int64_t ldw,
                                 int64_t M, int64_t N, int64_t K, bool accumulate);
+  // Attention's P^T tile back to rows in bf16 (AMX tables; null elsewhere), so P . V runs as
+  // mmad_dp_bf16_packed with P as the A operand (AMX's A must be rows; the vdpbf16ps tables keep P^T's pair
+  // form, mmad_dp_bf16_pairs_a):
+  //   dst[m * ldd + k] = bf16(src[k * lds + m])  (round to nearest even, as pairs_f32_to_bf16), m < M, k < K.
+  void (*transpose_f32_to_bf16)(uint16_t* dst, int64_t ldd, const float* src, int64_t lds, int64_t M, int64_t K);
 };
 
 // The active table (selected on first use; never null).

@@ -1134,6 +1134,34 @@ void PairsF32ToBf16(uint16_t* dst, int64_t ldd, const float* src, int64_t lds, i
   }
 }
 
+// transpose_f32_to_bf16: 16 x 16 blocks transposed as 32-bit lanes, then each row rounded and narrowed to 16
+// bf16 (NarrowB); tails masked on both sides (no read or write past M or K).
+void TransposeF32ToBf16(uint16_t* dst, int64_t ldd, const float* src, int64_t lds, int64_t M, int64_t K) {
+  for (int64_t k0 = 0; k0 < K; k0 += 16) {
+    const int64_t kl = std::min<int64_t>(16, K - k0);
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+      const int64_t ml = std::min<int64_t>(16, M - m0);
+      const __mmask16 rowMask = Tail(ml);
+      __m512i r[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i)
+        r[i] = i < kl ? _mm512_castps_si512(MaskLoad(rowMask, src + (k0 + i) * lds + m0)) : _mm512_setzero_si512();
+      Transpose16x16(r);
+      for (int64_t j = 0; j < ml; ++j) {
+        const __m256i words = NarrowB(_mm512_castsi512_ps(r[j]));
+        uint16_t* row = dst + (m0 + j) * ldd + k0;
+        if (kl == 16) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), words);
+        } else {
+          alignas(32) uint16_t buf[16];
+          _mm256_store_si256(reinterpret_cast<__m256i*>(buf), words);
+          std::memcpy(row, buf, size_t(kl) * 2);
+        }
+      }
+    }
+  }
+}
+
 // ---- The grouped form (quantized weights) -------------------------------------
 // 3 rows x 4 panels: 12 accumulators and 12 group sums + 4 weight vectors + 1 broadcast; 7 loads per 12
 // vdpbf16ps. At each group's end the group sums fold into the accumulators with the panel's scales (and
@@ -1277,6 +1305,7 @@ const SimdOps* WithAmx() {
     t.mmad_dp_bf16_packed = MmadAmxBf16Packed;
     t.mmad_dp_bf16_grouped = MmadAmxBf16Grouped;
     t.mmad_dp_bf16_packed_x = MmadAmxBf16PackedX;
+    t.transpose_f32_to_bf16 = TransposeF32ToBf16;
     return t;
   }();
   return &table;

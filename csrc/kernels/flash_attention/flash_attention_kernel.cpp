@@ -24,7 +24,9 @@
 // l stay those of the fp32 P), in place in the P^T tile as k pairs of its
 // columns (pairs_f32_to_bf16), packs the V tile in k pairs (pack_bf16_pairs_kn,
 // into the UB the widened V would take) and accumulates P . V on vdpbf16ps
-// (mmad_dp_bf16_pairs_a). qT and the widened K and V tiles are then unused.
+// (mmad_dp_bf16_pairs_a). qT and the widened K and V tiles are then unused. On the AMX tables, whose A
+// operand must be rows, P goes back to rows instead (transpose_f32_to_bf16, the same rounding, into the
+// widened K tile's UB) and P . V runs as mmad_dp_bf16_packed on the tiles.
 // Twice the multiply-adds per instruction of the fp32 cube in both products.
 #include <algorithm>
 #include <cmath>
@@ -57,6 +59,9 @@ class KernelFlashAttention {
     if constexpr (std::is_same<T, bfloat16_t>::value) dp_ = Simd().mmad_dp_bf16_pairs_a != nullptr;
     // Q packed in k pairs (pack_bf16_pairs, 16-row panels) where that fits the UB of the fp32 qT it replaces.
     qPacked_ = dp_ && AlignUp(rows, 16) * AlignUp(d, 2) * 2 <= rows * d * int64_t(sizeof(float));
+    // AMX tables: P . V with P as bf16 rows (transpose_f32_to_bf16) in the UB of the widened K tile, where
+    // that fits it.
+    pRows_ = dp_ && Simd().transpose_f32_to_bf16 != nullptr && rows * bk * 2 <= bk * ld * int64_t(sizeof(float));
     // One slot per K/V queue: on the CPU the copy engine is this same thread,
     // so a ping-pong slot would overlap nothing; its UB goes to taller units.
     pipe_.InitBuffer(qT_, rows * d * sizeof(float));
@@ -271,6 +276,12 @@ class KernelFlashAttention {
         uint16_t* vp = vF_.Get<uint16_t>().GetPhyAddr();
         simd.pack_bf16_pairs_kn(vp, StorageBits(vIn_.GetPhyAddr()), t_->ubRowElems, d, nk);
         float* pt = s_.Get<float>().GetPhyAddr();
+        if (pRows_) {
+          uint16_t* pr = kF_.Get<uint16_t>().GetPhyAddr();
+          simd.transpose_f32_to_bf16(pr, nk, pt, rows_, rows_, nk);
+          simd.mmad_dp_bf16_packed(acc_.Get<float>().GetPhyAddr(), d, pr, nk, vp, rows_, d, nk, true);
+          return;
+        }
         uint16_t* pp = reinterpret_cast<uint16_t*>(pt);
         simd.pairs_f32_to_bf16(pp, rows_, pt, rows_, rows_, nk);
         simd.mmad_dp_bf16_pairs_a(acc_.Get<float>().GetPhyAddr(), d, pp, rows_, vp, rows_, d, nk, true);
@@ -299,6 +310,7 @@ class KernelFlashAttention {
   const int32_t* cu_ = nullptr;
   int64_t rows_ = 0, firstHead_ = 0;
   bool dp_ = false;       // bf16 Scores and PV on vdpbf16ps (else the fp32 Mmads)
+  bool pRows_ = false;    // dp P . V over P as bf16 rows (mmad_dp_bf16_packed: the AMX tables)
   bool qPacked_ = false;  // dp Scores over Q packed in k pairs once per unit (mmad_dp_bf16_packed)
   TPipe pipe_;
   TQue<QuePosition::VECIN, 1> inK_, inV_;
