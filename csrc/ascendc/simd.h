@@ -141,7 +141,9 @@ struct SimdOps {
   // sum and no re-read of x per weight row (mmad_nt_dp_bf16 pays both). mmad_dp_bf16_packed:
   //   C[m][n] (+)= sum_k A[m][k] * W[n][k], A bf16 rows (lda), Bp pack_bf16_pairs(W, N, K),
   // each element one chain over the k pairs in order (exact pair products, vdpbf16ps' flushes), so the bits
-  // do not depend on M, N or the blocking, and a K split at an even k (accumulate) changes nothing.
+  // do not depend on M, N or the blocking, and a K split at an even k (accumulate) changes nothing. The AMX
+  // tables' form (simd_amx.h) sums 32-k chunks, one tdpbf16ps each: also independent of M, N and the
+  // blocking, a K split at a multiple of 32 changing nothing, but other last bits.
   void (*pack_bf16_pairs)(uint16_t* dst, const uint16_t* W, int64_t ldw, int64_t N, int64_t K);
   void (*mmad_dp_bf16_packed)(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp,
                               int64_t M, int64_t N, int64_t K, bool accumulate);

@@ -221,29 +221,20 @@ void AmxBlock(float* C, int64_t ldc, int64_t rows, int64_t cols, const AmxBlockO
     for (int64_t r = 0; r < rows; ++r) std::memcpy(C + r * ldc, part + r * 32, cols * sizeof(float));
 }
 
-// The grouped form's per-block view (mmad_dp_bf16_grouped's contract, simd.h): groups of G = 32 * groupChunks
-// k; scale / min of the block's first panel ([groups][16] per panel, ldsp apart), xsum of its first row.
-struct AmxGroups {
-  int64_t groupChunks;
-  const float* scale;
-  const float* min;
-  int64_t ldsp;
-  const float* xsum;
-  int64_t ldx;
-};
-
 // The grouped block: per group the tiles from zero over the group's chunks, stored, then each element's fma
-// with its panel's scale (and the min's with x's group sum) into fp32 sums kept here across the groups.
+// with its panel's scale (and the min's with x's group sum) into fp32 sums kept here across the groups. q: the
+// vdpbf16ps form's view of the groups (G a multiple of 32 here), at the block's first panel and first row.
 template <int MT, int NT>
 void AmxGroupedBlock(float* C, int64_t ldc, int64_t rows, int64_t cols, const AmxBlockOperands& o,
-                     const AmxGroups& q, bool acc) {
+                     const DpGroups& q, bool acc) {
+  const int64_t groupChunks = q.G / kAmxChunk;
   alignas(64) float sums[32 * 32], part[32 * 32];
   std::memset(sums, 0, sizeof(sums));
   if (acc)
     for (int64_t r = 0; r < rows; ++r) std::memcpy(sums + r * 32, C + r * ldc, cols * sizeof(float));
-  const int64_t groups = (o.chunks + (o.hasTail ? 1 : 0) + q.groupChunks - 1) / q.groupChunks;
+  const int64_t groups = (o.chunks + (o.hasTail ? 1 : 0) + groupChunks - 1) / groupChunks;
   for (int64_t g = 0; g < groups; ++g) {
-    const int64_t c0 = g * q.groupChunks, c1 = std::min(c0 + q.groupChunks, o.chunks);
+    const int64_t c0 = g * groupChunks, c1 = std::min(c0 + groupChunks, o.chunks);
     AmxZeroC<MT, NT>();
     AmxChunks<MT, NT>(o, c0, c1, o.hasTail && g == groups - 1);
     AmxStoreC<MT, NT>(part, 32);
@@ -366,8 +357,8 @@ void MmadAmxBf16Grouped(float* C, int64_t ldc, const uint16_t* A, int64_t lda, c
   AmxForBlocks(C, ldc, A, lda, Bp, M, N, K, [&](auto mt, auto nt, float* c, int64_t rows, int64_t cols,
                                                const AmxBlockOperands& o, int64_t n0, int64_t m0) {
     const int64_t p = n0 / kAmxRows;
-    const AmxGroups q{G / kAmxChunk, scale + p * ldsp, min ? min + p * ldsp : nullptr, ldsp,
-                      xsum ? xsum + m0 * ldx : nullptr, ldx};
+    const DpGroups q{G, scale + p * ldsp, min ? min + p * ldsp : nullptr, ldsp, xsum ? xsum + m0 * ldx : nullptr,
+                     ldx};
     AmxGroupedBlock<decltype(mt)::value, decltype(nt)::value>(c, ldc, rows, cols, o, q, acc);
   });
 }
