@@ -165,18 +165,12 @@ struct SimdOps {
   // hold values below K are read.
   void (*pack_q4_pairs)(uint16_t* dst, const uint8_t* q, int64_t ldq, int64_t N, int64_t K);
   void (*pack_q8_pairs)(uint16_t* dst, const int8_t* q, int64_t ldq, int64_t N, int64_t K);
-  // Attention's P . V on vdpbf16ps (AVX512-BF16 tables; null elsewhere), the operands as attention holds them:
-  // pack_bf16_pairs_kn: pack_bf16_pairs of B^T for B [K][N] (rows ldb apart, N contiguous: a V tile), i.e.
-  //   dst[p][j][n][2] = B[2j + (0|1)][16p + n], values past K and columns past N zero.
-  // pairs_f32_to_bf16: the fp32 matrix S [K][M] (rows lds apart: the P^T tile) as bf16 k pairs of its columns,
-  //   dst[2 * (j * ldd + m) + (0|1)] = bf16(S[2j + (0|1)][m]) (round to nearest even, as f32_to_bf16; past K
-  //   zero), j < ceil(K / 2), m < M. dst may alias src when ldd == lds (each store lands on a row already read).
-  // mmad_dp_bf16_pairs_a: mmad_dp_bf16_packed with A in that pair form, A[m][k] = S[k][m]: the pair (A[m][2j],
-  //   A[m][2j + 1]) at Ap + 2 * (j * ldap + m); the same chains, so the same bits as on A's rows.
-  void (*pack_bf16_pairs_kn)(uint16_t* dst, const uint16_t* B, int64_t ldb, int64_t N, int64_t K);
-  void (*pairs_f32_to_bf16)(uint16_t* dst, int64_t ldd, const float* src, int64_t lds, int64_t M, int64_t K);
-  void (*mmad_dp_bf16_pairs_a)(float* C, int64_t ldc, const uint16_t* Ap, int64_t ldap, const uint16_t* Bp,
-                               int64_t M, int64_t N, int64_t K, bool accumulate);
+  // Flash attention's bf16 P . V (AVX512-BF16 tables; null elsewhere) runs as mmad_dp_bf16_packed with V^T as
+  // the A operand and P as the packed B, so neither the fp32 P tile nor anything per tile is transposed:
+  // transpose_b16: dst[k * ldd + n] = src[n * lds + k] for 16-bit words, n < N, k < K (V rows to V^T, once per
+  //   call and K/V tile).
+  // pack_f32_pairs_kn_bf16 (below): P^T as the packed B.
+  void (*transpose_b16)(uint16_t* dst, int64_t ldd, const uint16_t* src, int64_t lds, int64_t N, int64_t K);
   // Where the streaming kernels' software prefetches go (paged attention's K/V rows): true, L2
   // (prefetcht1); false, L1 (prefetcht0). On Zen 4 (AVX-512) a request into L1 holds one of L1's few
   // miss buffers until DRAM answers, and L2 measured faster; on Zen 3 (AVX2) only L1 has been measured
@@ -189,11 +183,13 @@ struct SimdOps {
   // 32-k chunks in order, one tdpbf16ps each (the tail zero-padded), so independent of M, N and the blocking.
   void (*mmad_dp_bf16_packed_x)(float* C, int64_t ldc, const uint16_t* Xp, const uint16_t* W, int64_t ldw,
                                 int64_t M, int64_t N, int64_t K, bool accumulate);
-  // Attention's P^T tile back to rows in bf16 (AMX tables; null elsewhere), so P . V runs as
-  // mmad_dp_bf16_packed with P as the A operand (AMX's A must be rows; the vdpbf16ps tables keep P^T's pair
-  // form, mmad_dp_bf16_pairs_a):
-  //   dst[m * ldd + k] = bf16(src[k * lds + m])  (round to nearest even, as pairs_f32_to_bf16), m < M, k < K.
-  void (*transpose_f32_to_bf16)(uint16_t* dst, int64_t ldd, const float* src, int64_t lds, int64_t M, int64_t K);
+  // (See transpose_b16.) The fp32 P^T tile into pack_bf16_pairs' layout for the fp32 B [K][N] (rows ldb apart,
+  // N contiguous), each value rounded to bf16 (nearest even, as f32_to_bf16):
+  //   dst[p][j][n][2] = bf16(B[2j + (0|1)][16p + n]), values past K and columns past N zero.
+  void (*pack_f32_pairs_kn_bf16)(uint16_t* dst, const float* B, int64_t ldb, int64_t N, int64_t K);
+  // Flash attention's rescale of acc^T by the rows' alpha: C[i][j] *= v[j], i < M, j < N (rows ldc apart).
+  // 16-column blocks whose v are all exactly 1 are skipped (x * 1 is x: the same bits).
+  void (*mul_cols)(float* C, int64_t ldc, const float* v, int64_t M, int64_t N);
 };
 
 // The active table (selected on first use; never null).

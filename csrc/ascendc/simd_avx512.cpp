@@ -1095,69 +1095,52 @@ void MmadDpBf16Packed(float* C, int64_t ldc, const uint16_t* A, int64_t lda, con
   MmadDpPacked(C, ldc, A, lda, 2, Bp, M, N, K, acc);
 }
 
-void MmadDpBf16PairsA(float* C, int64_t ldc, const uint16_t* Ap, int64_t ldap, const uint16_t* Bp, int64_t M,
-                      int64_t N, int64_t K, bool acc) {
-  MmadDpPacked(C, ldc, Ap, 2, 2 * ldap, Bp, M, N, K, acc);
-}
-
-// pack_bf16_pairs_kn: keys 2j and 2j + 1 of a 16-column panel, word-interleaved.
-void PackBf16PairsKN(uint16_t* dst, const uint16_t* B, int64_t ldb, int64_t N, int64_t K) {
-  alignas(64) uint16_t zip[32];
-  for (int i = 0; i < 32; ++i) zip[i] = uint16_t(i % 2 == 0 ? i / 2 : 32 + i / 2);
-  const __m512i interleave = _mm512_load_si512(zip);
+// pack_f32_pairs_kn_bf16: rows 2j and 2j + 1 of a 16-column panel rounded (Bf16Bits), the second into the
+// high half of each 32-bit lane: one 64-byte store per pair and panel. Columns past N load as zero.
+void PackF32PairsKnBf16(uint16_t* dst, const float* B, int64_t ldb, int64_t N, int64_t K) {
   const int64_t pairs = (K + 1) / 2;
   for (int64_t p = 0; p < N; p += kPairPanel) {
     uint16_t* panel = dst + p * 2 * pairs;
     const __mmask16 cols = Tail(std::min(kPairPanel, N - p));
     for (int64_t j = 0; j < pairs; ++j) {
-      __m256i a = _mm256_maskz_loadu_epi16(cols, B + 2 * j * ldb + p);
-      __m256i b = 2 * j + 1 < K ? _mm256_maskz_loadu_epi16(cols, B + (2 * j + 1) * ldb + p) : _mm256_setzero_si256();
-      _mm512_storeu_si512(panel + j * 32, _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), interleave,
-                                                                    _mm512_castsi256_si512(b)));
+      const float* a = B + 2 * j * ldb + p;
+      const __m512i lo = Bf16Bits(_mm512_maskz_loadu_ps(cols, a));
+      const __m512i hi = 2 * j + 1 < K ? Bf16Bits(_mm512_maskz_loadu_ps(cols, a + ldb)) : _mm512_setzero_si512();
+      _mm512_storeu_si512(panel + j * 32, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
   }
 }
 
-// pairs_f32_to_bf16: both rows of pair j rounded (Bf16Bits), the second into the high half of each 32-bit
-// lane. The chunk's two source rows are read before its store, which lands on row j's same columns
-// (already consumed when j > 0): in place is safe.
-void PairsF32ToBf16(uint16_t* dst, int64_t ldd, const float* src, int64_t lds, int64_t M, int64_t K) {
-  for (int64_t j = 0; j < (K + 1) / 2; ++j) {
-    const float* a = src + 2 * j * lds;
-    const bool second = 2 * j + 1 < K;
-    for (int64_t m = 0; m < M; m += 16) {
-      const __mmask16 t = Tail(std::min<int64_t>(16, M - m));
-      __m512i lo = Bf16Bits(_mm512_maskz_loadu_ps(t, a + m));
-      __m512i hi = second ? Bf16Bits(_mm512_maskz_loadu_ps(t, a + lds + m)) : _mm512_setzero_si512();
-      _mm512_mask_storeu_epi32(dst + 2 * (j * ldd + m), t, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-    }
+void MulCols(float* C, int64_t ldc, const float* v, int64_t M, int64_t N) {
+  for (int64_t j = 0; j < N; j += 16) {
+    const __mmask16 cols = Tail(std::min<int64_t>(16, N - j));
+    const V s = MaskLoad(cols, v + j);
+    if ((_mm512_cmp_ps_mask(s, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) & cols) == 0) continue;
+    for (int64_t i = 0; i < M; ++i) MaskStore(C + i * ldc + j, cols, _mm512_mul_ps(MaskLoad(cols, C + i * ldc + j), s));
   }
 }
 
-// transpose_f32_to_bf16: 16 x 16 blocks transposed as 32-bit lanes, then each row rounded and narrowed to 16
-// bf16 (NarrowB); tails masked on both sides (no read or write past M or K).
-void TransposeF32ToBf16(uint16_t* dst, int64_t ldd, const float* src, int64_t lds, int64_t M, int64_t K) {
-  for (int64_t k0 = 0; k0 < K; k0 += 16) {
-    const int64_t kl = std::min<int64_t>(16, K - k0);
-    for (int64_t m0 = 0; m0 < M; m0 += 16) {
-      const int64_t ml = std::min<int64_t>(16, M - m0);
-      const __mmask16 rowMask = Tail(ml);
+// transpose_b16: 16 x 16 blocks widened to 32-bit lanes, transposed as such, narrowed back; tails masked on
+// both sides (no read or write past N or K).
+void TransposeB16(uint16_t* dst, int64_t ldd, const uint16_t* src, int64_t lds, int64_t N, int64_t K) {
+  alignas(64) uint16_t even[32];
+  for (int i = 0; i < 32; ++i) even[i] = uint16_t(2 * (i % 16));
+  const __m512i lowWords = _mm512_load_si512(even);  // each 32-bit lane's low word, into the low half
+  for (int64_t n0 = 0; n0 < N; n0 += 16) {
+    const int64_t nl = std::min<int64_t>(16, N - n0);
+    const __mmask16 colMask = Tail(nl);
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {
+      const int64_t kl = std::min<int64_t>(16, K - k0);
+      const __mmask16 rowMask = Tail(kl);
       __m512i r[16];
 #pragma GCC unroll 16
       for (int i = 0; i < 16; ++i)
-        r[i] = i < kl ? _mm512_castps_si512(MaskLoad(rowMask, src + (k0 + i) * lds + m0)) : _mm512_setzero_si512();
+        r[i] = i < nl ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(rowMask, src + (n0 + i) * lds + k0))
+                      : _mm512_setzero_si512();
       Transpose16x16(r);
-      for (int64_t j = 0; j < ml; ++j) {
-        const __m256i words = NarrowB(_mm512_castsi512_ps(r[j]));
-        uint16_t* row = dst + (m0 + j) * ldd + k0;
-        if (kl == 16) {
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), words);
-        } else {
-          alignas(32) uint16_t buf[16];
-          _mm256_store_si256(reinterpret_cast<__m256i*>(buf), words);
-          std::memcpy(row, buf, size_t(kl) * 2);
-        }
-      }
+      for (int64_t j = 0; j < kl; ++j)
+        _mm256_mask_storeu_epi16(dst + (k0 + j) * ldd + n0, colMask,
+                                 _mm512_castsi512_si256(_mm512_permutexvar_epi16(lowWords, r[j])));
     }
   }
 }
@@ -1275,7 +1258,7 @@ const SimdOps ATB_AVX512_TABLE = {
     TransposeWiden<uint16_t, Widen8B, Load1B>, ReadSumRuns<Line512>,
     /*mmad_nt_dp_bf16=*/nullptr, /*pack_bf16_pairs=*/nullptr, /*mmad_dp_bf16_packed=*/nullptr,
     /*mmad_dp_bf16_grouped=*/nullptr, /*pack_q4_pairs=*/nullptr, /*pack_q8_pairs=*/nullptr,
-    /*pack_bf16_pairs_kn=*/nullptr, /*pairs_f32_to_bf16=*/nullptr, /*mmad_dp_bf16_pairs_a=*/nullptr,
+    /*transpose_b16=*/nullptr,
     /*prefetch_to_l2=*/true,
 };
 
@@ -1289,9 +1272,9 @@ const SimdOps* WithBf16() {
     t.mmad_dp_bf16_grouped = MmadDpBf16Grouped;
     t.pack_q4_pairs = PackQ4Pairs;
     t.pack_q8_pairs = PackQ8Pairs;
-    t.pack_bf16_pairs_kn = PackBf16PairsKN;
-    t.pairs_f32_to_bf16 = PairsF32ToBf16;
-    t.mmad_dp_bf16_pairs_a = MmadDpBf16PairsA;
+    t.transpose_b16 = TransposeB16;
+    t.pack_f32_pairs_kn_bf16 = PackF32PairsKnBf16;
+    t.mul_cols = MulCols;
     return t;
   }();
   return &table;
@@ -1305,7 +1288,6 @@ const SimdOps* WithAmx() {
     t.mmad_dp_bf16_packed = MmadAmxBf16Packed;
     t.mmad_dp_bf16_grouped = MmadAmxBf16Grouped;
     t.mmad_dp_bf16_packed_x = MmadAmxBf16PackedX;
-    t.transpose_f32_to_bf16 = TransposeF32ToBf16;
     return t;
   }();
   return &table;

@@ -16,18 +16,17 @@
 //   CopyOut    out = acc / l, cast to T.
 // Only the tiles are ever in memory: UB use is O(rows x (D + blockKv)).
 //
-// bf16 where the SIMD table has the vdpbf16ps micro-kernels (AVX512-BF16):
-// Scores reads the K tile as copied in against the unit's Q rows, packed in k
-// pairs once per unit where that fits qT's UB (else as copied in), bf16, sums
-// in fp32 and scales the sums (as SDPA does: bf16 GEMM, then x scale in fp32); PV rounds P
-// to bf16, as SDPA's CPU flash attention does for its second GEMM (the row sums
-// l stay those of the fp32 P), in place in the P^T tile as k pairs of its
-// columns (pairs_f32_to_bf16), packs the V tile in k pairs (pack_bf16_pairs_kn,
-// into the UB the widened V would take) and accumulates P . V on vdpbf16ps
-// (mmad_dp_bf16_pairs_a). qT and the widened K and V tiles are then unused. On the AMX tables, whose A
-// operand must be rows, P goes back to rows instead (transpose_f32_to_bf16, the same rounding, into the
-// widened K tile's UB) and P . V runs as mmad_dp_bf16_packed on the tiles.
-// Twice the multiply-adds per instruction of the fp32 cube in both products.
+// bf16 where the SIMD table has the AVX512-BF16 entries (vdpbf16ps; on AMX tables the same entries run on
+// tiles), both products are bf16 GEMMs over packed operands, summing in fp32, and nothing per tile is
+// copied, widened or transposed:
+//   Scores  S^T = K . Q^T: K's rows straight from GM as the A operand, Q packed in k pairs once per unit
+//           (pack_bf16_pairs) as B; the sums are then scaled in fp32 (as SDPA does: bf16 GEMM, then x scale).
+//   PV      acc^T [D][rows] += V^T . P: P rounded to bf16 as SDPA's CPU flash attention does for its second
+//           GEMM (the row sums l stay those of the fp32 P) and packed in k pairs straight from the P^T tile
+//           (pack_f32_pairs_kn_bf16) as B; A is the V tile transposed, V^T [D][keys], which the host
+//           transposes once per call for all units (transpose_b16) into a GM workspace, tile by tile.
+// The accumulator is therefore acc^T: the rescale by alpha runs along its rows, and CopyOut transposes it
+// back once per unit. Twice the multiply-adds per instruction of the fp32 cube on vdpbf16ps, ~8x on AMX.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -47,8 +46,9 @@ template <typename T>
 class KernelFlashAttention {
  public:
   void Init(GM_ADDR out, GM_ADDR q, GM_ADDR k, GM_ADDR v, const int32_t* cuSeqlens,
-            const FlashAttentionStrides& strides, const FlashAttentionTilingData& t) {
+            const FlashAttentionStrides& strides, const FlashAttentionTilingData& t, const FlashAttentionVT& vt) {
     t_ = &t;
+    vt_ = vt;
     st_ = strides;
     cu_ = cuSeqlens;
     outGm_.SetGlobalBuffer(reinterpret_cast<T*>(out));
@@ -56,23 +56,24 @@ class KernelFlashAttention {
     kGm_.SetGlobalBuffer(reinterpret_cast<T*>(k));
     vGm_.SetGlobalBuffer(reinterpret_cast<T*>(v));
     int64_t rows = t.maxRows, d = t.headDim, ld = t.ubRowElems, bk = t.blockKv;
-    if constexpr (std::is_same<T, bfloat16_t>::value) dp_ = Simd().mmad_dp_bf16_pairs_a != nullptr;
+    if constexpr (std::is_same<T, bfloat16_t>::value) dp_ = vt.vT != nullptr;
     // Q packed in k pairs (pack_bf16_pairs, 16-row panels) where that fits the UB of the fp32 qT it replaces.
     qPacked_ = dp_ && AlignUp(rows, 16) * AlignUp(d, 2) * 2 <= rows * d * int64_t(sizeof(float));
-    // AMX tables: P . V with P as bf16 rows (transpose_f32_to_bf16) in the UB of the widened K tile, where
-    // that fits it.
-    pRows_ = dp_ && Simd().transpose_f32_to_bf16 != nullptr && rows * bk * 2 <= bk * ld * int64_t(sizeof(float));
-    // One slot per K/V queue: on the CPU the copy engine is this same thread,
-    // so a ping-pong slot would overlap nothing; its UB goes to taller units.
     pipe_.InitBuffer(qT_, rows * d * sizeof(float));
     pipe_.InitBuffer(acc_, rows * d * sizeof(float));
     pipe_.InitBuffer(io_, rows * ld * sizeof(T));
     pipe_.InitBuffer(s_, bk * rows * sizeof(float));
-    pipe_.InitBuffer(inK_, 1, bk * ld * sizeof(T));
-    pipe_.InitBuffer(inV_, 1, bk * ld * sizeof(T));
-    if constexpr (!std::is_same<T, float>::value) {
-      pipe_.InitBuffer(kF_, bk * ld * sizeof(float));
-      pipe_.InitBuffer(vF_, bk * ld * sizeof(float));
+    if (dp_) {
+      pipe_.InitBuffer(pPacked_, FlashAttentionPackedPBytes(rows, bk));
+    } else {
+      // One slot per K/V queue: on the CPU the copy engine is this same thread,
+      // so a ping-pong slot would overlap nothing; its UB goes to taller units.
+      pipe_.InitBuffer(inK_, 1, bk * ld * sizeof(T));
+      pipe_.InitBuffer(inV_, 1, bk * ld * sizeof(T));
+      if constexpr (!std::is_same<T, float>::value) {
+        pipe_.InitBuffer(kF_, bk * ld * sizeof(float));
+        pipe_.InitBuffer(vF_, bk * ld * sizeof(float));
+      }
     }
     pipe_.InitBuffer(stats_, 6 * rows * sizeof(float));
   }
@@ -100,6 +101,13 @@ class KernelFlashAttention {
     FlashAttentionKvTiles(u.qStart, u.qLen, seqLen, t_->blockKv, t_->causal, t_->window, &first, &last);
     for (int64_t j = first; j < last; ++j) {
       int64_t kvStart = j * t_->blockKv, nk = std::min(t_->blockKv, seqLen - kvStart);
+      if (dp_) {
+        ScoresDp(kGm_[(seqStart + kvStart) * st_.kToken + u.kvHead * st_.kHead].GetPhyAddr(), nk);
+        Mask(u.qStart, kvStart, nk);
+        Softmax(nk);
+        PVDp(vt_.vT + ((vt_.tileBase[u.seq] + j) * t_->numKvHeads + u.kvHead) * t_->headDim * t_->blockKv, nk);
+        continue;
+      }
       CopyInKV(seqStart + kvStart, u.kvHead, nk);
       const float* kf;
       const float* vf;
@@ -166,7 +174,7 @@ class KernelFlashAttention {
     } else {
       int64_t ld = t_->ubRowElems, d = t_->headDim;
       LocalTensor<float> k32 = kF_.Get<float>(), v32 = vF_.Get<float>();
-      for (int64_t n = 0; n < nk && !dp_; ++n) {  // (dp: the products read the tiles as copied in)
+      for (int64_t n = 0; n < nk; ++n) {
         Cast(k32[n * ld], kIn_[n * ld], RoundMode::CAST_NONE, d);
         Cast(v32[n * ld], vIn_[n * ld], RoundMode::CAST_NONE, d);
       }
@@ -175,24 +183,25 @@ class KernelFlashAttention {
     }
   }
 
-  // S^T[n][m] = sum_d K[n][d] * qT[d][m] (dp: scale * sum_d K[n][d] * Q[m][d]).
+  // S^T[n][m] = sum_d K[n][d] * qT[d][m].
   void Scores(const float* kf, int64_t nk) {
-    float* st = s_.Get<float>().GetPhyAddr();
-    if constexpr (std::is_same<T, bfloat16_t>::value) {
-      if (dp_) {
-        int64_t ld = t_->ubRowElems;
-        if (qPacked_)
-          Simd().mmad_dp_bf16_packed(st, rows_, StorageBits(kIn_.GetPhyAddr()), ld, qT_.Get<uint16_t>().GetPhyAddr(),
-                                     nk, rows_, t_->headDim, false);
-        else
-          Simd().mmad_nt_dp_bf16(st, rows_, StorageBits(kIn_.GetPhyAddr()), ld, StorageBits(io_.Get<T>().GetPhyAddr()),
-                                 ld, nk, rows_, t_->headDim, false);
-        Simd().muls(st, st, t_->scale, nk * rows_);
-        return;
-      }
-    }
     MmadParams p{nk, rows_, t_->headDim, t_->ubRowElems, rows_, rows_, false};
-    MmadNN<float>(st, kf, qT_.Get<float>().GetPhyAddr(), p);
+    MmadNN<float>(s_.Get<float>().GetPhyAddr(), kf, qT_.Get<float>().GetPhyAddr(), p);
+  }
+
+  // S^T[n][m] = scale * sum_d K[n][d] * Q[m][d], K's nk rows where they lie in GM.
+  void ScoresDp(const T* k, int64_t nk) {
+    if constexpr (std::is_same<T, bfloat16_t>::value) {
+      float* st = s_.Get<float>().GetPhyAddr();
+      const int64_t d = t_->headDim;
+      if (qPacked_)
+        Simd().mmad_dp_bf16_packed(st, rows_, StorageBits(k), st_.kToken, qT_.Get<uint16_t>().GetPhyAddr(), nk,
+                                   rows_, d, false);
+      else
+        Simd().mmad_nt_dp_bf16(st, rows_, StorageBits(k), st_.kToken, StorageBits(io_.Get<T>().GetPhyAddr()),
+                               t_->ubRowElems, nk, rows_, d, false);
+      Simd().muls(st, st, t_->scale, nk * rows_);
+    }
   }
 
   // Key n (position kvStart + n) is visible to rows [lo, hi): causal hides it
@@ -242,6 +251,10 @@ class KernelFlashAttention {
     // acc *= alpha, skipped for the (most) rows whose max did not move: alpha is exactly 1 there.
     LocalTensor<float> acc = acc_.Get<float>();
     int64_t d = t_->headDim;
+    if (dp_) {  // acc^T: every row of it takes alpha along its columns
+      Simd().mul_cols(acc.GetPhyAddr(), rows_, alpha.GetPhyAddr(), d, rows_);
+      return;
+    }
     for (int64_t r = 0; r < rows_; ++r)
       if (alpha(r) != 1.0f) Muls(acc[r * d], acc[r * d], alpha(r), d);
   }
@@ -269,36 +282,34 @@ class KernelFlashAttention {
 
   // acc[m][d] += sum_n P^T[n][m] * V[n][d].
   void PV(const float* vf, int64_t nk) {
-    if constexpr (std::is_same<T, bfloat16_t>::value) {
-      if (dp_) {
-        const SimdOps& simd = Simd();
-        const int64_t d = t_->headDim;
-        uint16_t* vp = vF_.Get<uint16_t>().GetPhyAddr();
-        simd.pack_bf16_pairs_kn(vp, StorageBits(vIn_.GetPhyAddr()), t_->ubRowElems, d, nk);
-        float* pt = s_.Get<float>().GetPhyAddr();
-        if (pRows_) {
-          uint16_t* pr = kF_.Get<uint16_t>().GetPhyAddr();
-          simd.transpose_f32_to_bf16(pr, nk, pt, rows_, rows_, nk);
-          simd.mmad_dp_bf16_packed(acc_.Get<float>().GetPhyAddr(), d, pr, nk, vp, rows_, d, nk, true);
-          return;
-        }
-        uint16_t* pp = reinterpret_cast<uint16_t*>(pt);
-        simd.pairs_f32_to_bf16(pp, rows_, pt, rows_, rows_, nk);
-        simd.mmad_dp_bf16_pairs_a(acc_.Get<float>().GetPhyAddr(), d, pp, rows_, vp, rows_, d, nk, true);
-        return;
-      }
-    }
     MmadParams p{rows_, t_->headDim, nk, rows_, t_->ubRowElems, t_->headDim, true};
     MmadTN(acc_.Get<float>().GetPhyAddr(), s_.Get<float>().GetPhyAddr(), vf, p);
+  }
+
+  // acc^T[d][m] += sum_n V^T[d][n] * bf16(P^T[n][m]); vT: the tile's V^T [D][blockKv].
+  void PVDp(const uint16_t* vT, int64_t nk) {
+    uint16_t* pp = pPacked_.Get<uint16_t>().GetPhyAddr();
+    Simd().pack_f32_pairs_kn_bf16(pp, s_.Get<float>().GetPhyAddr(), rows_, rows_, nk);
+    Simd().mmad_dp_bf16_packed(acc_.Get<float>().GetPhyAddr(), rows_, vT, t_->blockKv, pp, t_->headDim, rows_, nk,
+                               true);
   }
 
   void CopyOut(int64_t token0, int64_t qLen) {
     int64_t d = t_->headDim, ld = t_->ubRowElems, gs = t_->groupSplit, elt = sizeof(T);
     LocalTensor<float> acc = acc_.Get<float>(), l = stats_.Get<float>()[4 * rows_];
     LocalTensor<T> io = io_.Get<T>();
-    for (int64_t r = 0; r < rows_; ++r) {
-      Muls(acc[r * d], acc[r * d], 1.0f / l(r), d);
-      Cast(io[r * ld], acc[r * d], RoundMode::CAST_RINT, d);
+    if (dp_) {  // acc^T / l along its rows, then back to rows in qT's UB (Q is done with)
+      LocalTensor<float> inv = stats_.Get<float>()[rows_];
+      for (int64_t r = 0; r < rows_; ++r) inv(r) = 1.0f / l(r);
+      Simd().mul_cols(acc.GetPhyAddr(), rows_, inv.GetPhyAddr(), d, rows_);
+      LocalTensor<float> rowsOut = qT_.Get<float>();
+      Simd().transpose_f32(rowsOut.GetPhyAddr(), d, acc.GetPhyAddr(), rows_, d, rows_);
+      for (int64_t r = 0; r < rows_; ++r) Cast(io[r * ld], rowsOut[r * d], RoundMode::CAST_RINT, d);
+    } else {
+      for (int64_t r = 0; r < rows_; ++r) {
+        Muls(acc[r * d], acc[r * d], 1.0f / l(r), d);
+        Cast(io[r * ld], acc[r * d], RoundMode::CAST_RINT, d);
+      }
     }
     DataCopyParams p{gs, d * elt, 0, 0};
     for (int64_t pos = 0; pos < qLen; ++pos)
@@ -309,22 +320,40 @@ class KernelFlashAttention {
   FlashAttentionStrides st_{};
   const int32_t* cu_ = nullptr;
   int64_t rows_ = 0, firstHead_ = 0;
-  bool dp_ = false;       // bf16 Scores and PV on vdpbf16ps (else the fp32 Mmads)
-  bool pRows_ = false;    // dp P . V over P as bf16 rows (mmad_dp_bf16_packed: the AMX tables)
+  FlashAttentionVT vt_{};
+  bool dp_ = false;       // bf16 Scores and PV as bf16 GEMMs (ScoresDp, PVDp; acc holds acc^T), else the fp32 Mmads
   bool qPacked_ = false;  // dp Scores over Q packed in k pairs once per unit (mmad_dp_bf16_packed)
   TPipe pipe_;
   TQue<QuePosition::VECIN, 1> inK_, inV_;
   LocalTensor<T> kIn_, vIn_;
-  TBuf<TPosition::VECCALC> qT_, acc_, io_, s_, kF_, vF_, stats_;
+  TBuf<TPosition::VECCALC> qT_, acc_, io_, s_, kF_, vF_, pPacked_, stats_;
   GlobalTensor<T> outGm_, qGm_, kGm_, vGm_;
 };
 
 template <typename T>
 void RunFlashAttention(GM_ADDR out, GM_ADDR q, GM_ADDR k, GM_ADDR v, const int32_t* cu,
-                       const FlashAttentionStrides& strides, const FlashAttentionTilingData& t) {
+                       const FlashAttentionStrides& strides, const FlashAttentionTilingData& t,
+                       const FlashAttentionVT& vt) {
   KernelFlashAttention<T> op;
-  op.Init(out, q, k, v, cu, strides, t);
+  op.Init(out, q, k, v, cu, strides, t, vt);
   op.Process();
+}
+
+// The bf16 path's V^T workspace (FlashAttentionVT), items (tile, kv head) split evenly over the blocks; a
+// sequence's last tile is zero past its keys.
+void TransposeVTiles(uint16_t* vT, const int64_t* tileBase, const uint16_t* v, const int32_t* cu, int64_t batch,
+                     const FlashAttentionStrides& st, const FlashAttentionTilingData& t) {
+  const int64_t kvh = t.numKvHeads, d = t.headDim, bk = t.blockKv, items = tileBase[batch] * kvh;
+  const int64_t blk = GetBlockIdx(), blocks = GetBlockNum();
+  int64_t b = 0;
+  for (int64_t i = items * blk / blocks; i < items * (blk + 1) / blocks; ++i) {
+    const int64_t g = i / kvh, h = i % kvh;
+    while (tileBase[b + 1] <= g) ++b;
+    const int64_t kv0 = (g - tileBase[b]) * bk, nk = std::min(bk, int64_t(cu[b + 1] - cu[b]) - kv0);
+    uint16_t* dst = vT + i * d * bk;
+    Simd().transpose_b16(dst, bk, v + (cu[b] + kv0) * st.vToken + h * st.vHead, st.vToken, nk, d);
+    for (int64_t r = 0; nk < bk && r < d; ++r) std::fill(dst + r * bk + nk, dst + (r + 1) * bk, uint16_t(0));
+  }
 }
 
 }  // namespace
@@ -336,12 +365,32 @@ void FlashAttention(void* out, const void* q, const void* k, const void* v, cons
   FlashAttentionTilingData t = FlashAttentionTiling(cuSeqlens, batch, numTokens, numHeads, numKvHeads, headDim, dtype,
                                                     scale, causal, window, soc);
   if (t.units.empty()) return;
+  // bf16 on the AVX512-BF16 tables: the V^T workspace first (kept per thread: no page faults per call).
+  FlashAttentionVT vt;
+  thread_local std::vector<uint16_t> vTBuf;
+  thread_local std::vector<int64_t> tileBase;
+  if (dtype == DataType::BFLOAT16 && Simd().mmad_dp_bf16_packed != nullptr) {
+    tileBase.assign(size_t(batch + 1), 0);
+    for (int64_t b = 0; b < batch; ++b)
+      tileBase[b + 1] = tileBase[b] + CeilDiv(cuSeqlens[b + 1] - cuSeqlens[b], t.blockKv);
+    vTBuf.resize(size_t(tileBase[batch] * numKvHeads * headDim * t.blockKv));
+    // (the pointers taken here: inside the launched lambda these thread_locals would name the workers' own)
+    uint16_t* vT = vTBuf.data();
+    const int64_t* bases = tileBase.data();
+    const auto* v16 = static_cast<const uint16_t*>(v);
+    KernelLaunch(t.blockDim, soc.ub_size,
+                 [&]() { TransposeVTiles(vT, bases, v16, cuSeqlens, batch, strides, t); });
+    vt = {vT, bases};
+  }
   auto gm = [](const void* p) { return reinterpret_cast<GM_ADDR>(const_cast<void*>(p)); };
   auto kernel = [&]() {
     switch (DataType(t.tilingKey)) {
-      case DataType::FLOAT32: return RunFlashAttention<float>(gm(out), gm(q), gm(k), gm(v), cuSeqlens, strides, t);
-      case DataType::FLOAT16: return RunFlashAttention<half>(gm(out), gm(q), gm(k), gm(v), cuSeqlens, strides, t);
-      case DataType::BFLOAT16: return RunFlashAttention<bfloat16_t>(gm(out), gm(q), gm(k), gm(v), cuSeqlens, strides, t);
+      case DataType::FLOAT32:
+        return RunFlashAttention<float>(gm(out), gm(q), gm(k), gm(v), cuSeqlens, strides, t, vt);
+      case DataType::FLOAT16:
+        return RunFlashAttention<half>(gm(out), gm(q), gm(k), gm(v), cuSeqlens, strides, t, vt);
+      case DataType::BFLOAT16:
+        return RunFlashAttention<bfloat16_t>(gm(out), gm(q), gm(k), gm(v), cuSeqlens, strides, t, vt);
     }
   };
   KernelLaunch(t.blockDim, soc.ub_size, kernel);

@@ -38,6 +38,7 @@ int64_t UbBytes(int64_t rows, int64_t headDim, int64_t blockKv, int64_t elt) {
   b += UbSlot(blockKv * rows * 4);      // S^T / P^T tile
   b += 2 * UbSlot(blockKv * ld * elt);  // K and V tiles as copied in
   if (elt != 4) b += 2 * UbSlot(blockKv * ld * 4);  // K and V widened to fp32
+  if (elt == 2) b += UbSlot(FlashAttentionPackedPBytes(rows, blockKv));  // bf16's packed P (fp16: never used)
   b += UbSlot(6 * rows * 4);            // row statistics: max, new max, safe max, alpha, sum, tile sum
   return b;
 }

@@ -50,6 +50,19 @@ struct FlashAttentionStrides {
   }
 };
 
+// The bf16 GEMM path's V^T workspace (flash_attention_kernel.cpp): the host transposes every K/V tile's V
+// once per call, V^T [headDim][blockKv] per (tile, kv head), tile g of sequence b being tileBase[b] + j; the
+// kernel reads tile (g, h) at vT + (g * numKvHeads + h) * headDim * blockKv. Null vT: the fp32 path.
+struct FlashAttentionVT {
+  const uint16_t* vT = nullptr;
+  const int64_t* tileBase = nullptr;
+};
+
+// UB of the bf16 path's packed P (pack_f32_pairs_kn_bf16 of a rows x blockKv P^T tile: 16-row panels).
+inline int64_t FlashAttentionPackedPBytes(int64_t rows, int64_t blockKv) {
+  return (rows + 15) / 16 * 16 * ((blockKv + 1) / 2) * 2 * 2;
+}
+
 // Keys [first, last) * blockKv of a sequence of seqLen tokens that queries
 // [qStart, qStart + qLen) can see; tiles outside are skipped entirely.
 inline void FlashAttentionKvTiles(int64_t qStart, int64_t qLen, int64_t seqLen, int64_t blockKv, bool causal,
