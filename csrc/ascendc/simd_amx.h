@@ -186,13 +186,19 @@ template <int MT, int NT>
 inline void AmxChunks(const AmxBlockOperands& o, int64_t c0, int64_t c1, bool tail) {
   auto step = [](const uint16_t* a0, int64_t s0, const uint16_t* a1, int64_t s1, const uint16_t* b0,
                  const uint16_t* b1) {
+    // Each product issued as soon as its two tiles are loaded, so the later loads overlap the earlier
+    // products (the tiles are not renamed: a load waits for the product still reading its tile).
     AmxLoad<4>(a0, s0);
-    if constexpr (MT == 2) AmxLoad<5>(a1, s1);
     AmxLoad<6>(b0, 64);
-    if constexpr (NT == 2) AmxLoad<7>(b1, 64);
     AmxDp<0, 4, 6>();
-    if constexpr (NT == 2) AmxDp<1, 4, 7>();
-    if constexpr (MT == 2) AmxDp<2, 5, 6>();
+    if constexpr (NT == 2) {
+      AmxLoad<7>(b1, 64);
+      AmxDp<1, 4, 7>();
+    }
+    if constexpr (MT == 2) {
+      AmxLoad<5>(a1, s1);
+      AmxDp<2, 5, 6>();
+    }
     if constexpr (MT == 2 && NT == 2) AmxDp<3, 5, 7>();
   };
   for (int64_t ch = c0; ch < c1; ++ch)

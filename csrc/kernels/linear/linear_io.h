@@ -270,13 +270,12 @@ class LinearGemmIo : protected LinearIo<T> {
         if (kv <= 0) break;  // only padding left (quantized K)
         for (int st = 0; st < this->streams_; ++st)
           self().PackPairs(st, st == 1 ? 1 : u.s, u.row, u.nt, k0, kv, bBuf_[st].template Get<uint16_t>().GetPhyAddr());
-        for (int64_t mt0 = 0; mt0 < u.mp; mt0 += t.mTile) {
-          int64_t mt = std::min(t.mTile, u.mp - mt0);
-          const uint16_t* a = AscendC::StorageBits(this->xGm_.GetPhyAddr((u.m0 + mt0) * t.k + k0));
-          for (int st = 0; st < this->streams_; ++st)
-            self().DpMmad(st, u.m0 + mt0, k0, cBuf_[st].template Get<float>().GetPhyAddr(mt0 * t.nTile), t.nTile, a, t.k,
-                          bBuf_[st].template Get<uint16_t>().GetPhyAddr(), mt, u.nt, kv, k0 > 0);
-        }
+        // All of the pass's rows in one call: the micro-kernels block M themselves (AMX: 32-row blocks, so
+        // a call per 48-row mTile left every second block half empty), and the sums do not depend on it.
+        const uint16_t* a = AscendC::StorageBits(this->xGm_.GetPhyAddr(u.m0 * t.k + k0));
+        for (int st = 0; st < this->streams_; ++st)
+          self().DpMmad(st, u.m0, k0, cBuf_[st].template Get<float>().GetPhyAddr(), t.nTile, a, t.k,
+                        bBuf_[st].template Get<uint16_t>().GetPhyAddr(), u.mp, u.nt, kv, k0 > 0);
       }
       for (int64_t mt0 = 0; mt0 < u.mp; mt0 += t.mTile) OutputRows(u, mt0, std::min(t.mTile, u.mp - mt0));
     }
