@@ -229,12 +229,13 @@ def cmd_check(args) -> int:
         from atb.quant.gguf import type_summary
 
         print(f"GGUF weight matrices under --quantize native: {type_summary(args.model)}")
-    from atb.kernels.linear import routing_mode, routing_table
+    from atb.kernels.linear import ROUTED_OPS, routing_mode, routing_table
 
     info = atb.build_info()
-    table = routing_table([dtype])[str(dtype).replace("torch.", "")]
-    print(f"linear routing by rows of x ({info['processor']}, isa {info['isa']}, mode {routing_mode()}): "
-          + ", ".join(f"{rows}: {path}" for rows, path in table.items()))
+    table = routing_table([dtype], ROUTED_OPS)[str(dtype).replace("torch.", "")]
+    print(f"linear routing by rows of x ({info['processor']}, isa {info['isa']}, mode {routing_mode()}):")
+    for op, rows in table.items():
+        print(f"  {op}: " + ", ".join(f"{r}: {path}" for r, path in rows.items()))
     return 0 if report.supported else 1
 
 

@@ -28,7 +28,7 @@ everything done is undone by ``unpatch_hf_model``):
   the engine's SwiGLU MLP), reading the module's own Parameters.
 * **Linear** — every projection (q/k/v in one launch, gate+up+silu*mul in one
   pass, o, down, LM head) goes through ``atb.layers.linear``, which asks
-  ``atb.kernels.linear.native_linear_wins(rows, dtype)`` (the one routing
+  ``atb.kernels.linear.native_linear_wins(rows, dtype, op)`` (the one routing
   policy) whether the native kernel or torch's GEMM runs.
 * **Decoder layer** — a ``forward`` in HF's order whose residual adds are
   fused: the add after attention with the post-attention norm
@@ -65,7 +65,7 @@ from atb.registry import get_adapter, supported_model_types
 
 ATTN_NAME = "atb"
 # How the report words the routing of projections (the one routing policy decides it).
-_LINEAR_ROUTE = "where atb.kernels.linear.native_linear_wins(rows, dtype), else torch's GEMM"
+_LINEAR_ROUTE = "where atb.kernels.linear.native_linear_wins(rows, dtype, op), else torch's GEMM"
 # Oldest transformers this module is written and tested against (rope_parameters, the `cache` argument name,
 # AttentionMaskInterface signatures) and the newest tested.
 MIN_TRANSFORMERS = (5, 24)

@@ -20,10 +20,11 @@ def measured(tmp_path, monkeypatch):
     calls = []
     speeds = {"native": 10.0, "torch": 20.0}
 
-    def fake_measure(rows, dtype, k=1024, n=1024):
-        calls.append((rows, dtype))
-        return {"rows": rows, "k": k, "n": n, "native_us": speeds["native"], "torch_us": speeds["torch"],
-                "native": speeds["native"] <= speeds["torch"]}
+    def fake_measure(rows, dtype, k=1024, n=1024, op="linear"):
+        calls.append((rows, dtype) if op == "linear" else (rows, dtype, op))
+        native = speeds.get(op, speeds["native"])
+        return {"rows": rows, "k": k, "n": n, "native_us": native, "torch_us": speeds["torch"],
+                "native": native <= speeds["torch"]}
 
     monkeypatch.setattr(routing, "measure_linear", fake_measure)
     routing._decisions.clear()
@@ -74,7 +75,7 @@ def test_slower_native_routes_to_torch_and_isa_is_part_of_the_key(measured):
     calls, speeds, _ = measured
     speeds["native"] = 30.0
     assert not routing.native_linear_wins(300, torch.bfloat16)
-    assert calls == [(256, torch.bfloat16)]
+    assert calls == [(512, torch.bfloat16)]
     atb.set_isa("portable")
     try:
         speeds["native"] = 5.0
@@ -97,15 +98,46 @@ def test_unwritable_or_corrupt_cache_is_not_fatal(measured, monkeypatch):
     assert len(calls) == 2
 
 
-def test_routing_table_and_real_measurement(tmp_path, monkeypatch):
-    # The real timer on a small shape: both kernels run and a decision lands in the cache.
+def test_each_op_is_decided_on_its_own(measured):
+    # A fused entry can win where the plain GEMM loses (torch pays separate elementwise passes): one decision
+    # per (op, bucket, dtype), each cached under its own key, and the layers ask with their op.
+    calls, speeds, tmp_path = measured
+    speeds.update({"native": 30.0, "swiglu": 12.0})
+    assert not routing.native_linear_wins(300, torch.bfloat16)
+    assert routing.native_linear_wins(300, torch.bfloat16, "swiglu")
+    assert not routing.native_linear_wins(300, torch.bfloat16, "residual")
+    assert calls == [(512, torch.bfloat16), (512, torch.bfloat16, "swiglu"), (512, torch.bfloat16, "residual")]
+    cached = json.loads((tmp_path / "routing.json").read_text())["machines"]
+    keys = set(next(iter(cached.values()))["bfloat16"])
+    assert keys == {"512", "swiglu 512", "residual 512"}
+    assert routing.measured_decisions()["bfloat16"] == {"512": "torch", "residual 512": "torch", "swiglu 512": "native"}
+    x = torch.randn(300, 32).to(torch.bfloat16)
+    gate, up, w = (torch.randn(48, 32).to(torch.bfloat16) for _ in range(3))
+    from atb.layers import linear as layers
+    assert torch.equal(layers.swiglu(x, gate, up), atb.kernels.linear_swiglu(x, gate, up))
+    plain = layers.linear(x, w)
+    assert torch.equal(plain, torch.nn.functional.linear(x, w))
+    speeds["qkv"] = 12.0   # the fused q/k/v launch is its own op too
+    fused = layers.linear_multi(x, [w, gate], [None, None])
+    assert all(torch.equal(a, b) for a, b in zip(fused, atb.kernels.linear_multi(x, [w, gate])))
+    assert calls[-1] == (512, torch.bfloat16, "qkv")
+    with pytest.raises(ValueError, match="op must be one of"):
+        routing.native_linear_wins(300, torch.bfloat16, "gelu")
+
+
+@pytest.mark.parametrize("op", routing.ROUTED_OPS)
+def test_routing_table_and_real_measurement(tmp_path, monkeypatch, op):
+    # The real timer on a small shape: both sides of the op run and a decision lands in the cache.
     monkeypatch.setenv("ATB_CACHE_DIR", str(tmp_path))
-    r = routing.measure_linear(3, torch.float32, k=64, n=64)
+    r = routing.measure_linear(3, torch.float32, k=64, n=64, op=op)
     assert r["native_us"] > 0 and r["torch_us"] > 0 and r["native"] == (r["native_us"] <= r["torch_us"])
     routing.set_routing("native")
     try:
-        assert routing.routing_table([torch.float32]) == {
-            "float32": {"1": "native", "2-7": "native", "8-31": "native", "32-127": "native", ">=128": "native"}}
+        everywhere = {"1": "native", "2-7": "native", "8-31": "native", "32-127": "native", "128-255": "native",
+                      ">=256": "native"}
+        assert routing.routing_table([torch.float32]) == {"float32": everywhere}
+        assert routing.routing_table([torch.float32], routing.ROUTED_OPS) == {
+            "float32": {o: everywhere for o in routing.ROUTED_OPS}}
     finally:
         routing.set_routing(None)
 

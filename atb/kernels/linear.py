@@ -33,16 +33,31 @@ LINEAR_CROSSOVER_M = 32
 
 ROUTING_MODES = ("measure", "native", "torch", "crossover")
 # Rows are routed by bucket (label, largest rows, representative rows measured).
-_ROW_BUCKETS = (("1", 1, 1), ("2-7", 7, 4), ("8-31", 31, 16), ("32-127", 127, 64), (">=128", None, 256))
+# Prefill rows split at 256: on an AMX Xeon the native fused SwiGLU beats torch's at 128 rows (469 against
+# 515 us, SmolLM2's 576 -> 1536) and loses at 512 (1405 against 1193), where oneDNN's larger blocking pays.
+_ROW_BUCKETS = (("1", 1, 1), ("2-7", 7, 4), ("8-31", 31, 16), ("32-127", 127, 64), ("128-255", 255, 128),
+                (">=256", None, 512))
 # The measured shape: a hidden-size-like K and N (4 MiB of fp32 weight), big
 # enough that launch overheads do not decide, small enough for a few ms per run.
 _MEASURE_K = _MEASURE_N = 1024
 # r2: bf16 GEMM on AVX512-BF16 runs vdpbf16ps (from 16 rows on). r3: its k-pair-packed form from 128 rows on.
-# r4: the vdpbf16ps GEMM from 6 rows on.
-_KERNELS_REVISION = 4
+# r4: the vdpbf16ps GEMM from 6 rows on. r5: decided per op (ROUTED_OPS), prefill rows in two buckets.
+_KERNELS_REVISION = 5
+# The ops routed on their own: each is measured as the model runs it, the native fused entry against torch's
+# equivalent. A plain GEMM probe alone undersold the fused ones: on an AMX Xeon torch's bf16 GEMM beats the
+# native one at 256 rows (296 against 367 us), yet the patched SmolLM2's prefill ran 1.30x HF with every
+# projection native and 1.15x with the plain probe's decision, since the fused SwiGLU and residual epilogues
+# save torch's separate elementwise passes.
+#   linear:   linear                             vs F.linear
+#   qkv:      linear_multi over q, k and v (n, n/4 and n/4 rows: GQA's shape) vs three F.linear
+#   residual: linear_residual                    vs residual + F.linear
+#   swiglu:   linear_swiglu (gate and up)        vs F.silu(F.linear(x, gate)) * F.linear(x, up)
+# Patched SmolLM2, 128-token bf16 prefill on that Xeon, against HF: 1.16x with only swiglu native at 128
+# rows (the probes of linear and residual were ties lost by 1-4%), 1.23x with q/k/v native as well.
+ROUTED_OPS = ("linear", "qkv", "residual", "swiglu")
 _routing_mode: str | None = None
-_decisions: dict = {}   # (machine key, bucket, dtype name) -> measurement dict
-_memo: dict = {}        # (isa, threads, rows, dtype) -> bool, the hot path
+_decisions: dict = {}   # (machine key, bucket, dtype name, op) -> measurement dict
+_memo: dict = {}        # (isa, threads, rows, dtype, op) -> bool, the hot path
 
 
 def routing_mode() -> str:
@@ -103,12 +118,27 @@ def _best_us(fns, reps: int = 7) -> list[float]:
     return [b * 1e6 for b in best]
 
 
-def measure_linear(rows: int, dtype: torch.dtype, k: int = _MEASURE_K, n: int = _MEASURE_N) -> dict:
-    """Times the native ``linear`` and ``torch.nn.functional.linear`` on x ``[rows, k]``, W ``[n, k]``."""
+def measure_linear(rows: int, dtype: torch.dtype, k: int = _MEASURE_K, n: int = _MEASURE_N, op: str = "linear") -> dict:
+    """Times the native entry of ``op`` (``ROUTED_OPS``) and torch's equivalent on x ``[rows, k]``, weights
+    ``[n, k]``."""
+    if op not in ROUTED_OPS:
+        raise ValueError(f"measure_linear: op must be one of {', '.join(ROUTED_OPS)}, got {op!r}")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, k, generator=g).to(dtype)
     w = torch.randn(n, k, generator=g).to(dtype)
-    native_us, torch_us = _best_us([lambda: linear(x, w, soc_type="host"), lambda: torch.nn.functional.linear(x, w)])
+    F = torch.nn.functional
+    if op == "linear":
+        fns = [lambda: linear(x, w, soc_type="host"), lambda: F.linear(x, w)]
+    elif op == "qkv":
+        kv = [torch.randn(max(1, n // 4), k, generator=g).to(dtype) for _ in range(2)]
+        fns = [lambda: linear_multi(x, [w, *kv], soc_type="host"), lambda: [F.linear(x, t) for t in (w, *kv)]]
+    elif op == "residual":
+        r = torch.randn(rows, n, generator=g).to(dtype)
+        fns = [lambda: linear_residual(x, w, r, soc_type="host"), lambda: r + F.linear(x, w)]
+    else:
+        u = torch.randn(n, k, generator=g).to(dtype)
+        fns = [lambda: linear_swiglu(x, w, u, soc_type="host"), lambda: F.silu(F.linear(x, w)) * F.linear(x, u)]
+    native_us, torch_us = _best_us(fns)
     return {"rows": rows, "k": k, "n": n, "native_us": round(native_us, 1), "torch_us": round(torch_us, 1),
             "native": native_us <= torch_us}
 
@@ -122,10 +152,14 @@ def _load_cache(path: str) -> dict:
         return {"machines": {}}
 
 
-def _store(machine: str, dtype_name: str, bucket: int, result: dict) -> None:
+def _cache_key(op: str, bucket: int) -> str:
+    return str(bucket) if op == "linear" else f"{op} {bucket}"
+
+
+def _store(machine: str, dtype_name: str, key: str, result: dict) -> None:
     path = routing_cache_path()
     data = _load_cache(path)
-    data["machines"].setdefault(machine, {}).setdefault(dtype_name, {})[str(bucket)] = result
+    data["machines"].setdefault(machine, {}).setdefault(dtype_name, {})[key] = result
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -136,23 +170,25 @@ def _store(machine: str, dtype_name: str, bucket: int, result: dict) -> None:
         pass  # a read-only home: the decision still holds for this process
 
 
-def _decision(bucket: int, dtype: torch.dtype) -> dict:
+def _decision(bucket: int, dtype: torch.dtype, op: str) -> dict:
     machine, name = _machine_key(), str(dtype).replace("torch.", "")
-    key = (machine, bucket, name)
+    key = (machine, bucket, name, op)
     if key not in _decisions:
-        cached = _load_cache(routing_cache_path())["machines"].get(machine, {}).get(name, {}).get(str(bucket))
+        cache_key = _cache_key(op, bucket)
+        cached = _load_cache(routing_cache_path())["machines"].get(machine, {}).get(name, {}).get(cache_key)
         if not (isinstance(cached, dict) and isinstance(cached.get("native"), bool)):
-            cached = measure_linear(bucket, dtype)
-            _store(machine, name, bucket, cached)
+            cached = measure_linear(bucket, dtype, op=op)
+            _store(machine, name, cache_key, cached)
         _decisions[key] = cached
     return _decisions[key]
 
 
-def native_linear_wins(rows: int, dtype: torch.dtype) -> bool:
-    """The routing policy every path asks: should a linear with ``rows`` rows of x in ``dtype`` run the native
-    kernel (True) or torch's GEMM (False)?
+def native_linear_wins(rows: int, dtype: torch.dtype, op: str = "linear") -> bool:
+    """The routing policy every path asks: should ``op`` (``ROUTED_OPS``: ``linear``, the fused ``qkv``,
+    ``residual``, ``swiglu``) with ``rows`` rows of x in ``dtype`` run the native kernel (True) or torch's
+    (False)?
 
-    By default measured: the first call per (row bucket, dtype) times both on a 1024x1024 weight on this
+    By default measured: the first call per (op, row bucket, dtype) times both on 1024x1024 weights on this
     machine and caches the answer per CPU model, ISA and thread count (``routing_cache_path()``). ``ATB_ROUTING``
     or ``set_routing`` force ``native``, ``torch`` or the fixed ``crossover`` policy instead.
     """
@@ -163,30 +199,34 @@ def native_linear_wins(rows: int, dtype: torch.dtype) -> bool:
         return False
     if mode == "crossover":
         return rows < LINEAR_CROSSOVER_M or dtype != torch.float32
-    memo = (_C.isa(), _C.get_num_threads(), rows, dtype)
+    memo = (_C.isa(), _C.get_num_threads(), rows, dtype, op)
     wins = _memo.get(memo)
     if wins is None:
-        wins = _memo[memo] = bool(_decision(_bucket(rows), dtype)["native"])
+        if op not in ROUTED_OPS:
+            raise ValueError(f"native_linear_wins: op must be one of {', '.join(ROUTED_OPS)}, got {op!r}")
+        wins = _memo[memo] = bool(_decision(_bucket(rows), dtype, op)["native"])
     return wins
 
 
 def measured_decisions() -> dict:
-    """Decisions this process has measured or read from the cache: ``{dtype: {rows: "native"|"torch"}}``."""
+    """Decisions this process has measured or read from the cache: ``{dtype: {"[op ]rows": "native"|"torch"}}``
+    (the op named unless it is ``linear``)."""
     out: dict = {}
     machine = _machine_key()
-    for (m, bucket, name), d in sorted(_decisions.items(), key=lambda kv: (kv[0][2], kv[0][1])):
+    for (m, bucket, name, op), d in sorted(_decisions.items(), key=lambda kv: (kv[0][2], kv[0][3], kv[0][1])):
         if m == machine:
-            out.setdefault(name, {})[str(bucket)] = "native" if d["native"] else "torch"
+            out.setdefault(name, {})[_cache_key(op, bucket)] = "native" if d["native"] else "torch"
     return out
 
 
-def routing_table(dtypes=(torch.float32, torch.bfloat16)) -> dict:
-    """Every bucket's decision for ``dtypes`` (measuring the missing ones): ``{dtype: {rows: "native"|"torch"}}``,
-    under the active mode."""
+def routing_table(dtypes=(torch.float32, torch.bfloat16), ops=("linear",)) -> dict:
+    """Every bucket's decision for ``dtypes`` and ``ops`` (measuring the missing ones), under the active mode:
+    ``{dtype: {rows: "native"|"torch"}}`` for ``ops=("linear",)``, else ``{dtype: {op: {rows: ...}}}``."""
     table = {}
     for dt in dtypes:
-        table[str(dt).replace("torch.", "")] = {
-            label: "native" if native_linear_wins(rep, dt) else "torch" for label, _, rep in _ROW_BUCKETS}
+        per_op = {op: {label: "native" if native_linear_wins(rep, dt, op) else "torch" for label, _, rep in _ROW_BUCKETS}
+                  for op in ops}
+        table[str(dt).replace("torch.", "")] = per_op["linear"] if tuple(ops) == ("linear",) else per_op
     return table
 
 
