@@ -232,9 +232,10 @@ def cmd_check(args) -> int:
     from atb.kernels.linear import ROUTED_OPS, routing_mode, routing_table
 
     info = atb.build_info()
-    table = routing_table([dtype], ROUTED_OPS)[str(dtype).replace("torch.", "")]
+    name = str(dtype).replace("torch.", "")
     print(f"linear routing by rows of x ({info['processor']}, isa {info['isa']}, mode {routing_mode()}):")
-    for op, rows in table.items():
+    for op in ROUTED_OPS:
+        rows = routing_table([dtype], op)[name]
         print(f"  {op}: " + ", ".join(f"{r}: {path}" for r, path in rows.items()))
     return 0 if report.supported else 1
 

@@ -219,15 +219,12 @@ def measured_decisions() -> dict:
     return out
 
 
-def routing_table(dtypes=(torch.float32, torch.bfloat16), ops=("linear",)) -> dict:
-    """Every bucket's decision for ``dtypes`` and ``ops`` (measuring the missing ones), under the active mode:
-    ``{dtype: {rows: "native"|"torch"}}`` for ``ops=("linear",)``, else ``{dtype: {op: {rows: ...}}}``."""
-    table = {}
-    for dt in dtypes:
-        per_op = {op: {label: "native" if native_linear_wins(rep, dt, op) else "torch" for label, _, rep in _ROW_BUCKETS}
-                  for op in ops}
-        table[str(dt).replace("torch.", "")] = per_op["linear"] if tuple(ops) == ("linear",) else per_op
-    return table
+def routing_table(dtypes=(torch.float32, torch.bfloat16), op: str = "linear") -> dict:
+    """Every bucket's decision for ``op`` in ``dtypes`` (measuring the missing ones), under the active mode:
+    ``{dtype: {rows: "native"|"torch"}}``."""
+    return {str(dt).replace("torch.", ""): {label: "native" if native_linear_wins(rep, dt, op) else "torch"
+                                            for label, _, rep in _ROW_BUCKETS}
+            for dt in dtypes}
 
 
 class _FloatWeights:

@@ -1006,9 +1006,9 @@ void PackQ8Pairs(uint16_t* dst, const int8_t* q, int64_t ldq, int64_t N, int64_t
 
 // acc[r][v] += the pairs [j0, j1) of A's R rows (lda apart) against NV panels (panelStride apart), then,
 // if `half`, the lone pair j1 whose second value is past K (not read: the packing's zero takes its place).
-// A's pair j of row r is at A + r * lda + j * ldp (ldp = 2: rows as they lie).
+// A's rows as they lie: pair j of row r is at A + r * lda + 2 * j.
 template <int R, int NV>
-inline void DpPairs(V (&acc)[R][NV], const uint16_t* A, int64_t lda, int64_t ldp, const uint16_t* Bp,
+inline void DpPairs(V (&acc)[R][NV], const uint16_t* A, int64_t lda, const uint16_t* Bp,
                     int64_t panelStride, int64_t j0, int64_t j1, bool half) {
   auto step = [&](int64_t j, auto pairOf) {
     __m512bh b[NV];
@@ -1016,7 +1016,7 @@ inline void DpPairs(V (&acc)[R][NV], const uint16_t* A, int64_t lda, int64_t ldp
     for (int v = 0; v < NV; ++v) b[v] = LoadBh(Bp + v * panelStride + j * 32);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      __m512bh a = AsBh(_mm512_set1_epi32(pairOf(A + r * lda + j * ldp)));
+      __m512bh a = AsBh(_mm512_set1_epi32(pairOf(A + r * lda + 2 * j)));
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
     }
@@ -1051,12 +1051,12 @@ struct PanelAcc {
 // R rows of C by NV panels (16 * NV columns, the last panel's stores masked by `last`), over `pairs` k pairs
 // of which the last is half (odd K: its second value is not read, the packing's zero takes its place).
 template <int R, int NV>
-__attribute__((noinline)) void TileDpPacked(float* C, int64_t ldc, const uint16_t* A, int64_t lda, int64_t ldp,
+__attribute__((noinline)) void TileDpPacked(float* C, int64_t ldc, const uint16_t* A, int64_t lda,
                                             const uint16_t* Bp, int64_t panelStride, int64_t K, bool acc,
                                             __mmask16 last) {
   V c[R][NV];
   PanelAcc<R, NV>::Load(c, C, ldc, acc, last);
-  DpPairs<R, NV>(c, A, lda, ldp, Bp, panelStride, 0, K / 2, K % 2);
+  DpPairs<R, NV>(c, A, lda, Bp, panelStride, 0, K / 2, K % 2);
   PanelAcc<R, NV>::Store(c, C, ldc, last);
 }
 
@@ -1065,38 +1065,32 @@ __attribute__((noinline)) void TileDpPacked(float* C, int64_t ldc, const uint16_
 constexpr int kDpTileRows = 6, kDpTilePanels = 4;
 
 template <int NV>
-void RowsDpPacked(float* C, int64_t ldc, const uint16_t* A, int64_t lda, int64_t ldp, const uint16_t* Bp,
+void RowsDpPacked(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp,
                   int64_t panelStride, int64_t M, int64_t K, bool acc, __mmask16 last) {
   ForRowTiles<kDpTileRows>(M, [&](auto rows, int64_t m) {
-    TileDpPacked<decltype(rows)::value, NV>(C + m * ldc, ldc, A + m * lda, lda, ldp, Bp, panelStride, K, acc, last);
+    TileDpPacked<decltype(rows)::value, NV>(C + m * ldc, ldc, A + m * lda, lda, Bp, panelStride, K, acc, last);
   });
 }
 
-// A's pair j of row m at A + m * lda + j * ldp.
-void MmadDpPacked(float* C, int64_t ldc, const uint16_t* A, int64_t lda, int64_t ldp, const uint16_t* Bp, int64_t M,
-                  int64_t N, int64_t K, bool acc) {
+void MmadDpBf16Packed(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t M,
+                      int64_t N, int64_t K, bool acc) {
   // All of K per tile: the group's packed rows (64 x K) stream from L2. Chunks of 128 k kept in L1 measured
   // slower (Zen 4, one core, 48 x 64 x 1536: 199 against 228 GFLOP/s): the accumulators' trips through C
   // cost more than L2 reads, which the hardware prefetcher keeps ahead.
   const int64_t stride = 32 * ((K + 1) / 2);  // one panel
   int64_t n = 0;
   for (; n + kDpTilePanels * kPairPanel <= N; n += kDpTilePanels * kPairPanel)
-    RowsDpPacked<kDpTilePanels>(C + n, ldc, A, lda, ldp, Bp + (n / kPairPanel) * stride, stride, M, K, acc, 0xffff);
+    RowsDpPacked<kDpTilePanels>(C + n, ldc, A, lda, Bp + (n / kPairPanel) * stride, stride, M, K, acc, 0xffff);
   const int64_t left = N - n;
   if (left == 0) return;
   const __mmask16 last = Tail((left - 1) % kPairPanel + 1);  // 1 to 63 columns left: 1 to 4 panels
   const uint16_t* b = Bp + (n / kPairPanel) * stride;
   switch ((left + kPairPanel - 1) / kPairPanel) {
-    case 4: return RowsDpPacked<4>(C + n, ldc, A, lda, ldp, b, stride, M, K, acc, last);
-    case 3: return RowsDpPacked<3>(C + n, ldc, A, lda, ldp, b, stride, M, K, acc, last);
-    case 2: return RowsDpPacked<2>(C + n, ldc, A, lda, ldp, b, stride, M, K, acc, last);
-    default: return RowsDpPacked<1>(C + n, ldc, A, lda, ldp, b, stride, M, K, acc, last);
+    case 4: return RowsDpPacked<4>(C + n, ldc, A, lda, b, stride, M, K, acc, last);
+    case 3: return RowsDpPacked<3>(C + n, ldc, A, lda, b, stride, M, K, acc, last);
+    case 2: return RowsDpPacked<2>(C + n, ldc, A, lda, b, stride, M, K, acc, last);
+    default: return RowsDpPacked<1>(C + n, ldc, A, lda, b, stride, M, K, acc, last);
   }
-}
-
-void MmadDpBf16Packed(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t M,
-                      int64_t N, int64_t K, bool acc) {
-  MmadDpPacked(C, ldc, A, lda, 2, Bp, M, N, K, acc);
 }
 
 // pack_f32_pairs_kn_bf16: rows 2j and 2j + 1 of a 16-column panel rounded (Bf16Bits), the second into the
@@ -1176,7 +1170,7 @@ __attribute__((noinline)) void TileDpGrouped(float* C, int64_t ldc, const uint16
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) t[r][v] = _mm512_setzero_ps();
     const int64_t end = std::min((g + 1) * q.G, K);
-    DpPairs<R, NV>(t, A, lda, 2, Bp, panelStride, g * q.G / 2, end / 2, end % 2);
+    DpPairs<R, NV>(t, A, lda, Bp, panelStride, g * q.G / 2, end / 2, end % 2);
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
       V s = _mm512_loadu_ps(q.scale + v * q.ldsp + g * 16);

@@ -105,7 +105,9 @@ class KernelFlashAttention {
         ScoresDp(kGm_[(seqStart + kvStart) * st_.kToken + u.kvHead * st_.kHead].GetPhyAddr(), nk);
         Mask(u.qStart, kvStart, nk);
         Softmax(nk);
-        PVDp(vt_.vT + ((vt_.tileBase[u.seq] + j) * t_->numKvHeads + u.kvHead) * t_->headDim * t_->blockKv, nk);
+        PVDp(vt_.vT + FlashAttentionVTOffset(vt_.tileBase[u.seq] + j, u.kvHead, t_->numKvHeads, t_->headDim,
+                                             t_->blockKv),
+             nk);
         continue;
       }
       CopyInKV(seqStart + kvStart, u.kvHead, nk);
@@ -350,7 +352,7 @@ void TransposeVTiles(uint16_t* vT, const int64_t* tileBase, const uint16_t* v, c
     const int64_t g = i / kvh, h = i % kvh;
     while (tileBase[b + 1] <= g) ++b;
     const int64_t kv0 = (g - tileBase[b]) * bk, nk = std::min(bk, int64_t(cu[b + 1] - cu[b]) - kv0);
-    uint16_t* dst = vT + i * d * bk;
+    uint16_t* dst = vT + FlashAttentionVTOffset(g, h, kvh, d, bk);
     Simd().transpose_b16(dst, bk, v + (cu[b] + kv0) * st.vToken + h * st.vHead, st.vToken, nk, d);
     for (int64_t r = 0; nk < bk && r < d; ++r) std::fill(dst + r * bk + nk, dst + (r + 1) * bk, uint16_t(0));
   }

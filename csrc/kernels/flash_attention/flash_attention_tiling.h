@@ -58,6 +58,11 @@ struct FlashAttentionVT {
   const int64_t* tileBase = nullptr;
 };
 
+// Elements before the V^T of tile g (tileBase[b] + j), kv head h in the workspace.
+inline int64_t FlashAttentionVTOffset(int64_t g, int64_t h, int64_t numKvHeads, int64_t headDim, int64_t blockKv) {
+  return (g * numKvHeads + h) * headDim * blockKv;
+}
+
 // UB of the bf16 path's packed P (pack_f32_pairs_kn_bf16 of a rows x blockKv P^T tile: 16-row panels).
 inline int64_t FlashAttentionPackedPBytes(int64_t rows, int64_t blockKv) {
   return (rows + 15) / 16 * 16 * ((blockKv + 1) / 2) * 2 * 2;
