@@ -3,7 +3,8 @@
 Each function takes a ``route``, how its projections pick a kernel:
 
 * ``"policy"`` (default): ask :func:`atb.kernels.linear.native_linear_wins` (the one routing policy) for
-  ``(rows, dtype, op)`` (op: ``linear``, ``qkv`` for a fused multi-weight projection, ``residual``, ``swiglu``) and run the native kernel family (``linear``, ``linear_multi``, ``linear_residual``,
+  ``(rows, dtype, op)`` (op: ``linear``, ``qkv`` for a fused multi-weight projection, ``residual``,
+  ``swiglu``) and run the native kernel family (``linear``, ``linear_multi``, ``linear_residual``,
   ``linear_swiglu``) when it says so, torch's GEMM otherwise;
 * ``"torch"``: torch's GEMM (``patch_hf_model(linear=False)``);
 * ``"row_invariant"``: the native GEMM kernel at every row count, so a row's bits do not depend on how many
