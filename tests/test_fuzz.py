@@ -27,7 +27,7 @@ from atb import kernels as K
 from atb.kernels.linear import native_linear_wins
 from atb.quant import quantize_weight
 from reference import (TOLERANCES, assert_close, flash_attention_ref, linear_ref, linear_residual_ref,
-                       linear_swiglu_ref, paged_attention_ref, quant_dequant_ref, reshape_and_cache_ref, rms_norm_ref,
+                       linear_swiglu_ref, paged_attention_ref, quant_weight_ref, reshape_and_cache_ref, rms_norm_ref,
                        add_rms_norm_ref, rope_ref, silu_mul_ref, swiglu_ref)
 
 SEED = int(os.environ.get("ATB_FUZZ_SEED", "20261130"))
@@ -297,7 +297,9 @@ def _fuzz_linear(rng, g, bad, op):
     if bad is None and op != "linear_auto" and m > 0 and rng.random() < 0.35:
         quant = (rng.choice(QUANT_FORMATS), rng.choice([None, torch.float32, torch.bfloat16]))
     qw = (lambda t: quantize_weight(t.float(), *quant[0], scale_dtype=quant[1])) if quant else (lambda t: t)
-    wr = (lambda t: quant_dequant_ref(t)) if quant else (lambda t: t)
+    # The weight each call multiplies by (launch: the call's weights; epilogue: 0, 1 residual, 2 SwiGLU).
+    wr = ((lambda t, launch=None, ep=0: quant_weight_ref(t, x, launch, ep, soc or "host")) if quant
+          else (lambda t, launch=None, ep=0: t))
     w = qw(w)
     if op in ("linear", "linear_auto"):
         call = lambda x=x, w=w, bias=bias, soc=soc: getattr(K, op)(x, w, bias, soc_type=soc)  # noqa: E731
@@ -307,15 +309,15 @@ def _fuzz_linear(rng, g, bad, op):
                     for _ in range(rng.randint(0, 2))]
         bs = [None if rng.random() < 0.5 else _randn(g, (t.shape[0],), dtype) for t in ws]
         call = lambda x=x, ws=ws, bs=bs, soc=soc: K.linear_multi(x, ws, bs, soc_type=soc)  # noqa: E731
-        ref = lambda: [linear_ref(x, wr(t), b) for t, b in zip(ws, bs)]  # noqa: E731
+        ref = lambda: [linear_ref(x, wr(t, ws), b) for t, b in zip(ws, bs)]  # noqa: E731
     elif op == "linear_residual":
         res = _view(rng, g, (m, n), dtype)
         call = lambda x=x, w=w, res=res, bias=bias, soc=soc: K.linear_residual(x, w, res, bias, soc_type=soc)  # noqa: E731
-        ref = lambda: linear_residual_ref(x, wr(w), res, bias)  # noqa: E731
+        ref = lambda: linear_residual_ref(x, wr(w, ep=1), res, bias)  # noqa: E731
     else:
         up = qw(_view(rng, g, (n, k), dtype, scale=k ** -0.5))
         call = lambda x=x, w=w, up=up, soc=soc: K.linear_swiglu(x, w, up, soc_type=soc)  # noqa: E731
-        ref = lambda: linear_swiglu_ref(x, wr(w), wr(up))  # noqa: E731
+        ref = lambda: linear_swiglu_ref(x, wr(w, [w, up], 2), wr(up, [w, up], 2))  # noqa: E731
     if bad and op == "linear_auto" and not native_linear_wins(m, dtype):
         bad = None  # torch's GEMM runs these shapes: its errors are torch's, so only valid calls are fuzzed
     if bad is None:

@@ -11,7 +11,7 @@ from atb.kernels._common import DTYPE_CODES
 from atb.quant import QuantizedWeight, quantize_weight
 from conftest import ALL_SOCS
 from reference import (DTYPES, assert_close, linear_ref, linear_residual_ref, linear_swiglu_ref,
-                       quant_dequant_ref)
+                       quant_dequant_ref, quant_weight_ref)
 
 ISAS = atb.quant.isa_paths()
 FORMATS = [("w8a16", 0), ("w8a16", 16), ("w8a16", 32), ("w8a16", 128), ("w4a16", 32), ("w4a16", 64), ("w4a16", 128)]
@@ -102,7 +102,7 @@ def test_linear_matches_reference(dtype, m, fmt, group, isa):
     b = torch.randn(n).to(dtype)
     y = K.linear(x, q, b)
     assert y.dtype == dtype and y.shape == (m, n)
-    assert_close(y, linear_ref(x, quant_dequant_ref(q), b), scale=_scale(k))
+    assert_close(y, linear_ref(x, quant_weight_ref(q, x), b), scale=_scale(k))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -158,7 +158,7 @@ def test_linear_multi_mixed_formats(dtype, m, isa):
     outs = K.linear_multi(x, ws, bs)
     for out, w, b in zip(outs, ws, bs):
         assert torch.equal(out, K.linear(x, w, b))  # same sums whatever the launch
-        assert_close(out, linear_ref(x, quant_dequant_ref(w), b), scale=_scale(k))
+        assert_close(out, linear_ref(x, quant_weight_ref(w, x, ws), b), scale=_scale(k))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -169,7 +169,8 @@ def test_linear_residual(dtype, m, fmt, group, isa):
     x, r = torch.randn(m, k).to(dtype), torch.randn(m, n).to(dtype)
     q = _qw(n, k, fmt, group)
     b = torch.randn(n).to(dtype)
-    assert_close(K.linear_residual(x, q, r, b), linear_residual_ref(x, quant_dequant_ref(q), r, b), scale=_scale(k))
+    assert_close(K.linear_residual(x, q, r, b), linear_residual_ref(x, quant_weight_ref(q, x, epilogue=1), r, b),
+                 scale=_scale(k))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -180,7 +181,8 @@ def test_linear_swiglu(dtype, m, fmt, group, isa):
     x = torch.randn(m, k).to(dtype)
     # Weights of std 1/sqrt(K) keep gate and up near 1, so the product's error stays at the dtype's scale.
     g, u = _qw(n, k, fmt, group, std=k ** -0.5), _qw(n, k, fmt, group, std=k ** -0.5)
-    assert_close(K.linear_swiglu(x, g, u), linear_swiglu_ref(x, quant_dequant_ref(g), quant_dequant_ref(u)))
+    assert_close(K.linear_swiglu(x, g, u), linear_swiglu_ref(x, quant_weight_ref(g, x, [g, u], 2),
+                                                            quant_weight_ref(u, x, [g, u], 2)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -199,7 +201,7 @@ def test_gemm_many_passes_and_k_chunks(dtype, soc, isa):
     x = torch.randn(m, k).to(dtype)
     ws = [_qw(n, k, f, g) for n, f, g in segs]
     for y, w in zip(K.linear_multi(x, ws, soc_type=soc), ws):
-        assert_close(y, linear_ref(x, quant_dequant_ref(w)), scale=_scale(k))
+        assert_close(y, linear_ref(x, quant_weight_ref(w, x, ws, soc_type=soc)), scale=_scale(k))
 
 
 @pytest.mark.parametrize("m", [1, 5, 40])
@@ -210,13 +212,13 @@ def test_long_k_is_chunked(m, isa):
     q = _qw(n, k, "w4a16", 128)
     # fp32 sums of 70001 terms of size ~1 drift like a random walk of |partial sum| * eps steps: ~1e-3 here,
     # past _scale(k)'s bound about once in 25 runs. 8x that bound still fails a dropped or doubled chunk (~1).
-    assert_close(K.linear(x, q), linear_ref(x, quant_dequant_ref(q)), scale=8 * _scale(k))
+    assert_close(K.linear(x, q), linear_ref(x, quant_weight_ref(q, x)), scale=8 * _scale(k))
 
 
 def test_linear_auto_routes_quantized_to_native():
     x = torch.randn(2, 5, 64)
     q = _qw(16, 64, "w8a16", 0)
-    assert_close(K.linear_auto(x, q).reshape(10, 16), linear_ref(x.reshape(10, 64), quant_dequant_ref(q)))
+    assert_close(K.linear_auto(x, q).reshape(10, 16), linear_ref(x.reshape(10, 64), quant_weight_ref(q, x)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -258,7 +260,7 @@ def test_w4_decode_bf16_pairs_and_tails(m, group, n, k, isa):
     x = torch.randn(m, k).bfloat16()
     q = _qw(n, k, "w4a16", group)
     b = torch.randn(n).bfloat16()
-    assert_close(K.linear(x, q, b), linear_ref(x, quant_dequant_ref(q), b), scale=_scale(k))
+    assert_close(K.linear(x, q, b), linear_ref(x, quant_weight_ref(q, x), b), scale=_scale(k))
 
 
 @pytest.mark.parametrize("fmt_bits,group", [(8, 0), (4, 32), (4, 128)])
@@ -395,7 +397,7 @@ def test_gguf_k_quant_blocks_bit_exact(kind, n, k, isa):
     for m in (1, 3, 40):  # the decode GEMV and the prefill GEMM
         for dtype in DTYPES:
             x = torch.randn(m, k).to(dtype)
-            assert_close(K.linear(x, q), linear_ref(x, want.double()), scale=_scale(k))
+            assert_close(K.linear(x, q), linear_ref(x, quant_weight_ref(q, x)), scale=_scale(k))
 
 
 def test_gguf_q6_k_quantizer_of_the_tests():
@@ -481,10 +483,11 @@ def test_gemm_bf16_x_on_vdpbf16ps(table, fmt, group, scale_dtype):
             seg = _seg(n, 4 if fmt == "w4a16" else 8, group)
             assert _C.quant_linear_tiling(m, k, [seg], 0, DTYPE_CODES[torch.bfloat16], host)["dp_bf16"] == "packed"
             y = K.linear(x, q, b)
-            assert_close(y, linear_ref(x, quant_dequant_ref(q), b), scale=_scale(k))
-            assert_close(K.linear_residual(x, q, r, b), linear_residual_ref(x, quant_dequant_ref(q), r, b),
+            assert_close(y, linear_ref(x, quant_weight_ref(q, x), b), scale=_scale(k))
+            assert_close(K.linear_residual(x, q, r, b), linear_residual_ref(x, quant_weight_ref(q, x, epilogue=1), r, b),
                          scale=_scale(k))
-            assert_close(K.linear_swiglu(x, q, q2), linear_swiglu_ref(x, quant_dequant_ref(q), quant_dequant_ref(q2)),
+            assert_close(K.linear_swiglu(x, q, q2), linear_swiglu_ref(x, quant_weight_ref(q, x, [q, q2], 2),
+                                                                      quant_weight_ref(q2, x, [q, q2], 2)),
                          scale=_scale(k))
             for soc in ALL_SOCS:
                 if atb.get_soc(soc).supports_bf16:
@@ -509,9 +512,11 @@ def test_dp_starts_at_6_rows_for_w4_and_16_for_w8(table):
             x = torch.randn(m, 577).bfloat16()
             q, q2 = _qw(96, 577, fmt, group), _qw(96, 577, fmt, group)
             r = torch.randn(m, 96).bfloat16()
-            assert_close(K.linear(x, q), linear_ref(x, quant_dequant_ref(q)), scale=_scale(577))
-            assert_close(K.linear_residual(x, q, r), linear_residual_ref(x, quant_dequant_ref(q), r), scale=_scale(577))
-            assert_close(K.linear_swiglu(x, q, q2), linear_swiglu_ref(x, quant_dequant_ref(q), quant_dequant_ref(q2)),
+            assert_close(K.linear(x, q), linear_ref(x, quant_weight_ref(q, x)), scale=_scale(577))
+            assert_close(K.linear_residual(x, q, r), linear_residual_ref(x, quant_weight_ref(q, x, epilogue=1), r),
+                         scale=_scale(577))
+            assert_close(K.linear_swiglu(x, q, q2), linear_swiglu_ref(x, quant_weight_ref(q, x, [q, q2], 2),
+                                                                      quant_weight_ref(q2, x, [q, q2], 2)),
                          scale=_scale(577))
     finally:
         atb.set_isa("auto")

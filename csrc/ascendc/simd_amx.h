@@ -1,5 +1,5 @@
 // AMX-BF16 forms of mmad_dp_bf16_packed (the bf16 prefill GEMM over k-pair-packed weights) and
-// mmad_dp_bf16_grouped (the same over quantized weights' integer values, per-group scales), included by
+// mmad_dp_bf16_grouped (the same over W8 weights' integer values, per-group scales), included by
 // simd_avx512.cpp inside its anonymous namespace, so it is built twice as that file is:
 // * natively (target amx-tile, amx-bf16) for the table "avx512-amx", which simd.cpp offers where CPUID
 //   reports AMX-BF16 and the kernel grants this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM);
@@ -228,7 +228,7 @@ void AmxBlock(float* C, int64_t ldc, int64_t rows, int64_t cols, const AmxBlockO
 }
 
 // The grouped block: per group the tiles from zero over the group's chunks, stored, then each element's fma
-// with its panel's scale (and the min's with x's group sum) into fp32 sums kept here across the groups. q: the
+// with its panel's scale into fp32 sums kept here across the groups. q: the
 // vdpbf16ps form's view of the groups (G a multiple of 32 here), at the block's first panel and first row.
 template <int MT, int NT>
 void AmxGroupedBlock(float* C, int64_t ldc, int64_t rows, int64_t cols, const AmxBlockOperands& o,
@@ -246,12 +246,9 @@ void AmxGroupedBlock(float* C, int64_t ldc, int64_t rows, int64_t cols, const Am
     AmxStoreC<MT, NT>(part, 32);
     for (int v = 0; v < NT; ++v) {
       const V s = _mm512_loadu_ps(q.scale + v * q.ldsp + g * 16);
-      const V m = q.min ? _mm512_loadu_ps(q.min + v * q.ldsp + g * 16) : _mm512_setzero_ps();
       for (int64_t r = 0; r < rows; ++r) {
         float* acc16 = sums + r * 32 + 16 * v;
-        V t = _mm512_fmadd_ps(_mm512_load_ps(part + r * 32 + 16 * v), s, _mm512_load_ps(acc16));
-        if (q.min) t = _mm512_fmadd_ps(_mm512_set1_ps(q.xsum[r * q.ldx + g]), m, t);
-        _mm512_store_ps(acc16, t);
+        _mm512_store_ps(acc16, _mm512_fmadd_ps(_mm512_load_ps(part + r * 32 + 16 * v), s, _mm512_load_ps(acc16)));
       }
     }
   }
@@ -354,17 +351,13 @@ void MmadAmxBf16PackedX(float* C, int64_t ldc, const uint16_t* Xp, const uint16_
 
 // mmad_dp_bf16_grouped on AMX for groups of whole chunks (G a multiple of 32); smaller groups (W8's 16: half
 // a tdpbf16ps) take the vdpbf16ps form. Per element the same order as that form: the groups in order, each
-// group's chunks, then its scale's fma, then the min's.
+// group's chunks, then its scale's fma.
 void MmadAmxBf16Grouped(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t M,
-                        int64_t N, int64_t K, int64_t G, const float* scale, const float* min, int64_t ldsp,
-                        const float* xsum, int64_t ldx, bool acc) {
-  if (G % kAmxChunk != 0)
-    return MmadDpBf16Grouped(C, ldc, A, lda, Bp, M, N, K, G, scale, min, ldsp, xsum, ldx, acc);
+                        int64_t N, int64_t K, int64_t G, const float* scale, int64_t ldsp, bool acc) {
+  if (G % kAmxChunk != 0) return MmadDpBf16Grouped(C, ldc, A, lda, Bp, M, N, K, G, scale, ldsp, acc);
   AmxForBlocks(C, ldc, A, lda, Bp, M, N, K, [&](auto mt, auto nt, float* c, int64_t rows, int64_t cols,
-                                               const AmxBlockOperands& o, int64_t n0, int64_t m0) {
-    const int64_t p = n0 / kAmxRows;
-    const DpGroups q{G, scale + p * ldsp, min ? min + p * ldsp : nullptr, ldsp, xsum ? xsum + m0 * ldx : nullptr,
-                     ldx};
+                                               const AmxBlockOperands& o, int64_t n0, int64_t) {
+    const DpGroups q{G, scale + n0 / kAmxRows * ldsp, ldsp};
     AmxGroupedBlock<decltype(mt)::value, decltype(nt)::value>(c, ldc, rows, cols, o, q, acc);
   });
 }

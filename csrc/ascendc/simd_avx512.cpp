@@ -973,17 +973,40 @@ inline __m128i LoadBytes(const void* q, int64_t bytes) {
   return _mm_load_si128(reinterpret_cast<const __m128i*>(b));
 }
 
-// pack_q4_pairs: a chunk's 16 bytes widened to words; [low nibbles | high nibbles] are values [0..15 | 16..31]
-// in k order, and index a table of bf16(0..15) (vpermw takes the low 5 bits: the table twice).
-void PackQ4Pairs(uint16_t* dst, const uint8_t* q, int64_t ldq, int64_t N, int64_t K) {
-  alignas(64) uint16_t table[32];
-  NibbleBf16Table(table);
-  const __m512i lut = _mm512_load_si512(table);
+// Two fp32 vectors as 32 bf16 words, lo's in the low half: vcvtne2ps2bf16, one instruction (round to nearest
+// even; a NaN stays a quiet NaN; denormal inputs read as zero, which the dp products would also do with the
+// bf16 denormal torch's cast gives them). The SIMDe build computes the same bits with integer steps.
+inline __m512i Bf16PairsOf(V lo, V hi) {
+#if defined(ATB_AVX512_NATIVE)
+  __m512bh r = _mm512_cvtne2ps_pbh(hi, lo);
+  __m512i bits;
+  std::memcpy(&bits, &r, sizeof(bits));
+  return bits;
+#else
+  auto daz = [](V v) {  // denormals to zero of their sign
+    const __m512i u = _mm512_castps_si512(v), expBits = _mm512_set1_epi32(0x7f800000);
+    const __mmask16 denormal = _mm512_cmpeq_epi32_mask(_mm512_and_si512(u, expBits), _mm512_setzero_si512());
+    return _mm512_castsi512_ps(_mm512_mask_and_epi32(u, denormal, u, _mm512_set1_epi32(int(0x80000000u))));
+  };
+  alignas(64) uint16_t even[32];
+  for (int i = 0; i < 32; ++i) even[i] = uint16_t(i < 16 ? 2 * i : 32 + 2 * (i - 16));
+  return _mm512_permutex2var_epi16(Bf16Bits(daz(lo)), _mm512_load_si512(even), Bf16Bits(daz(hi)));
+#endif
+}
+
+// pack_q4_pairs_dequant: each 32-value chunk (within one group, G a multiple of 32) dequantized in fp32 as
+// dequant_w4 does (fma(q, scale, min), one rounding), then to bf16 (Bf16PairsOf); [low | high] nibbles are
+// values [0..15 | 16..31] in k order.
+void PackQ4PairsDequant(uint16_t* dst, const uint8_t* q, int64_t ldq, int64_t N, int64_t K, const float* scale,
+                        const float* min, int64_t lds, int64_t G) {
   PackPairsOf(dst, N, K, [&](int64_t n, int64_t k, int64_t kl) {
-    __m256i b = _mm256_cvtepu8_epi16(LoadBytes(q + n * ldq + k / 2, std::min<int64_t>(kl, 16)));
-    __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi16(0xF))),
-                                     _mm256_srli_epi16(b, 4), 1);
-    return _mm512_maskz_mov_epi16(Tail32(kl), _mm512_permutexvar_epi16(idx, lut));
+    const __m512i b =
+        _mm512_cvtepu16_epi32(_mm256_cvtepu8_epi16(LoadBytes(q + n * ldq + k / 2, std::min<int64_t>(kl, 16))));
+    const V s = _mm512_set1_ps(scale[n * lds + k / G]), m = _mm512_set1_ps(min[n * lds + k / G]);
+    auto weights = [&](__m512i v) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s, m); };
+    const __m512i w = Bf16PairsOf(weights(_mm512_and_si512(b, _mm512_set1_epi32(0xF))),
+                                  weights(_mm512_srli_epi32(b, 4)));
+    return _mm512_maskz_mov_epi16(Tail32(kl), w);
   });
 }
 
@@ -1145,15 +1168,11 @@ void TransposeB16(uint16_t* dst, int64_t ldd, const uint16_t* src, int64_t lds, 
 
 // ---- The grouped form (quantized weights) -------------------------------------
 // 3 rows x 4 panels: 12 accumulators and 12 group sums + 4 weight vectors + 1 broadcast; 7 loads per 12
-// vdpbf16ps. At each group's end the group sums fold into the accumulators with the panel's scales (and
-// the min term with the rows' x sums).
+// vdpbf16ps. At each group's end the group sums fold into the accumulators with the panel's scales.
 struct DpGroups {
   int64_t G;
   const float* scale;
-  const float* min;
   int64_t ldsp;
-  const float* xsum;
-  int64_t ldx;
 };
 
 template <int R, int NV>
@@ -1176,11 +1195,6 @@ __attribute__((noinline)) void TileDpGrouped(float* C, int64_t ldc, const uint16
       V s = _mm512_loadu_ps(q.scale + v * q.ldsp + g * 16);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) c[r][v] = _mm512_fmadd_ps(t[r][v], s, c[r][v]);
-      if (q.min) {
-        V m = _mm512_loadu_ps(q.min + v * q.ldsp + g * 16);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) c[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(q.xsum[r * q.ldx + g]), m, c[r][v]);
-      }
     }
   }
   PanelAcc<R, NV>::Store(c, C, ldc, last);
@@ -1192,20 +1206,14 @@ template <int NV>
 void RowsDpGrouped(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t panelStride,
                    int64_t M, int64_t K, DpGroups q, bool acc, __mmask16 last) {
   ForRowTiles<kDpGroupedRows>(M, [&](auto rows, int64_t m) {
-    DpGroups tile = q;
-    tile.xsum = q.xsum ? q.xsum + m * q.ldx : nullptr;
-    TileDpGrouped<decltype(rows)::value, NV>(C + m * ldc, ldc, A + m * lda, lda, Bp, panelStride, K, tile, acc, last);
+    TileDpGrouped<decltype(rows)::value, NV>(C + m * ldc, ldc, A + m * lda, lda, Bp, panelStride, K, q, acc, last);
   });
 }
 
 void MmadDpBf16Grouped(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t M,
-                       int64_t N, int64_t K, int64_t G, const float* scale, const float* min, int64_t ldsp,
-                       const float* xsum, int64_t ldx, bool acc) {
+                       int64_t N, int64_t K, int64_t G, const float* scale, int64_t ldsp, bool acc) {
   const int64_t stride = 32 * ((K + 1) / 2);  // one panel
-  auto at = [&](int64_t n) {  // the groups of the panels from column n on
-    int64_t p = n / kPairPanel;
-    return DpGroups{G, scale + p * ldsp, min ? min + p * ldsp : nullptr, ldsp, xsum, ldx};
-  };
+  auto at = [&](int64_t n) { return DpGroups{G, scale + n / kPairPanel * ldsp, ldsp}; };  // from column n's panel on
   int64_t n = 0;
   for (; n + kDpTilePanels * kPairPanel <= N; n += kDpTilePanels * kPairPanel)
     RowsDpGrouped<kDpTilePanels>(C + n, ldc, A, lda, Bp + (n / kPairPanel) * stride, stride, M, K, at(n), acc,
@@ -1255,7 +1263,7 @@ const SimdOps ATB_AVX512_TABLE = {
     TransposeWiden<float, Widen8, Load1>, TransposeWiden<uint16_t, Widen8H, Load1H>,
     TransposeWiden<uint16_t, Widen8B, Load1B>, ReadSumRuns<Line512>,
     /*mmad_nt_dp_bf16=*/nullptr, /*pack_bf16_pairs=*/nullptr, /*mmad_dp_bf16_packed=*/nullptr,
-    /*mmad_dp_bf16_grouped=*/nullptr, /*pack_q4_pairs=*/nullptr, /*pack_q8_pairs=*/nullptr,
+    /*mmad_dp_bf16_grouped=*/nullptr, /*pack_q8_pairs=*/nullptr, /*pack_q4_pairs_dequant=*/nullptr,
     /*transpose_b16=*/nullptr,
     /*prefetch_to_l2=*/true,
 };
@@ -1268,8 +1276,8 @@ const SimdOps* WithBf16() {
     t.pack_bf16_pairs = PackBf16Pairs;
     t.mmad_dp_bf16_packed = MmadDpBf16Packed;
     t.mmad_dp_bf16_grouped = MmadDpBf16Grouped;
-    t.pack_q4_pairs = PackQ4Pairs;
     t.pack_q8_pairs = PackQ8Pairs;
+    t.pack_q4_pairs_dequant = PackQ4PairsDequant;
     t.transpose_b16 = TransposeB16;
     t.pack_f32_pairs_kn_bf16 = PackF32PairsKnBf16;
     t.mul_cols = MulCols;

@@ -49,15 +49,15 @@ int64_t StreamUb(int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue
 //   rows       fp32 [kQuantPackRows, kTile]  (weight rows dequantized before their transposed store)
 //   scale, min fp32 [kTile/32 x groupsPerChunk]  (that row's group scales)
 //   and LinearIo's out (and residual) queues (x is the A operand as fp32 in GM: PackedX)
-// kDpPacked instead: packed W bf16 pairs [AlignUp(nTile, 16), kTile] per stream (x's group sums are in GM:
-// GroupSums)
+// kDpPacked instead: packed W bf16 pairs [AlignUp(nTile, 16), kTile] per stream (W4's dequantized, W8's
+// integer values with their panels' scales)
 int64_t GemmUb(int64_t mPass, int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep, bool dp,
                int64_t groupsPerChunk) {
   int64_t streams = ep == LINEAR_SWIGLU ? 2 : 1;
   int64_t packed = dp ? UbSlot(AlignUp(nt, 16) * kt * 2) : UbSlot(kt * nt * 4);
-  // + per stream the panels' scales and mins [AlignUp(nTile, 16), kTile/32] fp32.
+  // + per stream the panels' scales [AlignUp(nTile, 16), kTile/32] fp32 (W8).
   int64_t groups = kt / kQuantChunk * groupsPerChunk;
-  int64_t rows = dp ? streams * 2 * UbSlot(AlignUp(nt, 16) * groups * 4) : UbSlot(kQuantPackRows * kt * 4);
+  int64_t rows = dp ? streams * UbSlot(AlignUp(nt, 16) * groups * 4) : UbSlot(kQuantPackRows * kt * 4);
   // scale, min: one row's (dp: the tile's, [nTile, kTile/32]).
   return streams * (packed + UbSlot(mPass * nt * 4)) + rows + 2 * UbSlot((dp ? nt : 1) * groups * 4) +
          LinearIoUb(mt, nt, elt, ep);
