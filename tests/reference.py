@@ -110,9 +110,9 @@ def quant_dequant_ref(qw) -> torch.Tensor:
 
 
 def quant_weight_ref(qw, x: torch.Tensor, launch=None, epilogue: int = 0, soc_type: str = "host") -> torch.Tensor:
-    """The float64 [N, K] weight a quantized linear multiplies x by: ``quant_dequant_ref``, except a W4 weight
-    under bf16 x in a launch that takes the k-pair-packed dp GEMM (``quant_linear_tiling``'s dp_bf16
-    "packed"), which multiplies by its dequantized weights rounded to bf16 (pack_q4_pairs_dequant: fp32 fma,
+    """The float64 [N, K] weight a quantized linear multiplies x by: ``quant_dequant_ref``, except under bf16 x
+    in a launch that takes the k-pair-packed dp GEMM (``quant_linear_tiling``'s dp_bf16 "packed"), which
+    multiplies by the dequantized weights rounded to bf16 (pack_q4/q8_pairs_dequant: dequantized in fp32,
     then to nearest even). ``launch``: every QuantizedWeight of the call (default: qw alone); ``epilogue``:
     0 plain / bias, 1 residual, 2 SwiGLU (gate and up both in ``launch``)."""
     import atb
@@ -120,7 +120,7 @@ def quant_weight_ref(qw, x: torch.Tensor, launch=None, epilogue: int = 0, soc_ty
     from atb.kernels._common import DTYPE_CODES
 
     w = quant_dequant_ref(qw)
-    if qw.bits != 4 or x.dtype != torch.bfloat16 or x.numel() == 0:
+    if x.dtype != torch.bfloat16 or x.numel() == 0:
         return w
     rows, k = x.reshape(-1, x.shape[-1]).shape
     segs = [(0, 0, 0, 0, 0, q.shape[0], q.bits, q.group_size, DTYPE_CODES[torch.float32]) for q in (launch or [qw])]

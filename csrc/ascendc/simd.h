@@ -147,28 +147,20 @@ struct SimdOps {
   void (*pack_bf16_pairs)(uint16_t* dst, const uint16_t* W, int64_t ldw, int64_t N, int64_t K);
   void (*mmad_dp_bf16_packed)(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp,
                               int64_t M, int64_t N, int64_t K, bool accumulate);
-  // W8's form of mmad_dp_bf16_packed: Bp packs integer weight values q (int8, exact in bf16), and per group
-  // of G values of k (G even; the last group may be short) each element adds
-  //   scale[g][n] * (sum over the group of A[m][k] * q[n][k]),
-  // so y = x . (q * scale)^T with x's products exact. scale: per 16-row panel p, [groups][16] fp32 at
-  // p * ldsp. Each element: the groups in order, within a group one chain over the k pairs, then its fma with
-  // the scale: independent of M, N and the blocking.
-  void (*mmad_dp_bf16_grouped)(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp,
-                               int64_t M, int64_t N, int64_t K, int64_t G, const float* scale, int64_t ldsp,
-                               bool accumulate);
-  // The quantized weights' B operands (AVX512-BF16 tables; null elsewhere), laid out as pack_bf16_pairs lays
-  // out a bf16 W [N, K]: dst[p][j][n][2] = w(16p + n, 2j + (0|1)), values past K and rows past N zero; one
-  // pass from the stored bytes (value layouts: quant_simd.h). Only bytes that hold values below K are read.
-  // pack_q8_pairs, for mmad_dp_bf16_grouped: w = q, W8's int8 values (row n at q + n * ldq bytes), exact.
-  // pack_q4_pairs_dequant, for mmad_dp_bf16_packed: the bf16 weight matrix the W4 rows stand for,
-  //   w = bf16(fma(q, scale, min)): dequantized in fp32 with one rounding (as dequant_w4), then rounded to
-  //   nearest even (fp32 denormals read as zero, as vdpbf16ps and AMX read bf16 ones). Row n's group g (G
-  //   values, G a multiple of 32) at scale[n * lds + g] / min[n * lds + g], fp32. The grouped form's
-  //   per-group scale (and min) fmas on every output bound a W4 G32 GEMM on AMX at 0.5x bf16's rate; a weight
-  //   dequantized once per M pass costs about what packing bf16 weights does.
-  void (*pack_q8_pairs)(uint16_t* dst, const int8_t* q, int64_t ldq, int64_t N, int64_t K);
+  // The quantized weights' B operand for mmad_dp_bf16_packed (AVX512-BF16 tables; null elsewhere): the bf16
+  // weight matrix the stored rows stand for, laid out as pack_bf16_pairs lays out W [N, K] (values past K and
+  // rows past N zero), in one pass from the stored bytes (value layouts: quant_simd.h; only bytes that hold
+  // values below K are read). Each weight dequantized in fp32 with one rounding, as dequant_w4 / dequant_w8
+  // do (W4 fma(q, scale, min), W8 q * scale), then rounded to bf16 to nearest even (fp32 denormals read as
+  // zero, as vdpbf16ps and AMX read bf16 ones): a bf16 model's weights. Row n's group g at
+  // scale[n * lds + g] (and min[...]), fp32; G a power of two (W4 32, 64, 128; W8 also 16) or, per channel,
+  // any G at least K. Against the integer values exact in bf16 with each group's sums scaled on every output
+  // (the form this replaced), a W4 G32 GEMM on AMX ran 1.6-1.8x faster: those per-group fmas, not the tiles,
+  // set its pace; a weight dequantized once per M pass costs about what packing a bf16 one does.
   void (*pack_q4_pairs_dequant)(uint16_t* dst, const uint8_t* q, int64_t ldq, int64_t N, int64_t K,
                                 const float* scale, const float* min, int64_t lds, int64_t G);
+  void (*pack_q8_pairs_dequant)(uint16_t* dst, const int8_t* q, int64_t ldq, int64_t N, int64_t K,
+                                const float* scale, int64_t lds, int64_t G);
   // Flash attention's bf16 P . V (AVX512-BF16 tables; null elsewhere) runs as mmad_dp_bf16_packed with V^T as
   // the A operand and P as the packed B, so neither the fp32 P tile nor anything per tile is transposed:
   // transpose_b16: dst[k * ldd + n] = src[n * lds + k] for 16-bit words, n < N, k < K (V rows to V^T, once per

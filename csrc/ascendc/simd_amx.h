@@ -1,5 +1,5 @@
 // AMX-BF16 forms of mmad_dp_bf16_packed (the bf16 prefill GEMM over k-pair-packed weights) and
-// mmad_dp_bf16_grouped (the same over W8 weights' integer values, per-group scales), included by
+// mmad_dp_bf16_packed_x (the same with x packed, the batch path), included by
 // simd_avx512.cpp inside its anonymous namespace, so it is built twice as that file is:
 // * natively (target amx-tile, amx-bf16) for the table "avx512-amx", which simd.cpp offers where CPUID
 //   reports AMX-BF16 and the kernel grants this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM);
@@ -227,34 +227,6 @@ void AmxBlock(float* C, int64_t ldc, int64_t rows, int64_t cols, const AmxBlockO
     for (int64_t r = 0; r < rows; ++r) std::memcpy(C + r * ldc, part + r * 32, cols * sizeof(float));
 }
 
-// The grouped block: per group the tiles from zero over the group's chunks, stored, then each element's fma
-// with its panel's scale into fp32 sums kept here across the groups. q: the
-// vdpbf16ps form's view of the groups (G a multiple of 32 here), at the block's first panel and first row.
-template <int MT, int NT>
-void AmxGroupedBlock(float* C, int64_t ldc, int64_t rows, int64_t cols, const AmxBlockOperands& o,
-                     const DpGroups& q, bool acc) {
-  const int64_t groupChunks = q.G / kAmxChunk;
-  alignas(64) float sums[32 * 32], part[32 * 32];
-  std::memset(sums, 0, sizeof(sums));
-  if (acc)
-    for (int64_t r = 0; r < rows; ++r) std::memcpy(sums + r * 32, C + r * ldc, cols * sizeof(float));
-  const int64_t groups = (o.chunks + (o.hasTail ? 1 : 0) + groupChunks - 1) / groupChunks;
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t c0 = g * groupChunks, c1 = std::min(c0 + groupChunks, o.chunks);
-    AmxZeroC<MT, NT>();
-    AmxChunks<MT, NT>(o, c0, c1, o.hasTail && g == groups - 1);
-    AmxStoreC<MT, NT>(part, 32);
-    for (int v = 0; v < NT; ++v) {
-      const V s = _mm512_loadu_ps(q.scale + v * q.ldsp + g * 16);
-      for (int64_t r = 0; r < rows; ++r) {
-        float* acc16 = sums + r * 32 + 16 * v;
-        _mm512_store_ps(acc16, _mm512_fmadd_ps(_mm512_load_ps(part + r * 32 + 16 * v), s, _mm512_load_ps(acc16)));
-      }
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) std::memcpy(C + r * ldc, sums + r * 32, cols * sizeof(float));
-}
-
 // The walk both forms share: zero-padded copies of the tails, then blocks of 2 row tiles x 2 panels (32 x 32
 // of C: 4 tile loads per 4 tdpbf16ps), all of K per block; per pair of panels (2 x 16 rows x K of B, from the
 // caller's packed tile in L2) every pair of row tiles. block(MT, NT, C, rows, cols, operands, n0, m0).
@@ -346,19 +318,6 @@ void MmadAmxBf16PackedX(float* C, int64_t ldc, const uint16_t* Xp, const uint16_
   AmxForBlocks(nullptr, 0, W, ldw, Xp, N, M, K, [&](auto mt, auto nt, float*, int64_t rows, int64_t cols,
                                                    const AmxBlockOperands& o, int64_t x0, int64_t w0) {
     AmxBlockT<decltype(mt)::value, decltype(nt)::value>(C + x0 * ldc + w0, ldc, rows, cols, o, acc);
-  });
-}
-
-// mmad_dp_bf16_grouped on AMX for groups of whole chunks (G a multiple of 32); smaller groups (W8's 16: half
-// a tdpbf16ps) take the vdpbf16ps form. Per element the same order as that form: the groups in order, each
-// group's chunks, then its scale's fma.
-void MmadAmxBf16Grouped(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t M,
-                        int64_t N, int64_t K, int64_t G, const float* scale, int64_t ldsp, bool acc) {
-  if (G % kAmxChunk != 0) return MmadDpBf16Grouped(C, ldc, A, lda, Bp, M, N, K, G, scale, ldsp, acc);
-  AmxForBlocks(C, ldc, A, lda, Bp, M, N, K, [&](auto mt, auto nt, float* c, int64_t rows, int64_t cols,
-                                               const AmxBlockOperands& o, int64_t n0, int64_t) {
-    const DpGroups q{G, scale + n0 / kAmxRows * ldsp, ldsp};
-    AmxGroupedBlock<decltype(mt)::value, decltype(nt)::value>(c, ldc, rows, cols, o, q, acc);
   });
 }
 

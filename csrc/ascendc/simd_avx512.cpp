@@ -994,36 +994,48 @@ inline __m512i Bf16PairsOf(V lo, V hi) {
 #endif
 }
 
-// pack_q4_pairs_dequant: each 32-value chunk (within one group, G a multiple of 32) dequantized in fp32 as
-// dequant_w4 does (fma(q, scale, min), one rounding), then to bf16 (Bf16PairsOf); [low | high] nibbles are
-// values [0..15 | 16..31] in k order.
-void PackQ4PairsDequant(uint16_t* dst, const uint8_t* q, int64_t ldq, int64_t N, int64_t K, const float* scale,
-                        const float* min, int64_t lds, int64_t G) {
-  PackPairsOf(dst, N, K, [&](int64_t n, int64_t k, int64_t kl) {
-    const __m512i b =
-        _mm512_cvtepu16_epi32(_mm256_cvtepu8_epi16(LoadBytes(q + n * ldq + k / 2, std::min<int64_t>(kl, 16))));
-    const V s = _mm512_set1_ps(scale[n * lds + k / G]), m = _mm512_set1_ps(min[n * lds + k / G]);
-    auto weights = [&](__m512i v) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s, m); };
-    const __m512i w = Bf16PairsOf(weights(_mm512_and_si512(b, _mm512_set1_epi32(0xF))),
-                                  weights(_mm512_srli_epi32(b, 4)));
-    return _mm512_maskz_mov_epi16(Tail32(kl), w);
-  });
+// Row n's 32-value chunk at k (kl of its values below K, the rest zero) as the 32 bf16 weights it stands for,
+// in k order: W4 fma(q, scale, min), W8 q * scale, each in fp32 with one rounding (as dequant_w4 / dequant_w8),
+// then to bf16 (Bf16PairsOf). Scales: row n's group g at scale[n * lds + g], the group of k being k >> shift
+// (GroupShift: G a power of two, or per channel any G at least K; a 64-bit division per chunk is avoided).
+inline int GroupShift(int64_t G, int64_t K) { return G >= K ? 62 : __builtin_ctzll(uint64_t(G)); }
+// W4: [low | high] nibbles of the chunk's 16 bytes are values [0..15 | 16..31] (groups of 32 or more).
+inline __m512i Q4ChunkBf16(const uint8_t* q, int64_t ldq, int64_t n, int64_t k, int64_t kl, const float* scale,
+                           const float* min, int64_t lds, int shift) {
+  const __m512i b =
+      _mm512_cvtepu16_epi32(_mm256_cvtepu8_epi16(LoadBytes(q + n * ldq + k / 2, std::min<int64_t>(kl, 16))));
+  const int64_t g = n * lds + (k >> shift);
+  const V s = _mm512_set1_ps(scale[g]), m = _mm512_set1_ps(min[g]);
+  auto weights = [&](__m512i v) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s, m); };
+  const __m512i w = Bf16PairsOf(weights(_mm512_and_si512(b, _mm512_set1_epi32(0xF))), weights(_mm512_srli_epi32(b, 4)));
+  return _mm512_maskz_mov_epi16(Tail32(kl), w);
+}
+// W8: int8 values; G = 16 (shift 4) gives the chunk's two halves their own groups.
+inline __m512i Q8ChunkBf16(const int8_t* q, int64_t ldq, int64_t n, int64_t k, int64_t kl, const float* scale,
+                           int64_t lds, int shift) {
+  const int8_t* row = q + n * ldq + k;
+  const float* sc = scale + n * lds + (k >> shift);
+  const V s0 = _mm512_set1_ps(sc[0]), s1 = shift == 4 ? _mm512_set1_ps(sc[1]) : s0;
+  auto weights = [](__m128i b, V s) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_cvtepi8_epi16(b))), s);
+  };
+  const V lo = weights(LoadBytes(row, std::min<int64_t>(kl, 16)), s0);
+  const V hi = kl > 16 ? weights(LoadBytes(row + 16, kl - 16), s1) : _mm512_setzero_ps();
+  return _mm512_maskz_mov_epi16(Tail32(kl), Bf16PairsOf(lo, hi));
 }
 
-// pack_q8_pairs: int8 -> int32 -> fp32 (exact); an integer of at most 8 significant bits has no bits in the
-// low half of its fp32 form, so its bf16 is that high half: the odd words of the two fp32 vectors.
-void PackQ8Pairs(uint16_t* dst, const int8_t* q, int64_t ldq, int64_t N, int64_t K) {
-  alignas(64) uint16_t odd[32];
-  for (int i = 0; i < 32; ++i) odd[i] = uint16_t(i < 16 ? 2 * i + 1 : 32 + 2 * (i - 16) + 1);
-  const __m512i highWords = _mm512_load_si512(odd);
-  auto widen = [](__m128i b) {  // 16 int8 -> 16 fp32
-    return _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_cvtepi8_epi16(b))));
-  };
+void PackQ4PairsDequant(uint16_t* dst, const uint8_t* q, int64_t ldq, int64_t N, int64_t K, const float* scale,
+                        const float* min, int64_t lds, int64_t G) {
+  const int shift = GroupShift(G, K);
   PackPairsOf(dst, N, K, [&](int64_t n, int64_t k, int64_t kl) {
-    const int8_t* row = q + n * ldq + k;
-    __m512i lo = widen(LoadBytes(row, std::min<int64_t>(kl, 16)));
-    __m512i hi = kl > 16 ? widen(LoadBytes(row + 16, kl - 16)) : _mm512_setzero_si512();
-    return _mm512_permutex2var_epi16(lo, highWords, hi);
+    return Q4ChunkBf16(q, ldq, n, k, kl, scale, min, lds, shift);
+  });
+}
+void PackQ8PairsDequant(uint16_t* dst, const int8_t* q, int64_t ldq, int64_t N, int64_t K, const float* scale,
+                        int64_t lds, int64_t G) {
+  const int shift = GroupShift(G, K);
+  PackPairsOf(dst, N, K, [&](int64_t n, int64_t k, int64_t kl) {
+    return Q8ChunkBf16(q, ldq, n, k, kl, scale, lds, shift);
   });
 }
 
@@ -1166,69 +1178,6 @@ void TransposeB16(uint16_t* dst, int64_t ldd, const uint16_t* src, int64_t lds, 
   }
 }
 
-// ---- The grouped form (quantized weights) -------------------------------------
-// 3 rows x 4 panels: 12 accumulators and 12 group sums + 4 weight vectors + 1 broadcast; 7 loads per 12
-// vdpbf16ps. At each group's end the group sums fold into the accumulators with the panel's scales.
-struct DpGroups {
-  int64_t G;
-  const float* scale;
-  int64_t ldsp;
-};
-
-template <int R, int NV>
-__attribute__((noinline)) void TileDpGrouped(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp,
-                                             int64_t panelStride, int64_t K, const DpGroups& q, bool acc,
-                                             __mmask16 last) {
-  V c[R][NV];
-  PanelAcc<R, NV>::Load(c, C, ldc, acc, last);
-  const int64_t groups = (K + q.G - 1) / q.G;
-  for (int64_t g = 0; g < groups; ++g) {
-    V t[R][NV];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) t[r][v] = _mm512_setzero_ps();
-    const int64_t end = std::min((g + 1) * q.G, K);
-    DpPairs<R, NV>(t, A, lda, Bp, panelStride, g * q.G / 2, end / 2, end % 2);
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) {
-      V s = _mm512_loadu_ps(q.scale + v * q.ldsp + g * 16);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) c[r][v] = _mm512_fmadd_ps(t[r][v], s, c[r][v]);
-    }
-  }
-  PanelAcc<R, NV>::Store(c, C, ldc, last);
-}
-
-constexpr int kDpGroupedRows = 3;
-
-template <int NV>
-void RowsDpGrouped(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t panelStride,
-                   int64_t M, int64_t K, DpGroups q, bool acc, __mmask16 last) {
-  ForRowTiles<kDpGroupedRows>(M, [&](auto rows, int64_t m) {
-    TileDpGrouped<decltype(rows)::value, NV>(C + m * ldc, ldc, A + m * lda, lda, Bp, panelStride, K, q, acc, last);
-  });
-}
-
-void MmadDpBf16Grouped(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t M,
-                       int64_t N, int64_t K, int64_t G, const float* scale, int64_t ldsp, bool acc) {
-  const int64_t stride = 32 * ((K + 1) / 2);  // one panel
-  auto at = [&](int64_t n) { return DpGroups{G, scale + n / kPairPanel * ldsp, ldsp}; };  // from column n's panel on
-  int64_t n = 0;
-  for (; n + kDpTilePanels * kPairPanel <= N; n += kDpTilePanels * kPairPanel)
-    RowsDpGrouped<kDpTilePanels>(C + n, ldc, A, lda, Bp + (n / kPairPanel) * stride, stride, M, K, at(n), acc,
-                                 0xffff);
-  const int64_t left = N - n;
-  if (left == 0) return;
-  const __mmask16 last = Tail((left - 1) % kPairPanel + 1);  // 1 to 63 columns left: 1 to 4 panels
-  const uint16_t* b = Bp + (n / kPairPanel) * stride;
-  switch ((left + kPairPanel - 1) / kPairPanel) {
-    case 4: return RowsDpGrouped<4>(C + n, ldc, A, lda, b, stride, M, K, at(n), acc, last);
-    case 3: return RowsDpGrouped<3>(C + n, ldc, A, lda, b, stride, M, K, at(n), acc, last);
-    case 2: return RowsDpGrouped<2>(C + n, ldc, A, lda, b, stride, M, K, at(n), acc, last);
-    default: return RowsDpGrouped<1>(C + n, ldc, A, lda, b, stride, M, K, at(n), acc, last);
-  }
-}
 #if defined(ATB_AVX512_NATIVE)
 #pragma GCC pop_options
 #endif
@@ -1263,7 +1212,7 @@ const SimdOps ATB_AVX512_TABLE = {
     TransposeWiden<float, Widen8, Load1>, TransposeWiden<uint16_t, Widen8H, Load1H>,
     TransposeWiden<uint16_t, Widen8B, Load1B>, ReadSumRuns<Line512>,
     /*mmad_nt_dp_bf16=*/nullptr, /*pack_bf16_pairs=*/nullptr, /*mmad_dp_bf16_packed=*/nullptr,
-    /*mmad_dp_bf16_grouped=*/nullptr, /*pack_q8_pairs=*/nullptr, /*pack_q4_pairs_dequant=*/nullptr,
+    /*pack_q4_pairs_dequant=*/nullptr, /*pack_q8_pairs_dequant=*/nullptr,
     /*transpose_b16=*/nullptr,
     /*prefetch_to_l2=*/true,
 };
@@ -1275,9 +1224,8 @@ const SimdOps* WithBf16() {
     t.mmad_nt_dp_bf16 = MmadNTDpBf16;
     t.pack_bf16_pairs = PackBf16Pairs;
     t.mmad_dp_bf16_packed = MmadDpBf16Packed;
-    t.mmad_dp_bf16_grouped = MmadDpBf16Grouped;
-    t.pack_q8_pairs = PackQ8Pairs;
     t.pack_q4_pairs_dequant = PackQ4PairsDequant;
+    t.pack_q8_pairs_dequant = PackQ8PairsDequant;
     t.transpose_b16 = TransposeB16;
     t.pack_f32_pairs_kn_bf16 = PackF32PairsKnBf16;
     t.mul_cols = MulCols;
@@ -1292,7 +1240,6 @@ const SimdOps* WithAmx() {
     SimdOps t = *WithBf16();
     t.isa = ATB_AVX512_AMX_NAME;
     t.mmad_dp_bf16_packed = MmadAmxBf16Packed;
-    t.mmad_dp_bf16_grouped = MmadAmxBf16Grouped;
     t.mmad_dp_bf16_packed_x = MmadAmxBf16PackedX;
     return t;
   }();

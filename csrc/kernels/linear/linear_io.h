@@ -260,7 +260,7 @@ class LinearGemmIo : protected LinearIo<T> {
   // seg, row, nt, k0, kv, dst): W[row + n][k0 + k], n < nt, k < kv, the kv columns that exist in x, as
   // pack_bf16_pairs lays them out), then every mTile rows of x of the pass against it on x's rows as they lie
   // (Kernel's DpMmad(st, m0, k0, C, ldc, A, lda, Bp, mt, nt, kv, accumulate): A = x[m0 :, k0 :], mt rows,
-  // kv columns; mmad_dp_bf16_packed or its grouped form), accumulating in UB across chunks (a split at an even k changes no bit); then the epilogue of
+  // kv columns; mmad_dp_bf16_packed), accumulating in UB across chunks (a split at an even k changes no bit); then the epilogue of
   // every mTile rows.
   void ProcessDpPackedUnit(const GemmUnit& u) {
     if constexpr (std::is_same<T, AscendC::bfloat16_t>::value) {

@@ -10,14 +10,11 @@
 // chunks. A weight is thus dequantized once per M pass (up to 384 rows of x),
 // so prefill runs at the fp32 cube's speed whatever the weight format.
 //
-// bf16 x where the SIMD table has vdpbf16ps (tiling kDpPacked), the weight tile
-// packed in k pairs in one pass from the stored bytes, and x's rows as they lie:
-// * W4: the tile dequantized to the bf16 weights it stands for
-//   (pack_q4_pairs_dequant), then the bf16 GEMM (mmad_dp_bf16_packed, AMX where
-//   present): the weight rounded to bf16 as a bf16 model's weights are.
-// * W8: the integer values (exact in bf16, pack_q8_pairs), its scales laid out
-//   per 16-row panel, through mmad_dp_bf16_grouped: x q exact, each group's sum
-//   times its scale, nothing rounded to bf16 but x itself.
+// bf16 x where the SIMD table has vdpbf16ps (tiling kDpPacked): the weight tile
+// dequantized to the bf16 weights it stands for and packed in k pairs, in one
+// pass from the stored bytes (pack_q4_pairs_dequant / pack_q8_pairs_dequant),
+// then the bf16 GEMM on x's rows as they lie (mmad_dp_bf16_packed, AMX where
+// present): the weights rounded to bf16 as a bf16 model's are.
 #include <algorithm>
 #include <type_traits>
 #include <vector>
@@ -44,12 +41,7 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
     q_ = qs;
     kPad_ = t.kPad;
     kGroups_ = t.kGroups;
-    if (dp_) {
-      Gemm::InitDpPacked();
-      const int64_t groups = t.kGroups;  // at most
-      for (int st = 0; st < this->streams_; ++st)
-        pipe_.InitBuffer(panelScale_[st], AlignUp(t_.nTile, kPairPanelRows) * groups * sizeof(float));
-    }
+    if (dp_) Gemm::InitDpPacked();
     if (!dp_) pipe_.InitBuffer(rowBuf_, kQuantPackRows * t_.kTile * sizeof(float));  // PackWeight's rows
     // A row's scales, or (dp) a tile's.
     pipe_.InitBuffer(scaleBuf_, (dp_ ? t_.nTile : 1) * t.kGroups * sizeof(float));
@@ -62,39 +54,24 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
     Gemm::ProcessPackedUnit(u);
   }
 
-  // kDpPacked's B operand, packed in k pairs: W4, the tile's dequantized bf16 weights; W8, its integer
-  // values (exact in bf16) and its scales per panel, [groups][16], zero past the tile's rows.
-  void PackPairs(int st, int seg, int64_t row, int64_t nt, int64_t k0, int64_t kv, uint16_t* dst) {
-    const SimdOps& simd = Simd();
+  // kDpPacked's B operand: the tile's dequantized bf16 weights, packed in k pairs.
+  void PackPairs(int /*st*/, int seg, int64_t row, int64_t nt, int64_t k0, int64_t kv, uint16_t* dst) {
     const QuantSegment& q = q_[seg];
     const int64_t kl = std::min(t_.kTile, kPad_ - k0);
     TileScales s = LoadScales(q, kPad_, row, nt, k0, kl, scaleBuf_.Get<float>().GetPhyAddr(),
                               minBuf_.Get<float>().GetPhyAddr(), kGroups_);
-    dequantized_[st] = q.bits == 4;
-    if (dequantized_[st])
-      return simd.pack_q4_pairs_dequant(dst, static_cast<const uint8_t*>(q.data) + row * (kPad_ / 2) + k0 / 2,
-                                        kPad_ / 2, nt, kv, s.scale, s.min, s.lds, s.group);
-    simd.pack_q8_pairs(dst, static_cast<const int8_t*>(q.data) + row * kPad_ + k0, kPad_, nt, kv);
-    // A per-channel segment's sums fold into the accumulators every kChannelFold values, not once per chunk,
-    // so its bits do not depend on where K is split (chunks are multiples of it).
-    group_[st] = q.group == 0 ? kChannelFold : s.group;
-    const int64_t groups = CeilDiv(kv, group_[st]), panels = CeilDiv(nt, kPairPanelRows);
-    ldsp_[st] = groups * kPairPanelRows;
-    float* ps = panelScale_[st].Get<float>().GetPhyAddr();
-    // Row by row (its scales are contiguous), each to its column of the panel's [groups][16].
-    for (int64_t i = 0; i < panels * kPairPanelRows; ++i) {
-      float* sd = ps + i / kPairPanelRows * ldsp_[st] + i % kPairPanelRows;
-      const float* sr = s.scale + i * s.lds;
-      for (int64_t g = 0; g < groups; ++g) sd[g * kPairPanelRows] = i >= nt ? 0.0f : sr[q.group == 0 ? 0 : g];
-    }
+    if (q.bits == 4)
+      Simd().pack_q4_pairs_dequant(dst, static_cast<const uint8_t*>(q.data) + row * (kPad_ / 2) + k0 / 2, kPad_ / 2,
+                                   nt, kv, s.scale, s.min, s.lds, s.group);
+    else
+      Simd().pack_q8_pairs_dequant(dst, static_cast<const int8_t*>(q.data) + row * kPad_ + k0, kPad_, nt, kv,
+                                   s.scale, s.lds, s.group);
   }
 
   // x . w^T of the packed tile, x = x[m0 :, k0 :].
-  void DpMmad(int st, int64_t /*m0*/, int64_t /*k0*/, float* c, int64_t ldc, const uint16_t* a, int64_t lda,
+  void DpMmad(int /*st*/, int64_t /*m0*/, int64_t /*k0*/, float* c, int64_t ldc, const uint16_t* a, int64_t lda,
               const uint16_t* bp, int64_t mt, int64_t nt, int64_t kv, bool acc) {
-    if (dequantized_[st]) return Simd().mmad_dp_bf16_packed(c, ldc, a, lda, bp, mt, nt, kv, acc);
-    Simd().mmad_dp_bf16_grouped(c, ldc, a, lda, bp, mt, nt, kv, group_[st], panelScale_[st].Get<float>().GetPhyAddr(),
-                                ldsp_[st], acc);
+    Simd().mmad_dp_bf16_packed(c, ldc, a, lda, bp, mt, nt, kv, acc);
   }
 
   // B operand: packed[k][n] = dequant(W[row + n][k0 + k]), n < nt, k < kv.
@@ -112,15 +89,10 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
     }
   }
 
-  static constexpr int64_t kPairPanelRows = 16;  // pack_bf16_pairs' panel
-  static constexpr int64_t kChannelFold = 128;   // the K chunks' multiple (kQuantKHalving)
-
   const QuantSegment* q_ = nullptr;
   int64_t kPad_ = 0, kGroups_ = 0;
   bool dp_ = false;
-  TBuf<TPosition::VECCALC> rowBuf_, scaleBuf_, minBuf_, panelScale_[2];
-  int64_t group_[2] = {0, 0}, ldsp_[2] = {0, 0};  // this chunk's, per stream (PackPairs)
-  bool dequantized_[2] = {false, false};
+  TBuf<TPosition::VECCALC> rowBuf_, scaleBuf_, minBuf_;
 };
 
 }  // namespace

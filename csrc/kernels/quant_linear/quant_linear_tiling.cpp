@@ -49,15 +49,14 @@ int64_t StreamUb(int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue
 //   rows       fp32 [kQuantPackRows, kTile]  (weight rows dequantized before their transposed store)
 //   scale, min fp32 [kTile/32 x groupsPerChunk]  (that row's group scales)
 //   and LinearIo's out (and residual) queues (x is the A operand as fp32 in GM: PackedX)
-// kDpPacked instead: packed W bf16 pairs [AlignUp(nTile, 16), kTile] per stream (W4's dequantized, W8's
-// integer values with their panels' scales)
+// kDpPacked instead: packed W bf16 pairs [AlignUp(nTile, 16), kTile] per stream (dequantized) in place of the
+// fp32 B operand and the rows
 int64_t GemmUb(int64_t mPass, int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep, bool dp,
                int64_t groupsPerChunk) {
   int64_t streams = ep == LINEAR_SWIGLU ? 2 : 1;
   int64_t packed = dp ? UbSlot(AlignUp(nt, 16) * kt * 2) : UbSlot(kt * nt * 4);
-  // + per stream the panels' scales [AlignUp(nTile, 16), kTile/32] fp32 (W8).
   int64_t groups = kt / kQuantChunk * groupsPerChunk;
-  int64_t rows = dp ? streams * UbSlot(AlignUp(nt, 16) * groups * 4) : UbSlot(kQuantPackRows * kt * 4);
+  int64_t rows = dp ? 0 : UbSlot(kQuantPackRows * kt * 4);
   // scale, min: one row's (dp: the tile's, [nTile, kTile/32]).
   return streams * (packed + UbSlot(mPass * nt * 4)) + rows + 2 * UbSlot((dp ? nt : 1) * groups * 4) +
          LinearIoUb(mt, nt, elt, ep);
@@ -65,7 +64,7 @@ int64_t GemmUb(int64_t mPass, int64_t mt, int64_t nt, int64_t kt, int64_t elt, L
 
 // kDpPacked: 64 weight rows per tile, mmad_dp_bf16_packed's group of 4 panels.
 constexpr int64_t kQuantDpNTile = 64;
-// bf16 x on a vdpbf16ps table: the grouped dp GEMM from this many rows on (a launch with any W8 segment takes
+// bf16 x on a vdpbf16ps table: the dp GEMM from this many rows on (a launch with any W8 segment takes
 // W8's). It unpacks and packs every weight tile it reads, which the W4 stream GEMV's unpacking costs as much as
 // from 6 rows on, and W8's int16 stream GEMV (cheaper per value) not before 16. Zen 4, 2 threads, 5632 x 2048
 // from DRAM, us, stream against dp, two runs: W4 G32 M = 6 2457 / 2365 against 1787 / 1955, M = 12 4879 / 4617
@@ -107,7 +106,7 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
   const int64_t groupsPerChunk = halfChunkGroups ? 2 : 1;
   // bf16 x on a table with vdpbf16ps: the k-pair-packed dp GEMM (the running CPU's, whatever SoC is modelled),
   // from kQuantDpMinRowsW4 / W8 rows on (see there).
-  bool dp = bf16 && AscendC::Simd().mmad_dp_bf16_grouped != nullptr;
+  bool dp = bf16 && AscendC::Simd().pack_q4_pairs_dequant != nullptr;
   int64_t dpMin = kQuantDpMinRowsW4;
   for (int64_t s = 0; s < numSegments; ++s)
     if (segs[s].bits == 8) dpMin = kQuantDpMinRowsW8;
