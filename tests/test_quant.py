@@ -497,18 +497,19 @@ def test_gemm_bf16_x_on_vdpbf16ps(table, fmt, group, scale_dtype):
 
 
 @pytest.mark.parametrize("table", _dp_tables())
-def test_dp_starts_at_6_rows_for_w4_and_16_for_w8(table):
-    # Where the grouped dp GEMM takes over from the stream GEMV: W4 from 6 rows, W8 (and any launch with a
-    # W8 segment) from 16. Each side of both boundaries against float64, with the fused epilogues.
+def test_dp_starts_at_6_rows_for_w4_and_16_for_w8_8_on_amx(table):
+    # Where the dp GEMM takes over from the stream GEMV: W4 from 6 rows, W8 (and any launch with a W8 segment)
+    # from 16, or 8 on the AMX tables. Each side of both boundaries against float64, with the fused epilogues.
     atb.set_isa(table)
     try:
         host, bf16 = atb.get_soc("host"), DTYPE_CODES[torch.bfloat16]
         w4, w8 = _seg(96, 4, 32), _seg(96, 8, 0)
+        w8_from = 8 if "amx" in table else 16
         kind = lambda m, segs, ep=0: _C.quant_linear_tiling(m, 577, segs, ep, bf16, host)["dp_bf16"]  # noqa: E731
         assert kind(5, [w4]) != "packed" and kind(6, [w4]) == "packed"
-        assert kind(15, [w8]) != "packed" and kind(16, [w8]) == "packed"
-        assert kind(6, [w4, w4], 2) == "packed" and kind(15, [w4, w8, w4]) != "packed"
-        for m, fmt, group in [(5, "w4a16", 32), (6, "w4a16", 128), (15, "w8a16", 0), (16, "w8a16", 0)]:
+        assert kind(w8_from - 1, [w8]) != "packed" and kind(w8_from, [w8]) == "packed"
+        assert kind(6, [w4, w4], 2) == "packed" and kind(w8_from - 1, [w4, w8, w4]) != "packed"
+        for m, fmt, group in [(5, "w4a16", 32), (6, "w4a16", 128), (w8_from - 1, "w8a16", 0), (w8_from, "w8a16", 0)]:
             x = torch.randn(m, 577).bfloat16()
             q, q2 = _qw(96, 577, fmt, group), _qw(96, 577, fmt, group)
             r = torch.randn(m, 96).bfloat16()

@@ -73,6 +73,10 @@ constexpr int64_t kQuantDpNTile = 64;
 // 12 from 12 rows measured 282 / 343 against 425 / 339, so W8 keeps 16.
 constexpr int64_t kQuantDpMinRowsW4 = 6;
 constexpr int64_t kQuantDpMinRowsW8 = 16;
+// On the AMX tables the dp GEMM (weights dequantized to bf16, then tiles) takes W8 from 8 rows. AMX Xeon,
+// 2 threads, bf16 x, us, int16 stream GEMV against dp: M = 6 1536x576 78 / 76, 5632x2048 727 / 972; M = 8
+// 94 / 74, 1014 / 991; M = 12 139 / 79, 1505 / 994; M = 16 179 / 75, the 49152x576 LM head 5509 / 2599.
+constexpr int64_t kQuantDpMinRowsW8Amx = 8;
 
 // K chunks below all of kPad are multiples of the largest group (128), so no group straddles two chunks.
 constexpr KHalving kQuantKHalving{128, 128};
@@ -107,9 +111,10 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
   // bf16 x on a table with vdpbf16ps: the k-pair-packed dp GEMM (the running CPU's, whatever SoC is modelled),
   // from kQuantDpMinRowsW4 / W8 rows on (see there).
   bool dp = bf16 && AscendC::Simd().pack_q4_pairs_dequant != nullptr;
+  const bool amx = AscendC::Simd().mmad_dp_bf16_packed_x != nullptr;  // the AMX tables
   int64_t dpMin = kQuantDpMinRowsW4;
   for (int64_t s = 0; s < numSegments; ++s)
-    if (segs[s].bits == 8) dpMin = kQuantDpMinRowsW8;
+    if (segs[s].bits == 8) dpMin = amx ? kQuantDpMinRowsW8Amx : kQuantDpMinRowsW8;
   if (m >= kLinearGemmMinRows || (dp && m >= dpMin)) {
     GemmPackedTile(t, q.kPad);
     if (dp) {
