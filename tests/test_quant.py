@@ -189,8 +189,8 @@ def test_linear_swiglu(dtype, m, fmt, group, isa):
 @pytest.mark.parametrize("soc", ["host", "Ascend910B1"])
 def test_gemm_many_passes_and_k_chunks(dtype, soc, isa):
     # Rows past one M pass of the prefill GEMM and a K its tiling cuts into chunks (Ascend910B1's UB), W4
-    # segments of two group sizes and a W8 one in one launch: each pass's rows take x's group sums (the W4
-    # min term) at their own rows, and each K chunk's groups at the chunk's offset.
+    # segments of two group sizes and a W8 one in one launch: each pass's rows (and, under bf16 x, each pass's
+    # dequantized tiles) at their own rows, and each K chunk's groups (scales and mins) at the chunk's offset.
     m, k = 777, 4133
     segs = [(40, "w4a16", 32), (24, "w8a16", 0), (33, "w4a16", 128)]
     t = _C.quant_linear_tiling(m, k, [_seg(n, 4 if f == "w4a16" else 8, g) for n, f, g in segs], 0,
@@ -466,8 +466,8 @@ def _dp_tables() -> list[str]:
 @pytest.mark.parametrize("fmt,group", FORMATS)
 @pytest.mark.parametrize("scale_dtype", [None, torch.float32])
 def test_gemm_bf16_x_on_vdpbf16ps(table, fmt, group, scale_dtype):
-    # bf16 x from 32 rows on, where the float table has vdpbf16ps: the integer values packed in k pairs, each
-    # group's sum of exact x q products times its scale, plus min times x's group sum. Against float64 at odd
+    # bf16 x from 32 rows on, where the float table has vdpbf16ps: each weight tile dequantized to bf16 and
+    # packed in k pairs, then the bf16 GEMM (quant_weight_ref: the weights rounded to bf16). Against float64 at odd
     # K (the last pair and group short), N off the 16-row panel, row tails of the 3-row tile, every epilogue;
     # a SoC whose UB splits K gives the host's bits.
     atb.set_isa(table)
