@@ -123,7 +123,7 @@ def quant_weight_ref(qw, x: torch.Tensor, launch=None, epilogue: int = 0, soc_ty
     if x.dtype != torch.bfloat16 or x.numel() == 0:
         return w
     rows, k = x.reshape(-1, x.shape[-1]).shape
-    segs = [(0, 0, 0, 0, 0, q.shape[0], q.bits, q.group_size, DTYPE_CODES[torch.float32]) for q in (launch or [qw])]
+    segs = [(0, 0, 0, 0, 0, q.shape[0], q.bits, q.group_size, DTYPE_CODES[q.scale.dtype]) for q in (launch or [qw])]
     tiling = _C.quant_linear_tiling(rows, k, segs, epilogue, DTYPE_CODES[torch.bfloat16], atb.get_soc(soc_type))
     return w.float().bfloat16().double() if tiling["dp_bf16"] == "packed" else w
 

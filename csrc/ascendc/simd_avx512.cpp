@@ -909,11 +909,10 @@ inline __m512bh AsBh(__m512i v) {
   return r;
 }
 
-// out = r transposed as 16 x 16 32-bit elements (r is clobbered). The result goes to its own array, and the
+// t = r transposed as 16 x 16 32-bit elements (r is clobbered). The result goes to its own array, and the
 // callers store whole tiles with constant indices: a copy back into r, or a store loop over a runtime count,
 // kept the 16 registers on the stack (a 1 KiB rep movsq per tile: a fifth of pack_q4_pairs_dequant's time).
-inline void Transpose16x16(__m512i r[16], __m512i out[16]) {
-  __m512i (&t)[16] = *reinterpret_cast<__m512i(*)[16]>(out);
+inline void Transpose16x16(__m512i r[16], __m512i t[16]) {
 #pragma GCC unroll 8
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
@@ -998,9 +997,11 @@ inline __m512i Bf16PairsOf(V lo, V hi) {
     const __mmask16 denormal = _mm512_cmpeq_epi32_mask(_mm512_and_si512(u, expBits), _mm512_setzero_si512());
     return _mm512_castsi512_ps(_mm512_mask_and_epi32(u, denormal, u, _mm512_set1_epi32(int(0x80000000u))));
   };
-  alignas(64) uint16_t even[32];
-  for (int i = 0; i < 32; ++i) even[i] = uint16_t(i < 16 ? 2 * i : 32 + 2 * (i - 16));
-  return _mm512_permutex2var_epi16(Bf16Bits(daz(lo)), _mm512_load_si512(even), Bf16Bits(daz(hi)));
+  // Each 32-bit lane's low word: lo's lanes, then hi's (index 32 + i is hi's word i).
+  const __m512i lowWords = _mm512_setr_epi32(0x20000, 0x60004, 0xA0008, 0xE000C, 0x120010, 0x160014, 0x1A0018,
+                                             0x1E001C, 0x220020, 0x260024, 0x2A0028, 0x2E002C, 0x320030, 0x360034,
+                                             0x3A0038, 0x3E003C);
+  return _mm512_permutex2var_epi16(Bf16Bits(daz(lo)), lowWords, Bf16Bits(daz(hi)));
 #endif
 }
 
@@ -1049,12 +1050,12 @@ void PackQ8PairsDequant(uint16_t* dst, const int8_t* q, int64_t ldq, int64_t N, 
   });
 }
 
-// acc[r][v] += the pairs [j0, j1) of A's R rows (lda apart) against NV panels (panelStride apart), then,
-// if `half`, the lone pair j1 whose second value is past K (not read: the packing's zero takes its place).
-// A's rows as they lie: pair j of row r is at A + r * lda + 2 * j.
+// acc[r][v] += the K values of A's R rows (lda apart) against NV panels (panelStride apart), pair by pair; an
+// odd K's last pair is half (its second value is not read: the packing's zero takes its place). A's rows as
+// they lie: pair j of row r is at A + r * lda + 2 * j.
 template <int R, int NV>
-inline void DpPairs(V (&acc)[R][NV], const uint16_t* A, int64_t lda, const uint16_t* Bp,
-                    int64_t panelStride, int64_t j0, int64_t j1, bool half) {
+inline void DpPairs(V (&acc)[R][NV], const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t panelStride,
+                    int64_t K) {
   auto step = [&](int64_t j, auto pairOf) {
     __m512bh b[NV];
 #pragma GCC unroll 4
@@ -1066,12 +1067,12 @@ inline void DpPairs(V (&acc)[R][NV], const uint16_t* A, int64_t lda, const uint1
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
     }
   };
-  for (int64_t j = j0; j < j1; ++j) step(j, [](const uint16_t* p) {
+  for (int64_t j = 0; j < K / 2; ++j) step(j, [](const uint16_t* p) {
       int32_t v;
       std::memcpy(&v, p, 4);
       return v;
     });
-  if (half) step(j1, [](const uint16_t* p) { return int32_t(*p); });
+  if (K % 2) step(K / 2, [](const uint16_t* p) { return int32_t(*p); });
 }
 
 // The R x NV accumulators of a packed-dp tile: C's rows (ldc apart), 16 columns per panel, the last panel's
@@ -1101,7 +1102,7 @@ __attribute__((noinline)) void TileDpPacked(float* C, int64_t ldc, const uint16_
                                             __mmask16 last) {
   V c[R][NV];
   PanelAcc<R, NV>::Load(c, C, ldc, acc, last);
-  DpPairs<R, NV>(c, A, lda, Bp, panelStride, 0, K / 2, K % 2);
+  DpPairs<R, NV>(c, A, lda, Bp, panelStride, K);
   PanelAcc<R, NV>::Store(c, C, ldc, last);
 }
 

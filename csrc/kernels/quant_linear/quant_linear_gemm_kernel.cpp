@@ -42,7 +42,7 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
     kPad_ = t.kPad;
     kGroups_ = t.kGroups;
     if (dp_) Gemm::InitDpPacked();
-    if (!dp_) pipe_.InitBuffer(rowBuf_, kQuantPackRows * t_.kTile * sizeof(float));  // PackWeight's rows
+    else pipe_.InitBuffer(rowBuf_, kQuantPackRows * t_.kTile * sizeof(float));  // PackWeight's rows
     // A row's scales, or (dp) a tile's.
     pipe_.InitBuffer(scaleBuf_, (dp_ ? t_.nTile : 1) * t.kGroups * sizeof(float));
     pipe_.InitBuffer(minBuf_, (dp_ ? t_.nTile : 1) * t.kGroups * sizeof(float));
