@@ -165,7 +165,7 @@ struct SimdOps {
   // the A operand and P as the packed B, so neither the fp32 P tile nor anything per tile is transposed:
   // transpose_b16: dst[k * ldd + n] = src[n * lds + k] for 16-bit words, n < N, k < K (V rows to V^T, once per
   //   call and K/V tile).
-  // pack_f32_pairs_kn_bf16 (below): P^T as the packed B.
+  // exp_pack_pairs_bf16 (below): P^T as the packed B, straight from the scores.
   void (*transpose_b16)(uint16_t* dst, int64_t ldd, const uint16_t* src, int64_t lds, int64_t N, int64_t K);
   // Where the streaming kernels' software prefetches go (paged attention's K/V rows): true, L2
   // (prefetcht1); false, L1 (prefetcht0). On Zen 4 (AVX-512) a request into L1 holds one of L1's few
@@ -179,10 +179,19 @@ struct SimdOps {
   // 32-k chunks in order, one tdpbf16ps each (the tail zero-padded), so independent of M, N and the blocking.
   void (*mmad_dp_bf16_packed_x)(float* C, int64_t ldc, const uint16_t* Xp, const uint16_t* W, int64_t ldw,
                                 int64_t M, int64_t N, int64_t K, bool accumulate);
-  // (See transpose_b16.) The fp32 P^T tile into pack_bf16_pairs' layout for the fp32 B [K][N] (rows ldb apart,
-  // N contiguous), each value rounded to bf16 (nearest even, as f32_to_bf16):
-  //   dst[p][j][n][2] = bf16(B[2j + (0|1)][16p + n]), values past K and columns past N zero.
-  void (*pack_f32_pairs_kn_bf16)(uint16_t* dst, const float* B, int64_t ldb, int64_t N, int64_t K);
+  // (See transpose_b16.) The online softmax's exp pass fused with P^T's packing: from the score tile S [K][N]
+  // (rows ld apart, N contiguous; keys down the rows, query rows along them)
+  //   P[k][n] = exp(S[k][n] * scale + b[n])  (one fma, then exp_sub_acc's exp: -inf gives 0), sum[n] += P[k][n]
+  //             in increasing k,
+  //   dst[p][j][n][2] = bf16(P[2j + (0|1)][16p + n])  (pack_bf16_pairs' layout; nearest even, denormals to
+  //             zero as the bf16 GEMMs read them anyway), values past K and columns past N zero.
+  void (*exp_pack_pairs_bf16)(uint16_t* dst, float* sum, const float* S, int64_t ld, const float* b, float scale,
+                              int64_t K, int64_t N);
+  // Flash attention's output: acc^T [K][N] (rows lda apart) back to rows, each scaled and rounded to bf16
+  // (nearest even), row n of the result at dst + (n / group) * ldg + (n % group) * ldd:
+  //   dst_row(n)[k] = bf16(A[k][n] * v[n]),  n < N, k < K.
+  void (*store_t_scaled_bf16)(uint16_t* dst, int64_t ldd, int64_t group, int64_t ldg, const float* A, int64_t lda,
+                              const float* v, int64_t N, int64_t K);
   // Flash attention's rescale of acc^T by the rows' alpha: C[i][j] *= v[j], i < M, j < N (rows ldc apart).
   // 16-column blocks whose v are all exactly 1 are skipped (x * 1 is x: the same bits).
   void (*mul_cols)(float* C, int64_t ldc, const float* v, int64_t M, int64_t N);

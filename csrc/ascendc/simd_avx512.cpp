@@ -106,6 +106,17 @@ inline void MaskStore(float* p, __mmask16 m, V v) {
     if (m >> j & 1) p[j] = buf[j];
 #endif
 }
+// The same for 16 words.
+inline void MaskStoreWords(uint16_t* p, __mmask16 m, __m256i v) {
+#if defined(ATB_AVX512_NATIVE)
+  _mm256_mask_storeu_epi16(p, m, v);
+#else
+  alignas(32) uint16_t buf[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(buf), v);
+  for (int j = 0; j < 16; ++j)
+    if (m >> j & 1) p[j] = buf[j];
+#endif
+}
 
 // 8 lanes summed in the AVX2 table's order.
 inline float HSum8(__m256 v) {
@@ -469,18 +480,35 @@ void SiluMulT(uint16_t* d, const uint16_t* g, const uint16_t* u, int64_t n) {
   }
 }
 
+// NC 16-column chunks from c0 at once: a chunk's max is a chain of dependent vmaxps, so NC chains overlap
+// their latency (the max of the same values in any order: the same result).
+template <int NC>
+inline __mmask16 ColMaxChunks(float* m, const float* S, int64_t ld, int64_t rows, int64_t n, int64_t c0) {
+  __mmask16 nan = 0, mask[NC];
+  V mc[NC];
+#pragma GCC unroll 4
+  for (int i = 0; i < NC; ++i) {
+    mask[i] = Tail(std::min<int64_t>(16, n - c0 - 16 * i));
+    mc[i] = MaskLoad(mask[i], m + c0 + 16 * i);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+#pragma GCC unroll 4
+    for (int i = 0; i < NC; ++i) {
+      V v = MaskLoad(mask[i], S + r * ld + c0 + 16 * i);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      mc[i] = _mm512_max_ps(v, mc[i]);  // a NaN v gives mc (maxps returns its second operand)
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < NC; ++i) MaskStore(m + c0 + 16 * i, mask[i], mc[i]);
+  return nan;
+}
+
 bool ColMax(float* m, const float* S, int64_t ld, int64_t rows, int64_t n) {
   __mmask16 nan = 0;
-  for (int64_t c = 0; c < n; c += 16) {
-    __mmask16 mask = Tail(std::min<int64_t>(16, n - c));
-    V mc = MaskLoad(mask, m + c);
-    for (int64_t r = 0; r < rows; ++r) {
-      V v = MaskLoad(mask, S + r * ld + c);
-      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      mc = _mm512_max_ps(v, mc);  // a NaN v gives mc (maxps returns its second operand)
-    }
-    MaskStore(m + c, mask, mc);
-  }
+  int64_t c = 0;
+  for (; c + 64 <= n; c += 64) nan |= ColMaxChunks<4>(m, S, ld, rows, n, c);
+  for (; c < n; c += 16) nan |= ColMaxChunks<1>(m, S, ld, rows, n, c);
   return nan != 0;
 }
 
@@ -1139,20 +1167,63 @@ void MmadDpBf16Packed(float* C, int64_t ldc, const uint16_t* A, int64_t lda, con
   }
 }
 
-// pack_f32_pairs_kn_bf16: rows 2j and 2j + 1 of a 16-column panel rounded (Bf16Bits), the second into the
-// high half of each 32-bit lane: one 64-byte store per pair and panel. Columns past N load as zero.
-void PackF32PairsKnBf16(uint16_t* dst, const float* B, int64_t ldb, int64_t N, int64_t K) {
-  const int64_t pairs = (K + 1) / 2;
-  for (int64_t p = 0; p < N; p += kPairPanel) {
-    uint16_t* panel = dst + p * 2 * pairs;
-    const __mmask16 cols = Tail(std::min(kPairPanel, N - p));
-    for (int64_t j = 0; j < pairs; ++j) {
-      const float* a = B + 2 * j * ldb + p;
-      const __m512i lo = Bf16Bits(_mm512_maskz_loadu_ps(cols, a));
-      const __m512i hi = 2 * j + 1 < K ? Bf16Bits(_mm512_maskz_loadu_ps(cols, a + ldb)) : _mm512_setzero_si512();
-      _mm512_storeu_si512(panel + j * 32, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+// exp_pack_pairs_bf16 (contract: simd.h): per 16-column panel, per pair of S rows, both rows' P in fp32 (one
+// fma, then ExpNonPositive16: vscalefps in its place read 25% slower here, underflowing masked scores to zero
+// through the microcode assists of denormal results), summed in row order, then rounded to bf16 together (Bf16PairsOf: vcvtne2ps2bf16) and
+// interleaved into the panel's pairs: one 64-byte store per pair and panel, and the fp32 P tile never goes
+// back to memory. Bf16PairsOf reads denormals as zero, as the tiles and vdpbf16ps read bf16 ones, so P . V
+// sees the same products as with P rounded by f32_to_bf16.
+// NP panels from column p0 at once: each panel's sum is its own chain of adds (in k order), so NP chains
+// overlap their latency.
+template <int NP>
+inline void ExpPackPanels(uint16_t* dst, float* sum, const float* S, int64_t ld, const float* b, V sc, int64_t K,
+                          int64_t N, int64_t p0, __m512i interleave) {
+  const int64_t pairs = (K + 1) / 2, whole = K / 2;
+  __mmask16 cols[NP];
+  V bc[NP], acc[NP];
+#pragma GCC unroll 4
+  for (int i = 0; i < NP; ++i) {
+    cols[i] = Tail(std::min(kPairPanel, N - p0 - i * kPairPanel));
+    bc[i] = MaskLoad(cols[i], b + p0 + i * kPairPanel);
+    acc[i] = MaskLoad(cols[i], sum + p0 + i * kPairPanel);
+  }
+  auto P = [&](int i, int64_t k) {  // zero past N, as the panel's columns there must be
+    const int64_t c = p0 + i * kPairPanel;
+    return _mm512_maskz_mov_ps(cols[i], ExpNonPositive16(_mm512_fmadd_ps(MaskLoad(cols[i], S + k * ld + c), sc, bc[i])));
+  };
+  auto store = [&](int i, int64_t j, V lo, V hi) {
+    _mm512_storeu_si512(dst + (p0 + i * kPairPanel) * 2 * pairs + j * 32,
+                        _mm512_permutexvar_epi16(interleave, Bf16PairsOf(lo, hi)));
+  };
+  for (int64_t j = 0; j < whole; ++j) {
+#pragma GCC unroll 4
+    for (int i = 0; i < NP; ++i) {
+      const V lo = P(i, 2 * j), hi = P(i, 2 * j + 1);
+      acc[i] = _mm512_add_ps(_mm512_add_ps(acc[i], lo), hi);
+      store(i, j, lo, hi);
     }
   }
+#pragma GCC unroll 4
+  for (int i = 0; i < NP; ++i) {
+    if (K % 2) {
+      const V lo = P(i, K - 1);
+      acc[i] = _mm512_add_ps(acc[i], lo);
+      store(i, whole, lo, _mm512_setzero_ps());
+    }
+    MaskStore(sum + p0 + i * kPairPanel, cols[i], acc[i]);
+  }
+}
+
+void ExpPackPairsBf16(uint16_t* dst, float* sum, const float* S, int64_t ld, const float* b, float scale, int64_t K,
+                      int64_t N) {
+  // Bf16PairsOf's [lo 0..15 | hi 0..15] words to pairs (lo i, hi i).
+  alignas(64) uint16_t order[32];
+  for (int i = 0; i < 32; ++i) order[i] = uint16_t(i % 2 ? 16 + i / 2 : i / 2);
+  const __m512i interleave = _mm512_load_si512(order);
+  const V sc = _mm512_set1_ps(scale);
+  int64_t p = 0;
+  for (; p + 4 * kPairPanel <= N; p += 4 * kPairPanel) ExpPackPanels<4>(dst, sum, S, ld, b, sc, K, N, p, interleave);
+  for (; p < N; p += kPairPanel) ExpPackPanels<1>(dst, sum, S, ld, b, sc, K, N, p, interleave);
 }
 
 void MulCols(float* C, int64_t ldc, const float* v, int64_t M, int64_t N) {
@@ -1161,6 +1232,34 @@ void MulCols(float* C, int64_t ldc, const float* v, int64_t M, int64_t N) {
     const V s = MaskLoad(cols, v + j);
     if ((_mm512_cmp_ps_mask(s, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) & cols) == 0) continue;
     for (int64_t i = 0; i < M; ++i) MaskStore(C + i * ldc + j, cols, _mm512_mul_ps(MaskLoad(cols, C + i * ldc + j), s));
+  }
+}
+
+// store_t_scaled_bf16 (contract: simd.h): 16 x 16 blocks of A transposed in registers, each resulting row
+// scaled by its v and rounded to bf16 (Bf16Bits: f32_to_bf16's bits), stored at its own row address.
+void StoreTScaledBf16(uint16_t* dst, int64_t ldd, int64_t group, int64_t ldg, const float* A, int64_t lda,
+                      const float* v, int64_t N, int64_t K) {
+  alignas(64) uint16_t even[32];
+  for (int i = 0; i < 32; ++i) even[i] = uint16_t(2 * (i % 16));
+  const __m512i lowWords = _mm512_load_si512(even);  // each 32-bit lane's low word, into the low half
+  for (int64_t n0 = 0; n0 < N; n0 += 16) {
+    const int64_t nl = std::min<int64_t>(16, N - n0);
+    const __mmask16 colMask = Tail(nl);
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {
+      const int64_t kl = std::min<int64_t>(16, K - k0);
+      const __mmask16 kMask = Tail(kl);
+      __m512i r[16], c[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i)
+        r[i] = i < kl ? _mm512_castps_si512(MaskLoad(colMask, A + (k0 + i) * lda + n0)) : _mm512_setzero_si512();
+      Transpose16x16(r, c);
+      for (int64_t j = 0; j < nl; ++j) {
+        const int64_t n = n0 + j;
+        const V row = _mm512_mul_ps(_mm512_castsi512_ps(c[j]), _mm512_set1_ps(v[n]));
+        MaskStoreWords(dst + (n / group) * ldg + (n % group) * ldd + k0, kMask,
+                       _mm512_castsi512_si256(_mm512_permutexvar_epi16(lowWords, Bf16Bits(row))));
+      }
+    }
   }
 }
 
@@ -1246,7 +1345,8 @@ const SimdOps* WithBf16() {
     t.pack_q4_pairs_dequant = PackQ4PairsDequant;
     t.pack_q8_pairs_dequant = PackQ8PairsDequant;
     t.transpose_b16 = TransposeB16;
-    t.pack_f32_pairs_kn_bf16 = PackF32PairsKnBf16;
+    t.exp_pack_pairs_bf16 = ExpPackPairsBf16;
+    t.store_t_scaled_bf16 = StoreTScaledBf16;
     t.mul_cols = MulCols;
     return t;
   }();

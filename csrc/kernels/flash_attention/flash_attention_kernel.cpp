@@ -57,6 +57,7 @@ class KernelFlashAttention {
     vGm_.SetGlobalBuffer(reinterpret_cast<T*>(v));
     int64_t rows = t.maxRows, d = t.headDim, ld = t.ubRowElems, bk = t.blockKv;
     if constexpr (std::is_same<T, bfloat16_t>::value) dp_ = vt.vT != nullptr;
+    expScale_ = dp_ && t.scale > 0.0f && t.scale <= 1.0f ? t.scale : 1.0f;
     // Q packed in k pairs (pack_bf16_pairs, 16-row panels) where that fits the UB of the fp32 qT it replaces.
     qPacked_ = dp_ && AlignUp(rows, 16) * AlignUp(d, 2) * 2 <= rows * d * int64_t(sizeof(float));
     pipe_.InitBuffer(qT_, rows * d * sizeof(float));
@@ -101,10 +102,13 @@ class KernelFlashAttention {
     FlashAttentionKvTiles(u.qStart, u.qLen, seqLen, t_->blockKv, t_->causal, t_->window, &first, &last);
     for (int64_t j = first; j < last; ++j) {
       int64_t kvStart = j * t_->blockKv, nk = std::min(t_->blockKv, seqLen - kvStart);
+      // Causal: keys past the unit's last query are masked for all its rows; the tile stops at the next multiple
+      // of 32 (whole AMX chunks) after them. Exact: those keys' P are 0 and add nothing anywhere.
+      if (t_->causal) nk = std::min(nk, AlignUp(u.qStart + u.qLen - kvStart, int64_t(32)));
       if (dp_) {
         ScoresDp(kGm_[(seqStart + kvStart) * st_.kToken + u.kvHead * st_.kHead].GetPhyAddr(), nk);
         Mask(u.qStart, kvStart, nk);
-        Softmax(nk);
+        SoftmaxDp(nk);
         PVDp(vt_.vT + FlashAttentionVTOffset(vt_.tileBase[u.seq] + j, u.kvHead, t_->numKvHeads, t_->headDim,
                                              t_->blockKv),
              nk);
@@ -202,7 +206,7 @@ class KernelFlashAttention {
       else
         Simd().mmad_nt_dp_bf16(st, rows_, StorageBits(k), st_.kToken, StorageBits(io_.Get<T>().GetPhyAddr()),
                                t_->ubRowElems, nk, rows_, d, false);
-      Simd().muls(st, st, t_->scale, nk * rows_);
+      if (expScale_ != t_->scale) Simd().muls(st, st, t_->scale, nk * rows_);
     }
   }
 
@@ -253,12 +257,48 @@ class KernelFlashAttention {
     // acc *= alpha, skipped for the (most) rows whose max did not move: alpha is exactly 1 there.
     LocalTensor<float> acc = acc_.Get<float>();
     int64_t d = t_->headDim;
-    if (dp_) {  // acc^T: every row of it takes alpha along its columns
-      Simd().mul_cols(acc.GetPhyAddr(), rows_, alpha.GetPhyAddr(), d, rows_);
-      return;
-    }
     for (int64_t r = 0; r < rows_; ++r)
       if (alpha(r) != 1.0f) Muls(acc[r * d], acc[r * d], alpha(r), d);
+  }
+
+  // The bf16 path's online softmax: as Softmax, over scores not yet scaled where the scale folds into the
+  // exp (expScale_: max(scale x) = scale max(x) for 0 < scale <= 1, and scale x cannot overflow), in two
+  // passes over the tile: the max, then P = exp(s scale - m scale) (one fma) summed and packed in k pairs as
+  // PV's B operand straight from the scores (exp_pack_pairs_bf16).
+  // The max a row's P are taken against moves only when the tile's exceeds it by more than kRescaleLog (in
+  // scaled units), so P <= 256: acc^T and l are then rescaled by alpha = 1 (skipped) on almost every tile
+  // rather than whenever a row's max creeps up. The result is the same softmax (every P and l against one
+  // reference), rounded alike: P's bf16 rounding is relative, and l and acc stay far from fp32's range.
+  void SoftmaxDp(int64_t nk) {
+    constexpr float kRescaleLog = 5.545177444479562f;  // ln 256
+    LocalTensor<float> stats = stats_.Get<float>();
+    LocalTensor<float> m = stats, mNew = stats[rows_], bias = stats[2 * rows_], alpha = stats[3 * rows_];
+    LocalTensor<float> l = stats[4 * rows_], lTile = stats[5 * rows_];
+    DataCopy(mNew, m, rows_);
+    PoisonNanRows(nk, ColMax(mNew, s_.Get<float>(), rows_, nk, rows_));
+    bool rescale = false;
+    for (int64_t r = 0; r < rows_; ++r) {
+      const float old = m(r), tileMax = mNew(r);
+      const bool move = old == kNegInf || !((tileMax - old) * expScale_ <= kRescaleLog);  // (NaN: +inf max)
+      const float ref = move ? tileMax : old;
+      bias(r) = -(expScale_ * (ref == kNegInf ? 0.0f : ref));
+      alpha(r) = std::fma(old, expScale_, bias(r));  // exp'd below where the reference moved
+      lTile(r) = move ? 1.0f : 0.0f;
+      rescale |= move;
+      m(r) = ref;
+    }
+    if (rescale) {
+      Exp(alpha, alpha, rows_);
+      for (int64_t r = 0; r < rows_; ++r)
+        if (lTile(r) == 0.0f) alpha(r) = 1.0f;
+    }
+    Duplicate(lTile, 0.0f, rows_);
+    Simd().exp_pack_pairs_bf16(pPacked_.Get<uint16_t>().GetPhyAddr(), lTile.GetPhyAddr(),
+                               s_.Get<float>().GetPhyAddr(), rows_, bias.GetPhyAddr(), expScale_, nk, rows_);
+    if (rescale) Mul(l, l, alpha, rows_);
+    Add(l, l, lTile, rows_);
+    // acc^T: every row of it takes alpha along its columns (blocks whose alpha are all exactly 1 skipped).
+    if (rescale) Simd().mul_cols(acc_.Get<float>().GetPhyAddr(), rows_, alpha.GetPhyAddr(), t_->headDim, rows_);
   }
 
   // NaN must reach the output as in SDPA, but the max skips a NaN score and the
@@ -288,10 +328,9 @@ class KernelFlashAttention {
     MmadTN(acc_.Get<float>().GetPhyAddr(), s_.Get<float>().GetPhyAddr(), vf, p);
   }
 
-  // acc^T[d][m] += sum_n V^T[d][n] * bf16(P^T[n][m]); vT: the tile's V^T [D][blockKv].
+  // acc^T[d][m] += sum_n V^T[d][n] * bf16(P^T[n][m]) (P packed by SoftmaxDp); vT: the tile's V^T [D][blockKv].
   void PVDp(const uint16_t* vT, int64_t nk) {
-    uint16_t* pp = pPacked_.Get<uint16_t>().GetPhyAddr();
-    Simd().pack_f32_pairs_kn_bf16(pp, s_.Get<float>().GetPhyAddr(), rows_, rows_, nk);
+    const uint16_t* pp = pPacked_.Get<uint16_t>().GetPhyAddr();
     Simd().mmad_dp_bf16_packed(acc_.Get<float>().GetPhyAddr(), rows_, vT, t_->blockKv, pp, t_->headDim, rows_, nk,
                                true);
   }
@@ -300,18 +339,18 @@ class KernelFlashAttention {
     int64_t d = t_->headDim, ld = t_->ubRowElems, gs = t_->groupSplit, elt = sizeof(T);
     LocalTensor<float> acc = acc_.Get<float>(), l = stats_.Get<float>()[4 * rows_];
     LocalTensor<T> io = io_.Get<T>();
-    if (dp_) {  // acc^T / l along its rows, then back to rows in qT's UB (Q is done with)
-      LocalTensor<float> inv = stats_.Get<float>()[rows_];
-      for (int64_t r = 0; r < rows_; ++r) inv(r) = 1.0f / l(r);
-      Simd().mul_cols(acc.GetPhyAddr(), rows_, inv.GetPhyAddr(), d, rows_);
-      LocalTensor<float> rowsOut = qT_.Get<float>();
-      Simd().transpose_f32(rowsOut.GetPhyAddr(), d, acc.GetPhyAddr(), rows_, d, rows_);
-      for (int64_t r = 0; r < rows_; ++r) Cast(io[r * ld], rowsOut[r * d], RoundMode::CAST_RINT, d);
-    } else {
-      for (int64_t r = 0; r < rows_; ++r) {
-        Muls(acc[r * d], acc[r * d], 1.0f / l(r), d);
-        Cast(io[r * ld], acc[r * d], RoundMode::CAST_RINT, d);
+    if (dp_) {  // acc^T / l, transposed back to rows and rounded in one pass, straight to the output
+      if constexpr (std::is_same<T, bfloat16_t>::value) {
+        LocalTensor<float> inv = stats_.Get<float>()[rows_];
+        for (int64_t r = 0; r < rows_; ++r) inv(r) = 1.0f / l(r);
+        Simd().store_t_scaled_bf16(reinterpret_cast<uint16_t*>(outGm_[(token0 * t_->numHeads + firstHead_) * d].GetPhyAddr()), d, gs,
+                                   t_->numHeads * d, acc.GetPhyAddr(), rows_, inv.GetPhyAddr(), rows_, d);
       }
+      return;
+    }
+    for (int64_t r = 0; r < rows_; ++r) {
+      Muls(acc[r * d], acc[r * d], 1.0f / l(r), d);
+      Cast(io[r * ld], acc[r * d], RoundMode::CAST_RINT, d);
     }
     DataCopyParams p{gs, d * elt, 0, 0};
     for (int64_t pos = 0; pos < qLen; ++pos)
@@ -325,6 +364,7 @@ class KernelFlashAttention {
   FlashAttentionVT vt_{};
   bool dp_ = false;       // bf16 Scores and PV as bf16 GEMMs (ScoresDp, PVDp; acc holds acc^T), else the fp32 Mmads
   bool qPacked_ = false;  // dp Scores over Q packed in k pairs once per unit (mmad_dp_bf16_packed)
+  float expScale_ = 1.0f; // the scale SoftmaxDp folds into its exp (1: ScoresDp scaled the scores)
   TPipe pipe_;
   TQue<QuePosition::VECIN, 1> inK_, inV_;
   LocalTensor<T> kIn_, vIn_;

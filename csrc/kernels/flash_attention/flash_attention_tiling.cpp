@@ -4,6 +4,10 @@
 
 #include "ascendc/error.h"
 #include "kernels/common/tiling_utils.h"
+#include "ascendc/simd.h"
+#ifndef BLOCKKV_DP
+#define BLOCKKV_DP 128
+#endif
 
 namespace atb {
 
@@ -27,12 +31,23 @@ int64_t UbRowElems(int64_t headDim, int64_t elt) { return AlignUp(headDim * elt,
 // every SoC then produces bit-identical results. 64 keys make the two cube
 // products 64-deep/-wide; at head_dim > 128 the fp32 K and V tiles (2 x 64 x
 // 256 x 4 B = 128 KiB) would crowd a 192 KiB UB, so 32.
-int64_t BlockKv(int64_t headDim) { return headDim <= 128 ? 64 : 32; }
+int64_t BlockKv(int64_t headDim, bool dp) {
+  if (dp) return BLOCKKV_DP;
+  return headDim <= 128 ? 64 : 32;
+}
 
 // UB carved by the kernel for a unit of `rows` rows (see KernelFlashAttention::Init).
-int64_t UbBytes(int64_t rows, int64_t headDim, int64_t blockKv, int64_t elt) {
+int64_t UbBytes(int64_t rows, int64_t headDim, int64_t blockKv, int64_t elt, bool dp) {
   int64_t ld = UbRowElems(headDim, elt);
   int64_t b = 0;
+  if (dp) {
+    b += 2 * UbSlot(rows * headDim * 4);
+    b += UbSlot(rows * ld * elt);
+    b += UbSlot(blockKv * rows * 4);
+    b += UbSlot(FlashAttentionPackedPBytes(rows, blockKv));
+    b += UbSlot(6 * rows * 4);
+    return b;
+  }
   b += 2 * UbSlot(rows * headDim * 4);  // qT (scaled Q, transposed) and acc (fp32 output)
   b += UbSlot(rows * ld * elt);         // io: Q block as copied in, later the output block
   b += UbSlot(blockKv * rows * 4);      // S^T / P^T tile
@@ -83,19 +98,20 @@ FlashAttentionTilingData FlashAttentionTiling(const int32_t* cuSeqlens, int64_t 
   t.tilingKey = int64_t(dtype);
   int64_t elt = AscendC::DataTypeSize(dtype);
   t.ubRowElems = UbRowElems(headDim, elt);
-  t.blockKv = BlockKv(headDim);
+  const bool dp = dtype == AscendC::DataType::BFLOAT16 && AscendC::Simd().mmad_dp_bf16_packed != nullptr;
+  t.blockKv = BlockKv(headDim, dp);
 
   // Heads per unit: the whole group, so each K/V tile is loaded once for all
   // of its query heads; a smaller divisor only when one position of the whole
   // group does not fit the UB (e.g. MQA with 64 heads of 256 on 192 KiB).
   int64_t gs = t.groupSize;
-  while (gs > 1 && UbBytes(gs, headDim, t.blockKv, elt) > soc.ub_size) {
+  while (gs > 1 && UbBytes(gs, headDim, t.blockKv, elt, dp) > soc.ub_size) {
     int64_t d = gs - 1;
     while (t.groupSize % d) --d;
     gs = d;
   }
-  ATB_CHECK(UbBytes(gs, headDim, t.blockKv, elt) <= soc.ub_size, "flash_attention tiling: head_dim ", headDim,
-            " needs ", UbBytes(gs, headDim, t.blockKv, elt), " bytes of UB, ", soc.name, " has ", soc.ub_size);
+  ATB_CHECK(UbBytes(gs, headDim, t.blockKv, elt, dp) <= soc.ub_size, "flash_attention tiling: head_dim ", headDim,
+            " needs ", UbBytes(gs, headDim, t.blockKv, elt, dp), " bytes of UB, ", soc.name, " has ", soc.ub_size);
   t.groupSplit = gs;
 
   // Positions per unit: about kTargetRows rows, a multiple of 16 / gcd(gs, 16)
@@ -105,10 +121,10 @@ FlashAttentionTilingData FlashAttentionTiling(const int32_t* cuSeqlens, int64_t 
   int64_t bq = std::max<int64_t>(1, kTargetRows / gs);
   if (bq >= step) bq = bq / step * step;
   bq = std::max<int64_t>(1, std::min(bq, maxLen));
-  while (bq > 1 && UbBytes(bq * gs, headDim, t.blockKv, elt) > soc.ub_size) bq -= (bq > step ? step : 1);
+  while (bq > 1 && UbBytes(bq * gs, headDim, t.blockKv, elt, dp) > soc.ub_size) bq -= (bq > step ? step : 1);
   t.blockQ = bq;
   t.maxRows = bq * gs;
-  t.ubBytes = UbBytes(t.maxRows, headDim, t.blockKv, elt);
+  t.ubBytes = UbBytes(t.maxRows, headDim, t.blockKv, elt, dp);
 
   // Units, and their cost in multiply-adds (Q.K^T and P.V over the K/V tiles
   // they visit, plus loading Q and storing the output). Causal units near a
