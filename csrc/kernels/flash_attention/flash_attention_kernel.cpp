@@ -29,6 +29,7 @@
 // back once per unit. Twice the multiply-adds per instruction of the fp32 cube on vdpbf16ps, ~8x on AMX.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 
@@ -106,7 +107,9 @@ class KernelFlashAttention {
       // of 32 (whole AMX chunks) after them. Exact: those keys' P are 0 and add nothing anywhere.
       if (t_->causal) nk = std::min(nk, AlignUp(u.qStart + u.qLen - kvStart, int64_t(32)));
       if (dp_) {
-        ScoresDp(kGm_[(seqStart + kvStart) * st_.kToken + u.kvHead * st_.kHead].GetPhyAddr(), nk);
+        ScoresDp(vt_.kTiles + FlashAttentionVTOffset(vt_.tileBase[u.seq] + j, u.kvHead, t_->numKvHeads,
+                                                     t_->headDim, t_->blockKv),
+                 nk);
         Mask(u.qStart, kvStart, nk);
         SoftmaxDp(nk);
         PVDp(vt_.vT + FlashAttentionVTOffset(vt_.tileBase[u.seq] + j, u.kvHead, t_->numKvHeads, t_->headDim,
@@ -195,17 +198,17 @@ class KernelFlashAttention {
     MmadNN<float>(s_.Get<float>().GetPhyAddr(), kf, qT_.Get<float>().GetPhyAddr(), p);
   }
 
-  // S^T[n][m] = scale * sum_d K[n][d] * Q[m][d], K's nk rows where they lie in GM.
-  void ScoresDp(const T* k, int64_t nk) {
+  // S^T[n][m] = sum_d K[n][d] * Q[m][d] (scaled here unless SoftmaxDp folds the scale), K the tile's nk rows
+  // as the host copied them, headDim apart.
+  void ScoresDp(const uint16_t* k, int64_t nk) {
     if constexpr (std::is_same<T, bfloat16_t>::value) {
       float* st = s_.Get<float>().GetPhyAddr();
       const int64_t d = t_->headDim;
       if (qPacked_)
-        Simd().mmad_dp_bf16_packed(st, rows_, StorageBits(k), st_.kToken, qT_.Get<uint16_t>().GetPhyAddr(), nk,
-                                   rows_, d, false);
+        Simd().mmad_dp_bf16_packed(st, rows_, k, d, qT_.Get<uint16_t>().GetPhyAddr(), nk, rows_, d, false);
       else
-        Simd().mmad_nt_dp_bf16(st, rows_, StorageBits(k), st_.kToken, StorageBits(io_.Get<T>().GetPhyAddr()),
-                               t_->ubRowElems, nk, rows_, d, false);
+        Simd().mmad_nt_dp_bf16(st, rows_, k, d, StorageBits(io_.Get<T>().GetPhyAddr()), t_->ubRowElems, nk, rows_,
+                               d, false);
       if (expScale_ != t_->scale) Simd().muls(st, st, t_->scale, nk * rows_);
     }
   }
@@ -381,10 +384,10 @@ void RunFlashAttention(GM_ADDR out, GM_ADDR q, GM_ADDR k, GM_ADDR v, const int32
   op.Process();
 }
 
-// The bf16 path's V^T workspace (FlashAttentionVT), items (tile, kv head) split evenly over the blocks; a
-// sequence's last tile is zero past its keys.
-void TransposeVTiles(uint16_t* vT, const int64_t* tileBase, const uint16_t* v, const int32_t* cu, int64_t batch,
-                     const FlashAttentionStrides& st, const FlashAttentionTilingData& t) {
+// The bf16 path's K/V tile workspace (FlashAttentionVT), items (tile, kv head) split evenly over the blocks:
+// each tile's K rows copied together, and its V transposed, zero past the sequence's keys.
+void PrepareKVTiles(uint16_t* kTiles, uint16_t* vT, const int64_t* tileBase, const uint16_t* k, const uint16_t* v,
+                    const int32_t* cu, int64_t batch, const FlashAttentionStrides& st, const FlashAttentionTilingData& t) {
   const int64_t kvh = t.numKvHeads, d = t.headDim, bk = t.blockKv, items = tileBase[batch] * kvh;
   const int64_t blk = GetBlockIdx(), blocks = GetBlockNum();
   int64_t b = 0;
@@ -392,6 +395,9 @@ void TransposeVTiles(uint16_t* vT, const int64_t* tileBase, const uint16_t* v, c
     const int64_t g = i / kvh, h = i % kvh;
     while (tileBase[b + 1] <= g) ++b;
     const int64_t kv0 = (g - tileBase[b]) * bk, nk = std::min(bk, int64_t(cu[b + 1] - cu[b]) - kv0);
+    uint16_t* kDst = kTiles + FlashAttentionVTOffset(g, h, kvh, d, bk);
+    const uint16_t* kSrc = k + (cu[b] + kv0) * st.kToken + h * st.kHead;
+    for (int64_t r = 0; r < nk; ++r) std::memcpy(kDst + r * d, kSrc + r * st.kToken, size_t(d) * 2);
     uint16_t* dst = vT + FlashAttentionVTOffset(g, h, kvh, d, bk);
     Simd().transpose_b16(dst, bk, v + (cu[b] + kv0) * st.vToken + h * st.vHead, st.vToken, nk, d);
     for (int64_t r = 0; nk < bk && r < d; ++r) std::fill(dst + r * bk + nk, dst + (r + 1) * bk, uint16_t(0));
@@ -409,20 +415,23 @@ void FlashAttention(void* out, const void* q, const void* k, const void* v, cons
   if (t.units.empty()) return;
   // bf16 on the AVX512-BF16 tables: the V^T workspace first (kept per thread: no page faults per call).
   FlashAttentionVT vt;
-  thread_local std::vector<uint16_t> vTBuf;
+  thread_local std::vector<uint16_t> vTBuf, kBuf;
   thread_local std::vector<int64_t> tileBase;
   if (dtype == DataType::BFLOAT16 && Simd().mmad_dp_bf16_packed != nullptr) {
     tileBase.assign(size_t(batch + 1), 0);
     for (int64_t b = 0; b < batch; ++b)
       tileBase[b + 1] = tileBase[b] + CeilDiv(cuSeqlens[b + 1] - cuSeqlens[b], t.blockKv);
     vTBuf.resize(size_t(tileBase[batch] * numKvHeads * headDim * t.blockKv));
+    kBuf.resize(vTBuf.size());
     // (the pointers taken here: inside the launched lambda these thread_locals would name the workers' own)
     uint16_t* vT = vTBuf.data();
+    uint16_t* kTiles = kBuf.data();
     const int64_t* bases = tileBase.data();
+    const auto* k16 = static_cast<const uint16_t*>(k);
     const auto* v16 = static_cast<const uint16_t*>(v);
     KernelLaunch(t.blockDim, soc.ub_size,
-                 [&]() { TransposeVTiles(vT, bases, v16, cuSeqlens, batch, strides, t); });
-    vt = {vT, bases};
+                 [&]() { PrepareKVTiles(kTiles, vT, bases, k16, v16, cuSeqlens, batch, strides, t); });
+    vt = {vT, bases, kTiles};
   }
   auto gm = [](const void* p) { return reinterpret_cast<GM_ADDR>(const_cast<void*>(p)); };
   auto kernel = [&]() {

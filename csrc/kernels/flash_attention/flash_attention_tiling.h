@@ -56,6 +56,7 @@ struct FlashAttentionStrides {
 struct FlashAttentionVT {
   const uint16_t* vT = nullptr;
   const int64_t* tileBase = nullptr;
+  const uint16_t* kTiles = nullptr;  // each tile's K rows at the same offsets, [keys][headDim]
 };
 
 // Elements before the V^T of tile g (tileBase[b] + j), kv head h in the workspace.
