@@ -67,6 +67,22 @@ def test_scale_and_large_logits():
     assert_close(fa(q, k, v, cu, scale=0.5), flash_attention_ref(q, k, v, cu, scale=0.5), scale=25)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [None, 0.03, 2.0])
+def test_running_max_that_keeps_climbing_or_falling(dtype, scale):
+    # Scores that grow (or shrink) with the key's position, by far more than e^8 over the sequence: the online
+    # softmax's reference max must move on many tiles (the bf16 path moves it only past ln 256), and every
+    # rescale of acc and l must be right. scale 2 is past what the bf16 path folds into its exp (it scales the
+    # scores first there); 0.03 folds.
+    q, k, v, cu = make([700, 300], 4, 2, 32, dtype)
+    ramp = torch.linspace(0.0, 3.0, 1000).view(-1, 1, 1)
+    q = q.abs().to(dtype)
+    for sign in (1.0, -1.0):
+        ks = (k.float().abs() * ramp * sign).to(dtype)
+        want = flash_attention_ref(q, ks, v, cu, scale=scale)
+        assert_close(fa(q, ks, v, cu, scale=scale), want, scale=2.0 if scale == 2.0 else 1.0)
+
+
 @pytest.mark.parametrize("soc", ALL_SOCS)
 def test_every_soc_gives_the_same_numbers(soc):
     # UB size changes the query block height and group split, never a row's arithmetic.

@@ -181,10 +181,11 @@ struct SimdOps {
                                 int64_t M, int64_t N, int64_t K, bool accumulate);
   // (See transpose_b16.) The online softmax's exp pass fused with P^T's packing: from the score tile S [K][N]
   // (rows ld apart, N contiguous; keys down the rows, query rows along them)
-  //   P[k][n] = exp(S[k][n] * scale + b[n])  (one fma, then exp_sub_acc's exp: -inf gives 0), sum[n] += P[k][n]
-  //             in increasing k,
+  //   P[k][n] = 2^(S[k][n] * scale + b[n])  (one fma, then a degree-5 2^x: 1.5e-7 relative; -inf, NaN and
+  //             anything below -127 give 0), sum[n] += P[k][n] in increasing k,
   //   dst[p][j][n][2] = bf16(P[2j + (0|1)][16p + n])  (pack_bf16_pairs' layout; nearest even, denormals to
   //             zero as the bf16 GEMMs read them anyway), values past K and columns past N zero.
+  // (Base 2: the caller folds log2 e into scale and b, saving the exp a multiply.)
   void (*exp_pack_pairs_bf16)(uint16_t* dst, float* sum, const float* S, int64_t ld, const float* b, float scale,
                               int64_t K, int64_t N);
   // Flash attention's output: acc^T [K][N] (rows lda apart) back to rows, each scaled and rounded to bf16

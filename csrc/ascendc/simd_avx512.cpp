@@ -1167,14 +1167,29 @@ void MmadDpBf16Packed(float* C, int64_t ldc, const uint16_t* A, int64_t lda, con
   }
 }
 
+// 2^t for exp_pack_pairs_bf16, t <= 128: n = t rounded to nearest even by the 1.5 * 2^23 shifter (add, then
+// sub: n's bits are then j's low mantissa bits, so 2^n is one integer add and shift away), f = t - n in
+// [-1/2, 1/2], 2^f by kExp2Deg5. t is clamped at -127, where 2^n is the zero bit pattern: a masked score
+// (-inf) gives exactly 0, as does a NaN (vmaxps returns its second operand). 12 vector ops against
+// ExpNonPositive16's 15: this loop sets the pace of the bf16 softmax.
+inline V Exp2Flash16(V t) {
+  const V shifter = _mm512_set1_ps(12582912.0f);  // 1.5 * 2^23, bits 0x4B400000
+  t = _mm512_max_ps(t, _mm512_set1_ps(-127.0f));
+  const V j = _mm512_add_ps(t, shifter);
+  const V n = _mm512_sub_ps(j, shifter);
+  const V p = Horner(_mm512_sub_ps(t, n), kExp2Deg5, Fma16, Set16);
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_castps_si512(j), _mm512_set1_epi32(127 - 0x4B400000)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
 // exp_pack_pairs_bf16 (contract: simd.h): per 16-column panel, per pair of S rows, both rows' P in fp32 (one
-// fma, then ExpNonPositive16: vscalefps in its place read 25% slower here, underflowing masked scores to zero
-// through the microcode assists of denormal results), summed in row order, then rounded to bf16 together (Bf16PairsOf: vcvtne2ps2bf16) and
+// fma, then Exp2Flash16), summed in row order, then rounded to bf16 together (Bf16PairsOf: vcvtne2ps2bf16) and
 // interleaved into the panel's pairs: one 64-byte store per pair and panel, and the fp32 P tile never goes
 // back to memory. Bf16PairsOf reads denormals as zero, as the tiles and vdpbf16ps read bf16 ones, so P . V
-// sees the same products as with P rounded by f32_to_bf16.
+// sees the same products as with P rounded by f32_to_bf16. (vscalefps for the power of two measured 25%
+// slower on the AMX Xeon: its underflow of masked scores to zero goes through denormal results.)
 // NP panels from column p0 at once: each panel's sum is its own chain of adds (in k order), so NP chains
-// overlap their latency.
+// overlap their latency; the NP = 4 form runs whole panels only, so it needs no column masks.
 template <int NP>
 inline void ExpPackPanels(uint16_t* dst, float* sum, const float* S, int64_t ld, const float* b, V sc, int64_t K,
                           int64_t N, int64_t p0, __m512i interleave) {
@@ -1187,9 +1202,11 @@ inline void ExpPackPanels(uint16_t* dst, float* sum, const float* S, int64_t ld,
     bc[i] = MaskLoad(cols[i], b + p0 + i * kPairPanel);
     acc[i] = MaskLoad(cols[i], sum + p0 + i * kPairPanel);
   }
-  auto P = [&](int i, int64_t k) {  // zero past N, as the panel's columns there must be
-    const int64_t c = p0 + i * kPairPanel;
-    return _mm512_maskz_mov_ps(cols[i], ExpNonPositive16(_mm512_fmadd_ps(MaskLoad(cols[i], S + k * ld + c), sc, bc[i])));
+  auto P = [&](int i, int64_t k) {
+    const float* s = S + k * ld + p0 + i * kPairPanel;
+    if constexpr (NP > 1) return Exp2Flash16(_mm512_fmadd_ps(_mm512_loadu_ps(s), sc, bc[i]));
+    // zero past N, as the panel's columns there must be
+    return _mm512_maskz_mov_ps(cols[i], Exp2Flash16(_mm512_fmadd_ps(MaskLoad(cols[i], s), sc, bc[i])));
   };
   auto store = [&](int i, int64_t j, V lo, V hi) {
     _mm512_storeu_si512(dst + (p0 + i * kPairPanel) * 2 * pairs + j * 32,

@@ -10,6 +10,10 @@ constexpr float kExpCephesP[6] = {1.9875691500E-4f, 1.3981999507E-3f, 8.33345190
 // 2^f for f in [-1/2, 1/2], degree 6 (1.7 ulp), highest degree first.
 constexpr float kExp2Deg6[7] = {1.537173957331106e-4f, 1.3399693416431546e-3f, 9.618369862437248e-3f,
                                 5.5503297597169876e-2f, 2.4022649228572845e-1f, 6.931471824645996e-1f, 1.0f};
+// 2^f for f in [-1/2, 1/2], degree 5 (1.5e-7 relative, ~1.3 ulp; fitted near-minimax): flash attention's P,
+// which go on to bf16 (2^-9 relative) and whose rounding cancels in P . V / sum P.
+constexpr float kExp2Deg5[6] = {1.327646430581808e-3f, 9.675540961325169e-3f, 5.550713464617729e-2f,
+                                2.4022120237350464e-1f, 6.931469440460205e-1f, 1.0000001192092896f};
 
 // c[0] x^(N-1) + ... + c[N-1]: p = c[0], then p = fma(p, x, c[i]) for i = 1 .. N-1. fma(a, b, c) is the
 // table's a * b + c with one rounding, set1 its broadcast.

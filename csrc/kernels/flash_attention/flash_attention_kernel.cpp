@@ -266,14 +266,15 @@ class KernelFlashAttention {
 
   // The bf16 path's online softmax: as Softmax, over scores not yet scaled where the scale folds into the
   // exp (expScale_: max(scale x) = scale max(x) for 0 < scale <= 1, and scale x cannot overflow), in two
-  // passes over the tile: the max, then P = exp(s scale - m scale) (one fma) summed and packed in k pairs as
-  // PV's B operand straight from the scores (exp_pack_pairs_bf16).
-  // The max a row's P are taken against moves only when the tile's exceeds it by more than kRescaleLog (in
-  // scaled units), so P <= 256: acc^T and l are then rescaled by alpha = 1 (skipped) on almost every tile
-  // rather than whenever a row's max creeps up. The result is the same softmax (every P and l against one
-  // reference), rounded alike: P's bf16 rounding is relative, and l and acc stay far from fp32's range.
+  // passes over the tile: the max, then P = 2^(s c - m c) with c = scale log2 e (one fma) summed and packed
+  // in k pairs as PV's B operand straight from the scores (exp_pack_pairs_bf16).
+  // The max a row's P are taken against moves only when the tile's exceeds it by more than ln 256 (in scaled
+  // units), so P <= 256: acc^T and l are then rescaled (alpha != 1) on almost no tile rather than whenever a
+  // row's max creeps up. The result is the same softmax (every P and l against one reference), rounded alike:
+  // P's bf16 rounding is relative, and l and acc stay far from fp32's range.
   void SoftmaxDp(int64_t nk) {
-    constexpr float kRescaleLog = 5.545177444479562f;  // ln 256
+    constexpr float kRescaleLog2 = 8.0f;  // log2 256
+    const float c = expScale_ * 1.44269504088896341f;
     LocalTensor<float> stats = stats_.Get<float>();
     LocalTensor<float> m = stats, mNew = stats[rows_], bias = stats[2 * rows_], alpha = stats[3 * rows_];
     LocalTensor<float> l = stats[4 * rows_], lTile = stats[5 * rows_];
@@ -282,22 +283,16 @@ class KernelFlashAttention {
     bool rescale = false;
     for (int64_t r = 0; r < rows_; ++r) {
       const float old = m(r), tileMax = mNew(r);
-      const bool move = old == kNegInf || !((tileMax - old) * expScale_ <= kRescaleLog);  // (NaN: +inf max)
+      const bool move = old == kNegInf || !((tileMax - old) * c <= kRescaleLog2);  // (NaN: a +inf max)
       const float ref = move ? tileMax : old;
-      bias(r) = -(expScale_ * (ref == kNegInf ? 0.0f : ref));
-      alpha(r) = std::fma(old, expScale_, bias(r));  // exp'd below where the reference moved
-      lTile(r) = move ? 1.0f : 0.0f;
+      bias(r) = -(c * (ref == kNegInf ? 0.0f : ref));
+      alpha(r) = move ? std::exp2(std::fma(old, c, bias(r))) : 1.0f;  // exp2(-inf) = 0
       rescale |= move;
       m(r) = ref;
     }
-    if (rescale) {
-      Exp(alpha, alpha, rows_);
-      for (int64_t r = 0; r < rows_; ++r)
-        if (lTile(r) == 0.0f) alpha(r) = 1.0f;
-    }
     Duplicate(lTile, 0.0f, rows_);
     Simd().exp_pack_pairs_bf16(pPacked_.Get<uint16_t>().GetPhyAddr(), lTile.GetPhyAddr(),
-                               s_.Get<float>().GetPhyAddr(), rows_, bias.GetPhyAddr(), expScale_, nk, rows_);
+                               s_.Get<float>().GetPhyAddr(), rows_, bias.GetPhyAddr(), c, nk, rows_);
     if (rescale) Mul(l, l, alpha, rows_);
     Add(l, l, lTile, rows_);
     // acc^T: every row of it takes alpha along its columns (blocks whose alpha are all exactly 1 skipped).
