@@ -6,7 +6,9 @@ Prefill (:func:`bench_prefill`): ``atb.kernels.flash_attention`` on one causal
 sequence of S tokens (``[S, H, D]``) against
 ``torch.nn.functional.scaled_dot_product_attention(is_causal=True, enable_gqa=True)``
 on ``[1, H, S, D]``, each in its natural layout, samples taken in turns. GFLOP/s
-counts the products over the visible (causal) pairs only: 4 * D * H * S(S+1)/2.
+counts the products over the visible (causal) pairs only: 4 * D * H * S(S+1)/2; "of peak" is atb's
+GFLOP/s as a fraction of the dtype's GEMM peak (torch.matmul 2048^3, measured at the start of the same run):
+attention can only beat SDPA by as much as SDPA leaves of that peak.
 
 Decode (:func:`bench_decode`): ``atb.kernels.paged_attention``, one query per
 sequence over a paged KV cache (block_size 128, random non-monotonic block
@@ -27,8 +29,8 @@ import gc
 import torch
 
 import atb
-from atb.bench.roofline import (achieved_gbps, apply_threads, bench_clock, keep_freed_memory, kernel_bench_parser,
-                                print_end_bandwidth, stream_read_gbps, time_us_many)
+from atb.bench.roofline import (achieved_gbps, apply_threads, bench_clock, gemm_gflops, keep_freed_memory,
+                                kernel_bench_parser, print_end_bandwidth, stream_read_gbps, time_us_many)
 
 PREFILL_SHAPES = ((9, 3, 64), (32, 8, 128))  # (heads, kv_heads, head_dim): SmolLM2-135M, Llama-8B-like
 PREFILL_SEQS = (512, 2048)
@@ -118,8 +120,11 @@ def bench_prefill(seqs=PREFILL_SEQS, shapes=PREFILL_SHAPES, dtypes=(torch.float3
     clock = bench_clock(cpu_time)
     print("prefill: flash_attention vs SDPA(is_causal=True, enable_gqa=True), one causal sequence of S tokens | "
           f"clock: {'thread CPU time' if cpu_time else 'wall'}")
+    peaks = {dtype: gemm_gflops(dtype, n=2048) for dtype in dtypes}
+    print("GEMM peak (torch.matmul 2048^3): " + ", ".join(f"{str(d).removeprefix('torch.')} {p:.0f} GFLOP/s"
+                                                          for d, p in peaks.items()))
     head = (f"{'dtype':<9} {'H/KH/D':<9} {'S':>5} {'sdpa ms':>9} {'atb ms':>9} {'speedup':>8} "
-            f"{'sdpa GF/s':>9} {'atb GF/s':>9} {'max|diff|':>9}")
+            f"{'sdpa GF/s':>9} {'atb GF/s':>9} {'of peak':>8} {'max|diff|':>9}")
     print(head)
     print("-" * len(head))
     rows = []
@@ -147,11 +152,12 @@ def bench_prefill(seqs=PREFILL_SEQS, shapes=PREFILL_SHAPES, dtypes=(torch.float3
                     r = dict(dtype=str(dtype).removeprefix("torch."), heads=heads, kv_heads=kv_heads,
                              head_dim=head_dim, seq=s, sdpa_ms=t_sdpa / 1e3, atb_ms=t_atb / 1e3,
                              speedup=t_sdpa / t_atb, sdpa_gflops=flops / t_sdpa / 1e3,
-                             atb_gflops=flops / t_atb / 1e3, max_diff=diff)
+                             atb_gflops=flops / t_atb / 1e3, peak_fraction=flops / t_atb / 1e3 / peaks[dtype],
+                             max_diff=diff)
                     rows.append(r)
                     print(f"{r['dtype']:<9} {f'{heads}/{kv_heads}/{head_dim}':<9} {s:>5} {r['sdpa_ms']:>9.2f} "
                           f"{r['atb_ms']:>9.2f} {r['speedup']:>7.2f}x {r['sdpa_gflops']:>9.1f} "
-                          f"{r['atb_gflops']:>9.1f} {diff:>9.1e}", flush=True)
+                          f"{r['atb_gflops']:>9.1f} {100 * r['peak_fraction']:>7.0f}% {diff:>9.1e}", flush=True)
                     gc.collect()
     return rows
 
