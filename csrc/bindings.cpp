@@ -80,7 +80,7 @@ py::dict PagedAttentionTilingDict(const atb::PagedAttentionTilingData& t) {
 
 py::dict FlashAttentionTilingDict(const atb::FlashAttentionTilingData& t) {
   return Dict("group_size", t.groupSize, "group_split", t.groupSplit, "block_q", t.blockQ, "block_kv", t.blockKv,
-              "max_rows", t.maxRows, "ub_bytes", t.ubBytes, "block_dim", t.blockDim, "tiling_key", t.tilingKey,
+              "dp_bf16", t.dpBf16, "max_rows", t.maxRows, "ub_bytes", t.ubBytes, "block_dim", t.blockDim, "tiling_key", t.tilingKey,
               "num_units", int64_t(t.units.size()), "core_cost", t.coreCost);
 }
 

@@ -1,4 +1,6 @@
 """flash_attention against the float64 reference; tiling; layouts; bad input."""
+import itertools
+
 import pytest
 import torch
 
@@ -179,11 +181,18 @@ def test_16k_tokens_stay_in_tiles():
 def test_tiling_splits_work_evenly_and_fits_the_ub():
     for soc in ALL_SOCS:
         info = atb.get_soc(soc)
-        for heads, kv_heads, d in [(9, 3, 64), (32, 8, 128), (64, 1, 256), (1, 1, 1)]:
-            t = flash_attention_tiling([0, 2048, 2100], heads, kv_heads, d, torch.float16, soc_type=soc)
+        for (heads, kv_heads, d), dtype in itertools.product([(9, 3, 64), (32, 8, 128), (64, 1, 256), (1, 1, 1)],
+                                                             [torch.float16, torch.bfloat16]):
+            if dtype == torch.bfloat16 and not info.supports_bf16:
+                continue
+            t = flash_attention_tiling([0, 2048, 2100], heads, kv_heads, d, dtype, soc_type=soc)
             assert t["ub_bytes"] <= info.ub_size
             assert t["group_size"] % t["group_split"] == 0
-            assert t["block_kv"] == (64 if d <= 128 else 32)  # SoC-independent: fixes the rounding
+            # SoC-independent (it fixes the rounding): by head_dim on the fp32 cube path, 128 on the bf16 GEMM one
+            # (bf16 where the SIMD table has the bf16 GEMM: every AMX table has).
+            if dtype == torch.float16 or atb.build_info()["isa"].startswith("avx512-amx"):
+                assert t["dp_bf16"] == (dtype == torch.bfloat16)
+            assert t["block_kv"] == (128 if t["dp_bf16"] else 64 if d <= 128 else 32)
             assert t["block_dim"] <= info.cube_core_num * (4 if info.is_host else 1)
             costs = t["core_cost"]
             assert len(costs) == t["block_dim"]

@@ -412,7 +412,7 @@ void FlashAttention(void* out, const void* q, const void* k, const void* v, cons
   FlashAttentionVT vt;
   thread_local std::vector<uint16_t> vTBuf, kBuf;
   thread_local std::vector<int64_t> tileBase;
-  if (dtype == DataType::BFLOAT16 && Simd().mmad_dp_bf16_packed != nullptr) {
+  if (t.dpBf16) {
     tileBase.assign(size_t(batch + 1), 0);
     for (int64_t b = 0; b < batch; ++b)
       tileBase[b + 1] = tileBase[b] + CeilDiv(cuSeqlens[b + 1] - cuSeqlens[b], t.blockKv);

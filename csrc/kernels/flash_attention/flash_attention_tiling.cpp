@@ -3,11 +3,8 @@
 #include <numeric>
 
 #include "ascendc/error.h"
-#include "kernels/common/tiling_utils.h"
 #include "ascendc/simd.h"
-#ifndef BLOCKKV_DP
-#define BLOCKKV_DP 128
-#endif
+#include "kernels/common/tiling_utils.h"
 
 namespace atb {
 
@@ -27,12 +24,17 @@ constexpr int64_t kHostBlocksPerThread = 4;
 int64_t UbRowElems(int64_t headDim, int64_t elt) { return AlignUp(headDim * elt, AscendC::ONE_BLK_SIZE) / elt; }
 
 // Keys per K/V tile. It sets where the online softmax rescales, i.e. the
-// rounding of every output, so it depends on head_dim only, never on the SoC:
-// every SoC then produces bit-identical results. 64 keys make the two cube
-// products 64-deep/-wide; at head_dim > 128 the fp32 K and V tiles (2 x 64 x
-// 256 x 4 B = 128 KiB) would crowd a 192 KiB UB, so 32.
+// rounding of every output, so it depends on head_dim and the path only, never
+// on the SoC: every SoC then produces bit-identical results.
+// * fp32 cube path: 64 keys make the two products 64-deep/-wide; at head_dim >
+//   128 the fp32 K and V tiles (2 x 64 x 256 x 4 B = 128 KiB) would crowd a
+//   192 KiB UB, so 32.
+// * bf16 GEMM path (dp): no K/V tile in UB, so 128 keys whatever head_dim: four
+//   32-k AMX chunks per load and store of acc^T in P.V. AMX Xeon, 32/8/128 at
+//   S = 2048, one thread: 64 keys 10-15% slower than 128; 256 no faster (the
+//   128 x 256 fp32 score tile leaves L1).
 int64_t BlockKv(int64_t headDim, bool dp) {
-  if (dp) return BLOCKKV_DP;
+  if (dp) return 128;
   return headDim <= 128 ? 64 : 32;
 }
 
@@ -40,12 +42,12 @@ int64_t BlockKv(int64_t headDim, bool dp) {
 int64_t UbBytes(int64_t rows, int64_t headDim, int64_t blockKv, int64_t elt, bool dp) {
   int64_t ld = UbRowElems(headDim, elt);
   int64_t b = 0;
-  if (dp) {
-    b += 2 * UbSlot(rows * headDim * 4);
-    b += UbSlot(rows * ld * elt);
-    b += UbSlot(blockKv * rows * 4);
-    b += UbSlot(FlashAttentionPackedPBytes(rows, blockKv));
-    b += UbSlot(6 * rows * 4);
+  if (dp) {  // K and V are read from the host's tiles, never copied into UB
+    b += 2 * UbSlot(rows * headDim * 4);                    // packed Q (within qT's fp32 slot) and acc^T
+    b += UbSlot(rows * ld * elt);                           // io: the Q block as copied in
+    b += UbSlot(blockKv * rows * 4);                        // S^T
+    b += UbSlot(FlashAttentionPackedPBytes(rows, blockKv));  // P packed in k pairs
+    b += UbSlot(6 * rows * 4);                              // row statistics
     return b;
   }
   b += 2 * UbSlot(rows * headDim * 4);  // qT (scaled Q, transposed) and acc (fp32 output)
@@ -99,6 +101,7 @@ FlashAttentionTilingData FlashAttentionTiling(const int32_t* cuSeqlens, int64_t 
   int64_t elt = AscendC::DataTypeSize(dtype);
   t.ubRowElems = UbRowElems(headDim, elt);
   const bool dp = dtype == AscendC::DataType::BFLOAT16 && AscendC::Simd().mmad_dp_bf16_packed != nullptr;
+  t.dpBf16 = dp;
   t.blockKv = BlockKv(headDim, dp);
 
   // Heads per unit: the whole group, so each K/V tile is loaded once for all

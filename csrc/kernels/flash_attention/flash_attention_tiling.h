@@ -28,6 +28,7 @@ struct FlashAttentionTilingData {
   int64_t groupSplit = 1;  // query heads per unit (divides groupSize; == it unless the UB is too small)
   int64_t blockQ = 1;      // query positions per unit
   int64_t blockKv = 64;    // keys per K/V tile
+  bool dpBf16 = false;     // bf16 on a table with the bf16 GEMM: both products as bf16 GEMMs (the kernel's dp path)
   int64_t maxRows = 1;     // blockQ * groupSplit: the M of the score and P.V products
   int64_t ubRowElems = 0;  // elements per UB row of a Q/K/V/out tile (head_dim padded to 32 bytes)
   bool causal = true;
