@@ -1252,65 +1252,72 @@ void MulCols(float* C, int64_t ldc, const float* v, int64_t M, int64_t N) {
   }
 }
 
+// The low words of a vector's 16 32-bit lanes, as 16 words.
+inline __m256i LowWordsOfLanes(__m512i v) {
+  alignas(64) static constexpr uint16_t kLowWords[32] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                                         0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  return _mm512_castsi512_si256(_mm512_permutexvar_epi16(_mm512_load_si512(kLowWords), v));
+}
+
+// A walk over the 16 x 16 blocks of an N x K region (n0, k0; nl, kl of them inside), each transposed as 16 x 16
+// 32-bit lanes in registers: load(r, n0, k0, nl, kl) fills r, store(c, n0, k0, nl, kl) takes the transpose.
+template <class Load, class Store>
+inline void ForTransposedBlocks(int64_t N, int64_t K, Load load, Store store) {
+  for (int64_t n0 = 0; n0 < N; n0 += 16) {
+    const int64_t nl = std::min<int64_t>(16, N - n0);
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {
+      const int64_t kl = std::min<int64_t>(16, K - k0);
+      __m512i r[16], c[16];
+      load(r, n0, k0, nl, kl);
+      Transpose16x16(r, c);
+      store(c, n0, k0, nl, kl);
+    }
+  }
+}
+
 // store_t_scaled_bf16 (contract: simd.h): 16 x 16 blocks of A transposed in registers, each resulting row
 // scaled by its v and rounded to bf16 (Bf16Bits: f32_to_bf16's bits), stored at its own row address.
 void StoreTScaledBf16(uint16_t* dst, int64_t ldd, int64_t group, int64_t ldg, const float* A, int64_t lda,
                       const float* v, int64_t N, int64_t K) {
-  alignas(64) uint16_t even[32];
-  for (int i = 0; i < 32; ++i) even[i] = uint16_t(2 * (i % 16));
-  const __m512i lowWords = _mm512_load_si512(even);  // each 32-bit lane's low word, into the low half
-  for (int64_t n0 = 0; n0 < N; n0 += 16) {
-    const int64_t nl = std::min<int64_t>(16, N - n0);
-    const __mmask16 colMask = Tail(nl);
-    for (int64_t k0 = 0; k0 < K; k0 += 16) {
-      const int64_t kl = std::min<int64_t>(16, K - k0);
-      const __mmask16 kMask = Tail(kl);
-      __m512i r[16], c[16];
+  ForTransposedBlocks(
+      N, K,
+      [&](__m512i* r, int64_t n0, int64_t k0, int64_t nl, int64_t kl) {
+        const __mmask16 cols = Tail(nl);
 #pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i)
-        r[i] = i < kl ? _mm512_castps_si512(MaskLoad(colMask, A + (k0 + i) * lda + n0)) : _mm512_setzero_si512();
-      Transpose16x16(r, c);
-      for (int64_t j = 0; j < nl; ++j) {
-        const int64_t n = n0 + j;
-        const V row = _mm512_mul_ps(_mm512_castsi512_ps(c[j]), _mm512_set1_ps(v[n]));
-        MaskStoreWords(dst + (n / group) * ldg + (n % group) * ldd + k0, kMask,
-                       _mm512_castsi512_si256(_mm512_permutexvar_epi16(lowWords, Bf16Bits(row))));
-      }
-    }
-  }
+        for (int i = 0; i < 16; ++i)
+          r[i] = i < kl ? _mm512_castps_si512(MaskLoad(cols, A + (k0 + i) * lda + n0)) : _mm512_setzero_si512();
+      },
+      [&](const __m512i* c, int64_t n0, int64_t k0, int64_t nl, int64_t kl) {
+        for (int64_t j = 0; j < nl; ++j) {
+          const int64_t n = n0 + j;
+          const V row = _mm512_mul_ps(_mm512_castsi512_ps(c[j]), _mm512_set1_ps(v[n]));
+          MaskStoreWords(dst + (n / group) * ldg + (n % group) * ldd + k0, Tail(kl), LowWordsOfLanes(Bf16Bits(row)));
+        }
+      });
 }
 
 // transpose_b16: 16 x 16 blocks widened to 32-bit lanes, transposed as such, narrowed back; tails masked on
 // both sides (no read or write past N or K).
 void TransposeB16(uint16_t* dst, int64_t ldd, const uint16_t* src, int64_t lds, int64_t N, int64_t K) {
-  alignas(64) uint16_t even[32];
-  for (int i = 0; i < 32; ++i) even[i] = uint16_t(2 * (i % 16));
-  const __m512i lowWords = _mm512_load_si512(even);  // each 32-bit lane's low word, into the low half
-  for (int64_t n0 = 0; n0 < N; n0 += 16) {
-    const int64_t nl = std::min<int64_t>(16, N - n0);
-    const __mmask16 colMask = Tail(nl);
-    for (int64_t k0 = 0; k0 < K; k0 += 16) {
-      const int64_t kl = std::min<int64_t>(16, K - k0);
-      const __mmask16 rowMask = Tail(kl);
-      __m512i r[16];
+  ForTransposedBlocks(
+      N, K,
+      [&](__m512i* r, int64_t n0, int64_t k0, int64_t nl, int64_t kl) {
+        const __mmask16 rows = Tail(kl);
 #pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i)
-        r[i] = i < nl ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(rowMask, src + (n0 + i) * lds + k0))
-                      : _mm512_setzero_si512();
-      __m512i c[16];
-      Transpose16x16(r, c);
-      auto store = [&](int64_t j) {
-        _mm256_mask_storeu_epi16(dst + (k0 + j) * ldd + n0, colMask,
-                                 _mm512_castsi512_si256(_mm512_permutexvar_epi16(lowWords, c[j])));
-      };
-      if (kl == 16) {
+        for (int i = 0; i < 16; ++i)
+          r[i] = i < nl ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(rows, src + (n0 + i) * lds + k0))
+                        : _mm512_setzero_si512();
+      },
+      [&](const __m512i* c, int64_t n0, int64_t k0, int64_t nl, int64_t kl) {
+        const __mmask16 cols = Tail(nl);
+        auto store = [&](int64_t j) { _mm256_mask_storeu_epi16(dst + (k0 + j) * ldd + n0, cols, LowWordsOfLanes(c[j])); };
+        if (kl == 16) {
 #pragma GCC unroll 16
-        for (int j = 0; j < 16; ++j) store(j);
-      } else {
-        for (int64_t j = 0; j < kl; ++j) store(j);
-      }
-    }
-  }
+          for (int j = 0; j < 16; ++j) store(j);
+        } else {
+          for (int64_t j = 0; j < kl; ++j) store(j);
+        }
+      });
 }
 
 #if defined(ATB_AVX512_NATIVE)
