@@ -16,17 +16,19 @@
 //   CopyOut    out = acc / l, cast to T.
 // Only the tiles are ever in memory: UB use is O(rows x (D + blockKv)).
 //
-// bf16 where the SIMD table has the AVX512-BF16 entries (vdpbf16ps; on AMX tables the same entries run on
-// tiles), both products are bf16 GEMMs over packed operands, summing in fp32, and nothing per tile is
-// copied, widened or transposed:
-//   Scores  S^T = K . Q^T: K's rows straight from GM as the A operand, Q packed in k pairs once per unit
-//           (pack_bf16_pairs) as B; the sums are then scaled in fp32 (as SDPA does: bf16 GEMM, then x scale).
-//   PV      acc^T [D][rows] += V^T . P: P rounded to bf16 as SDPA's CPU flash attention does for its second
-//           GEMM (the row sums l stay those of the fp32 P) and packed in k pairs straight from the P^T tile
-//           (pack_f32_pairs_kn_bf16) as B; A is the V tile transposed, V^T [D][keys], which the host
-//           transposes once per call for all units (transpose_b16) into a GM workspace, tile by tile.
+// bf16 where the SIMD table has the AVX512-BF16 entries (tiling dpBf16; vdpbf16ps, on AMX tables the same
+// entries on tiles), both products are bf16 GEMMs over packed operands, summing in fp32, over 128-key tiles
+// the host prepares once per call for all units (PrepareKVTiles, a GM workspace): each tile's K rows copied
+// together and its V transposed (transpose_b16). Nothing per tile is copied, widened or transposed:
+//   Scores  S^T = K . Q^T: the tile's K rows as the A operand, Q packed in k pairs once per unit
+//           (pack_bf16_pairs) as B; unscaled where SoftmaxDp folds the scale into its exp.
+//   Softmax the column max, then one pass (exp_pack_pairs_bf16) that computes P, sums it into l and packs it,
+//           rounded to bf16 as SDPA's CPU flash attention does for its second GEMM, in k pairs as PV's B;
+//           the reference max moves only past ln 256 (SoftmaxDp), so the rescale almost never runs.
+//   PV      acc^T [D][rows] += V^T . P, A the tile's V^T [D][keys].
 // The accumulator is therefore acc^T: the rescale by alpha runs along its rows, and CopyOut transposes it
-// back once per unit. Twice the multiply-adds per instruction of the fp32 cube on vdpbf16ps, ~8x on AMX.
+// back, divides by l and rounds in one pass (store_t_scaled_bf16). Twice the multiply-adds per instruction of
+// the fp32 cube on vdpbf16ps, ~8x on AMX.
 #include <algorithm>
 #include <cmath>
 #include <cstring>

@@ -51,9 +51,10 @@ struct FlashAttentionStrides {
   }
 };
 
-// The bf16 GEMM path's V^T workspace (flash_attention_kernel.cpp): the host transposes every K/V tile's V
-// once per call, V^T [headDim][blockKv] per (tile, kv head), tile g of sequence b being tileBase[b] + j; the
-// kernel reads tile (g, h) at vT + (g * numKvHeads + h) * headDim * blockKv. Null vT: the fp32 path.
+// The bf16 GEMM path's K/V tile workspace (flash_attention_kernel.cpp): the host transposes every K/V tile's V
+// once per call, V^T [headDim][blockKv] per (tile, kv head), tile g of sequence b being tileBase[b] + j, and
+// copies its K rows together, [keys][headDim]; the kernel reads tile (g, h) at vT (kTiles) + (g * numKvHeads +
+// h) * headDim * blockKv. Null vT: the fp32 path.
 struct FlashAttentionVT {
   const uint16_t* vT = nullptr;
   const int64_t* tileBase = nullptr;
@@ -65,7 +66,7 @@ inline int64_t FlashAttentionVTOffset(int64_t g, int64_t h, int64_t numKvHeads, 
   return (g * numKvHeads + h) * headDim * blockKv;
 }
 
-// UB of the bf16 path's packed P (pack_f32_pairs_kn_bf16 of a rows x blockKv P^T tile: 16-row panels).
+// UB of the bf16 path's packed P (exp_pack_pairs_bf16 of a rows x blockKv P^T tile: 16-row panels).
 inline int64_t FlashAttentionPackedPBytes(int64_t rows, int64_t blockKv) {
   return (rows + 15) / 16 * 16 * ((blockKv + 1) / 2) * 2 * 2;
 }
