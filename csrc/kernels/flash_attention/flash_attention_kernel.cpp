@@ -343,8 +343,8 @@ class KernelFlashAttention {
       if constexpr (std::is_same<T, bfloat16_t>::value) {
         LocalTensor<float> inv = stats_.Get<float>()[rows_];
         for (int64_t r = 0; r < rows_; ++r) inv(r) = 1.0f / l(r);
-        Simd().store_t_scaled_bf16(reinterpret_cast<uint16_t*>(outGm_[(token0 * t_->numHeads + firstHead_) * d].GetPhyAddr()), d, gs,
-                                   t_->numHeads * d, acc.GetPhyAddr(), rows_, inv.GetPhyAddr(), rows_, d);
+        auto* out = reinterpret_cast<uint16_t*>(outGm_[(token0 * t_->numHeads + firstHead_) * d].GetPhyAddr());
+        Simd().store_t_scaled_bf16(out, d, gs, t_->numHeads * d, acc.GetPhyAddr(), rows_, inv.GetPhyAddr(), rows_, d);
       }
       return;
     }
@@ -384,7 +384,8 @@ void RunFlashAttention(GM_ADDR out, GM_ADDR q, GM_ADDR k, GM_ADDR v, const int32
 // The bf16 path's K/V tile workspace (FlashAttentionVT), items (tile, kv head) split evenly over the blocks:
 // each tile's K rows copied together, and its V transposed, zero past the sequence's keys.
 void PrepareKVTiles(uint16_t* kTiles, uint16_t* vT, const int64_t* tileBase, const uint16_t* k, const uint16_t* v,
-                    const int32_t* cu, int64_t batch, const FlashAttentionStrides& st, const FlashAttentionTilingData& t) {
+                    const int32_t* cu, int64_t batch, const FlashAttentionStrides& st,
+                    const FlashAttentionTilingData& t) {
   const int64_t kvh = t.numKvHeads, d = t.headDim, bk = t.blockKv, items = tileBase[batch] * kvh;
   const int64_t blk = GetBlockIdx(), blocks = GetBlockNum();
   int64_t b = 0;
@@ -410,7 +411,7 @@ void FlashAttention(void* out, const void* q, const void* k, const void* v, cons
   FlashAttentionTilingData t = FlashAttentionTiling(cuSeqlens, batch, numTokens, numHeads, numKvHeads, headDim, dtype,
                                                     scale, causal, window, soc);
   if (t.units.empty()) return;
-  // bf16 on the AVX512-BF16 tables: the V^T workspace first (kept per thread: no page faults per call).
+  // bf16 on the AVX512-BF16 tables: the K/V tile workspace first (kept per thread: no page faults per call).
   FlashAttentionVT vt;
   thread_local std::vector<uint16_t> vTBuf, kBuf;
   thread_local std::vector<int64_t> tileBase;
