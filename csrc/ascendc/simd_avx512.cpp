@@ -1234,9 +1234,9 @@ inline void ExpPackPanels(uint16_t* dst, float* sum, const float* S, int64_t ld,
 void ExpPackPairsBf16(uint16_t* dst, float* sum, const float* S, int64_t ld, const float* b, float scale, int64_t K,
                       int64_t N) {
   // Bf16PairsOf's [lo 0..15 | hi 0..15] words to pairs (lo i, hi i).
-  alignas(64) uint16_t order[32];
-  for (int i = 0; i < 32; ++i) order[i] = uint16_t(i % 2 ? 16 + i / 2 : i / 2);
-  const __m512i interleave = _mm512_load_si512(order);
+  alignas(64) static constexpr uint16_t kPairOrder[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kPairOrder);
   const V sc = _mm512_set1_ps(scale);
   int64_t p = 0;
   for (; p + 4 * kPairPanel <= N; p += 4 * kPairPanel) ExpPackPanels<4>(dst, sum, S, ld, b, sc, K, N, p, interleave);
@@ -1310,7 +1310,7 @@ void TransposeB16(uint16_t* dst, int64_t ldd, const uint16_t* src, int64_t lds, 
       },
       [&](const __m512i* c, int64_t n0, int64_t k0, int64_t nl, int64_t kl) {
         const __mmask16 cols = Tail(nl);
-        auto store = [&](int64_t j) { _mm256_mask_storeu_epi16(dst + (k0 + j) * ldd + n0, cols, LowWordsOfLanes(c[j])); };
+        auto store = [&](int64_t j) { MaskStoreWords(dst + (k0 + j) * ldd + n0, cols, LowWordsOfLanes(c[j])); };
         if (kl == 16) {
 #pragma GCC unroll 16
           for (int j = 0; j < 16; ++j) store(j);
