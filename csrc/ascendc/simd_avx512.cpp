@@ -615,9 +615,8 @@ inline void ForRowTiles(int64_t M, Fn&& fn) {
 template <typename Fn>
 inline void ForRowBlocks(int64_t M, Fn&& fn) { ForRowTiles<8>(M, fn); }
 
-// Up to 4 rows of A take 4 pairs (8 weight rows, up to 16 + 4 + 1 of the 32
-// zmm registers); more rows take 3 pairs (8 rows: 24 accumulators, 3 weight
-// vectors, one broadcast: 6 weight loads and 8 broadcasts per 24 FMAs, where 2
+// Up to 4 rows of A take 2 pairs (4 weight rows, below); more rows take 3 pairs (6 weight rows; with 8 rows of
+// A 24 accumulators, 3 weight vectors, one broadcast: 6 weight loads and 8 broadcasts per 24 FMAs, where 2
 // pairs had 4 and 8 per 16). Zen 4, 2 threads, SmolLM2's gate+up and
 // down+residual over 30 layers, medians of 15 (4 alternating processes each),
 // ms, 2 -> 3 pairs, cold / hot weights: fp32 M = 16 23.4-25.8 -> 21.8-23.9 /
@@ -626,6 +625,12 @@ inline void ForRowBlocks(int64_t M, Fn&& fn) { ForRowTiles<8>(M, fn); }
 // 19.3-19.9 -> 18.0-18.1 hot; bf16 M = 5 10.1-10.6 -> 9.1-9.8 cold; M = 6, 8,
 // 12 within noise. A batch-16 decode runs two 8-row passes per weight block,
 // the block (6 rows x kb) staying in L1 between them.
+// Few rows are bound by the weight stream, not the FMAs, and it runs faster with 4 weight rows in flight than
+// with 8 (the 8 interleaved row streams of 4 pairs used to be the choice here). AMX Xeon, 2 threads, SmolLM2's
+// 30 layers' projections and LM head back to back from DRAM (weights in 2 MiB pages), alternating runs, ms,
+// 4 -> 2 pairs: bf16 M = 1 8.80-9.16 -> 8.18-8.42, M = 2 9.48-10.13 -> 9.31-9.33, M = 4 11.36-11.47 ->
+// 10.43-10.87; fp32 M = 1 17.75-18.12 -> 16.76-16.92, M = 4 20.49-20.89 -> 19.17-19.34. One pair is slower
+// again (its single fma chain per row of A bounds it).
 
 template <typename TB, class L>
 void MmadNTLanes(float* lanes, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
@@ -653,13 +658,9 @@ void MmadNTLanes(float* lanes, const float* A, int64_t lda, const TB* B, int64_t
     for (int64_t k = 0; k < K; k += kb)
       ForRowBlocks(M, [&](auto rows, int64_t m) { block(rows, m, pairs, n0, k); });
   };
-  // Wide panels where every row count fits (4 pairs up to 4 rows, else 2),
-  // then single pairs, then the odd row.
-  if (M <= 4) {
-    for (; n + 8 <= N; n += 8) panel(integral_constant<int, 4>{}, n);
-  } else {
+  // Wide panels (3 pairs from 5 rows of A on), then pairs of pairs, single pairs and the odd row.
+  if (M > 4)
     for (; n + 6 <= N; n += 6) panel(integral_constant<int, 3>{}, n);
-  }
   for (; n + 4 <= N; n += 4) panel(integral_constant<int, 2>{}, n);
   for (; n + 2 <= N; n += 2) panel(integral_constant<int, 1>{}, n);
   if (n < N) panel(integral_constant<int, 0>{}, n);
