@@ -217,8 +217,10 @@ class DecodeGraph:
                    max_batch: int, max_seq_len: int, soc_type: str | None = None) -> DecodeGraph:
         """The graph over a loaded HF model's own parameters (through its family adapter) and the given caches.
 
-        The model's dtype is the graph's; rope tables come from the model's rotary module.
+        The model's dtype is the graph's; rope tables come from the model's rotary module. The parameters move
+        into huge pages first, in place, as ``TransformerInfer`` moves them (`atb.hugepages`).
         """
+        from atb.hugepages import move_parameters_to_huge_pages
         from atb.layers.rotary import RotaryEmbedding
         from atb.registry import get_adapter
 
@@ -228,6 +230,7 @@ class DecodeGraph:
             raise ValueError("DecodeGraph: this model cannot run fused: " +
                              "; ".join(f"{role}: {why}" for role, why in unsupported.items()))
         spec = ad.spec
+        move_parameters_to_huge_pages(model)
         dtype = ad.embed_tokens(model).dtype
         layers = [ad.layer_weights(model, i).map(torch.Tensor.detach) for i in range(spec.num_layers)]
         cos, sin = RotaryEmbedding.from_hf(ad.rotary(model), max_positions=max_seq_len).table(dtype)

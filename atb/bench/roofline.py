@@ -39,6 +39,7 @@ import torch
 
 import atb
 from atb import _C
+from atb.hugepages import HugePageArena, huge_pages_enabled
 
 _BANDWIDTH_BUFFER_BYTES = 256 << 20  # 8x a 32 MiB L3: every pass comes from DRAM
 
@@ -94,8 +95,15 @@ def median_seconds(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -
 
 
 def stream_read_gbps(nbytes: int = _BANDWIDTH_BUFFER_BYTES, *, repeat: int = 9) -> float:
-    """Streaming-read bandwidth in GB/s (1e9 bytes/s): median over ``repeat`` full reads of ``nbytes``."""
-    buf = torch.ones(max(1, nbytes // 8), dtype=torch.int64)  # written once, so every page is resident
+    """Streaming-read bandwidth in GB/s (1e9 bytes/s): median over ``repeat`` full reads of ``nbytes``.
+
+    The buffer lies in the memory the engine's weights do: 2 MiB huge pages where `atb.hugepages` moves weights
+    there (reads run faster in them, so the roofline is measured there too), else ordinary pages."""
+    words = max(1, nbytes // 8)
+    if huge_pages_enabled():
+        buf = HugePageArena(words * 8).empty((words,), torch.int64).fill_(1)
+    else:
+        buf = torch.ones(words, dtype=torch.int64)  # written once, so every page is resident
     size = buf.numel() * 8
     us = time_us(lambda: _C.stream_read(buf.data_ptr(), size), repeat=repeat, warmup=1, min_sample_us=0.0)
     return size / (us * 1e-6) / 1e9

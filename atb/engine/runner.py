@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from atb import kernels as K
+from atb.hugepages import HugePageArena, huge_pages_enabled, move_parameters_to_huge_pages
 from atb.layers.decoder import AttentionShape, decoder_layer, lm_head
 from atb.layers.kv_cache import PagedKVCache
 from atb.layers.linear import ROUTE_POLICY, ROUTE_ROW_INVARIANT
@@ -75,6 +76,8 @@ class ModelRunner:
         self.quant_report = None if quantized is None else quantized.report
         if quantized is None:
             self.shared_with_model = dtype == next(model.parameters()).dtype
+            if self.shared_with_model:
+                move_parameters_to_huge_pages(model)  # in place: the model and the engine share them there
             embed = adapter.embed_tokens(model)
             self.embed = w(embed)
             self.final_norm = w(adapter.final_norm(model))
@@ -89,6 +92,8 @@ class ModelRunner:
             self.final_norm = w(quantized.final_norm)
             self.lm_head = self.embed if quantized.tied else keep(quantized.lm_head)
             self.layers = [lw.map(keep) for lw in quantized.layers]
+        if not self.shared_with_model and (quantize is None or isinstance(quantize, str)):
+            self._own_weights_to_huge_pages()  # copies only the engine holds (not a caller's atb.quantize result)
         self.vocab_size = tp.plan.vocab_total if tp is not None else self.embed.shape[0]
         self.windows = tuple(spec.sliding_windows)
         # HF's own attention scale (``scaling``), not head_dim ** -0.5: some configs override it.
@@ -117,6 +122,26 @@ class ModelRunner:
         if t.dtype != self.dtype:
             t = t.to(self.dtype)
         return t.contiguous()
+
+    def _own_weights_to_huge_pages(self) -> None:
+        """Moves the engine's own weight copies (a converted dtype, quantized copies) into huge pages
+        (`atb.hugepages`), tied tables staying one tensor, layer by layer so each copy's old storage is freed as
+        it goes."""
+        if not huge_pages_enabled():
+            return
+        arena = HugePageArena(HugePageArena.bytes_for({id(t): t for t in self.weight_tensors()}.values()))
+        moved: dict[int, object] = {}
+
+        def move(t):
+            if id(t) not in moved:
+                moved[id(t)] = (QuantizedWeight(move(t.data), move(t.scale), None if t.min is None else move(t.min),
+                                                t.shape, t.bits, t.group_size, t.source)
+                                if isinstance(t, QuantizedWeight) else arena.copy(t))
+            return moved[id(t)]
+
+        self.embed, self.final_norm, self.lm_head = move(self.embed), move(self.final_norm), move(self.lm_head)
+        for i, lw in enumerate(self.layers):
+            self.layers[i] = lw.map(move)
 
     def weight_tensors(self, *, decode_step: bool = False) -> list[torch.Tensor]:
         """Every tensor the weights occupy (a quantized weight's data, scales and mins); with ``decode_step``,
