@@ -16,7 +16,7 @@ HF's shared-tensor checks see distinct storages. The mapping lives as long as an
 `move_parameters_to_huge_pages(module)` moves a model's parameters there in place (each ``Parameter.data``
 is replaced by a copy in the arena, and the old storage is freed as it is replaced, so the memory held stays
 that of one copy). ``TransformerInfer`` and ``patch_hf_model`` do it for the weights they run on.
-``ATB_HUGE_PAGES=0`` turns it off; so does a kernel with transparent huge pages disabled (``never``), where
+The KV cache pool is allocated there too (`empty`). ``ATB_HUGE_PAGES=0`` turns it off; so does a kernel with transparent huge pages disabled (``never``), where
 nothing is moved.
 """
 from __future__ import annotations
@@ -85,6 +85,16 @@ class HugePageArena:
         out = self.empty(t.shape, t.dtype)
         out.copy_(t)
         return out
+
+
+def empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype)``, in its own `HugePageArena` where huge pages are on (a buffer a decode
+    step streams, such as the KV cache pool). Its pages are committed when first written, as ``torch.empty``'s."""
+    shape = torch.Size(shape)
+    nbytes = shape.numel() * dtype.itemsize
+    if nbytes == 0 or not huge_pages_enabled():
+        return torch.empty(shape, dtype=dtype)
+    return HugePageArena(nbytes).empty(shape, dtype)
 
 
 def _movable(t: torch.Tensor) -> bool:

@@ -123,3 +123,13 @@ def test_engine_copies_go_to_huge_pages_and_decode_the_same(monkeypatch):
     same = atb.TransformerInfer(model, max_seq_len=32, max_batch_size=1, block_size=8)
     assert same.runner.embed.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert same.generate(prompt, max_new_tokens=6) == ref
+
+
+@needs_thp
+def test_kv_cache_pool_in_huge_pages():
+    from atb.layers.kv_cache import PagedKVCache
+
+    c = PagedKVCache(2, 3, 16, num_blocks=5, block_size=8, dtype=torch.bfloat16)
+    assert c.key_pool.shape == (2, 5, 8, 3, 16) and c.key_pool.dtype == torch.bfloat16
+    assert "hg" in _vm_flags(c.key_pool.data_ptr()) and "hg" in _vm_flags(c.value_pool.data_ptr())
+    assert c.key_caches[1].data_ptr() == c.key_pool.data_ptr() + c.key_caches[0].nbytes

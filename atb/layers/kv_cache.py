@@ -6,7 +6,8 @@ list of block ids (its block table); token position ``p`` of that sequence
 lives at slot ``table[p // block_size] * block_size + p % block_size``.
 
 The pool is sized once, up front, so memory is known before the first token;
-the tensors are allocated with ``torch.empty`` (pages are committed by the OS
+the tensors are allocated empty (``torch.empty``, or 2 MiB huge pages through
+``atb.hugepages.empty``; either way pages are committed by the OS
 only when first written, so a large pool costs address space, not RSS, until
 it is used). Allocation is all-or-nothing: a request that cannot be met raises
 before any block changes hands, so the free-block count always balances.
@@ -14,6 +15,8 @@ before any block changes hands, so the free-block count always balances.
 from __future__ import annotations
 
 import torch
+
+from atb import hugepages
 
 
 class CacheFullError(RuntimeError):
@@ -44,8 +47,9 @@ class PagedKVCache:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         # One allocation per K and V; each layer's cache is a contiguous view,
         # so a native graph can address layer l as base + l * layer_stride.
-        self.key_pool = torch.empty(shape, dtype=dtype)
-        self.value_pool = torch.empty(shape, dtype=dtype)
+        # In huge pages where they are on (atb.hugepages): each decode step streams every live sequence's blocks.
+        self.key_pool = hugepages.empty(shape, dtype)
+        self.value_pool = hugepages.empty(shape, dtype)
         self.key_caches = list(self.key_pool.unbind(0))
         self.value_caches = list(self.value_pool.unbind(0))
         # A stack popped from the end: reversed so block 0 goes out first.
