@@ -15,9 +15,10 @@ HF's shared-tensor checks see distinct storages. The mapping lives as long as an
 
 `move_parameters_to_huge_pages(module)` moves a model's parameters there in place (each ``Parameter.data``
 is replaced by a copy in the arena, and the old storage is freed as it is replaced, so the memory held stays
-that of one copy). ``TransformerInfer`` and ``patch_hf_model`` do it for the weights they run on.
-The KV cache pool is allocated there too (`empty`). ``ATB_HUGE_PAGES=0`` turns it off; so does a kernel with transparent huge pages disabled (``never``), where
-nothing is moved.
+that of one copy). ``TransformerInfer``, ``patch_hf_model`` and ``DecodeGraph.from_model`` do it for the
+weights they run on (the engine moves its own converted or quantized copies the same way), and the KV cache
+pool is allocated there (`empty`). ``ATB_HUGE_PAGES=0`` turns it all off; so does a kernel with transparent
+huge pages disabled (``never``), where nothing is moved.
 """
 from __future__ import annotations
 

@@ -133,3 +133,11 @@ def test_kv_cache_pool_in_huge_pages():
     assert c.key_pool.shape == (2, 5, 8, 3, 16) and c.key_pool.dtype == torch.bfloat16
     assert "hg" in _vm_flags(c.key_pool.data_ptr()) and "hg" in _vm_flags(c.value_pool.data_ptr())
     assert c.key_caches[1].data_ptr() == c.key_pool.data_ptr() + c.key_caches[0].nbytes
+
+
+@needs_thp
+def test_a_callers_quantized_weights_are_not_copied():
+    model = _tied_model()
+    q = atb.quantize(model, "w8a16")
+    infer = atb.TransformerInfer(model, max_seq_len=32, max_batch_size=1, block_size=8, quantize=q)
+    assert infer.runner.layers[0].q.data.data_ptr() == q.layers[0].q.data.data_ptr()

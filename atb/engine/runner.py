@@ -92,8 +92,12 @@ class ModelRunner:
             self.final_norm = w(quantized.final_norm)
             self.lm_head = self.embed if quantized.tied else keep(quantized.lm_head)
             self.layers = [lw.map(keep) for lw in quantized.layers]
-        if not self.shared_with_model and (quantize is None or isinstance(quantize, str)):
-            self._own_weights_to_huge_pages()  # copies only the engine holds (not a caller's atb.quantize result)
+        # Copies only the engine holds: a converted dtype, or quantized weights made here (not a caller's
+        # atb.quantize result, nor the ones a quantized checkpoint's model carries).
+        stored = getattr(model, "atb_quantized", None)
+        made_here = quantized is None or (quantized is not quantize and quantized is not stored)
+        if not self.shared_with_model and made_here:
+            self._own_weights_to_huge_pages()
         self.vocab_size = tp.plan.vocab_total if tp is not None else self.embed.shape[0]
         self.windows = tuple(spec.sliding_windows)
         # HF's own attention scale (``scaling``), not head_dim ** -0.5: some configs override it.
