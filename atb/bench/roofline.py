@@ -38,8 +38,7 @@ from typing import Callable
 import torch
 
 import atb
-from atb import _C
-from atb.hugepages import HugePageArena, huge_pages_enabled
+from atb import _C, hugepages
 
 _BANDWIDTH_BUFFER_BYTES = 256 << 20  # 8x a 32 MiB L3: every pass comes from DRAM
 
@@ -99,11 +98,7 @@ def stream_read_gbps(nbytes: int = _BANDWIDTH_BUFFER_BYTES, *, repeat: int = 9) 
 
     The buffer lies in the memory the engine's weights do: 2 MiB huge pages where `atb.hugepages` moves weights
     there (reads run faster in them, so the roofline is measured there too), else ordinary pages."""
-    words = max(1, nbytes // 8)
-    if huge_pages_enabled():
-        buf = HugePageArena(words * 8).empty((words,), torch.int64).fill_(1)
-    else:
-        buf = torch.ones(words, dtype=torch.int64)  # written once, so every page is resident
+    buf = hugepages.empty((max(1, nbytes // 8),), torch.int64).fill_(1)  # written once: every page resident
     size = buf.numel() * 8
     us = time_us(lambda: _C.stream_read(buf.data_ptr(), size), repeat=repeat, warmup=1, min_sample_us=0.0)
     return size / (us * 1e-6) / 1e9

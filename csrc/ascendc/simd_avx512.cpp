@@ -1260,6 +1260,13 @@ inline __m256i LowWordsOfLanes(__m512i v) {
   return _mm512_castsi512_si256(_mm512_permutexvar_epi16(_mm512_load_si512(kLowWords), v));
 }
 
+// r[i] = row(i) for the block's first `rows` rows, zeros below them (a transposed block's tail).
+template <class Row>
+inline void LoadBlockRows(__m512i* r, int64_t rows, Row row) {
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) r[i] = i < rows ? row(i) : _mm512_setzero_si512();
+}
+
 // A walk over the 16 x 16 blocks of an N x K region (n0, k0; nl, kl of them inside), each transposed as 16 x 16
 // 32-bit lanes in registers: load(r, n0, k0, nl, kl) fills r, store(c, n0, k0, nl, kl) takes the transpose.
 template <class Load, class Store>
@@ -1284,9 +1291,7 @@ void StoreTScaledBf16(uint16_t* dst, int64_t ldd, int64_t group, int64_t ldg, co
       N, K,
       [&](__m512i* r, int64_t n0, int64_t k0, int64_t nl, int64_t kl) {
         const __mmask16 cols = Tail(nl);
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i)
-          r[i] = i < kl ? _mm512_castps_si512(MaskLoad(cols, A + (k0 + i) * lda + n0)) : _mm512_setzero_si512();
+        LoadBlockRows(r, kl, [&](int i) { return _mm512_castps_si512(MaskLoad(cols, A + (k0 + i) * lda + n0)); });
       },
       [&](const __m512i* c, int64_t n0, int64_t k0, int64_t nl, int64_t kl) {
         for (int64_t j = 0; j < nl; ++j) {
@@ -1303,11 +1308,10 @@ void TransposeB16(uint16_t* dst, int64_t ldd, const uint16_t* src, int64_t lds, 
   ForTransposedBlocks(
       N, K,
       [&](__m512i* r, int64_t n0, int64_t k0, int64_t nl, int64_t kl) {
-        const __mmask16 rows = Tail(kl);
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i)
-          r[i] = i < nl ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(rows, src + (n0 + i) * lds + k0))
-                        : _mm512_setzero_si512();
+        const __mmask16 cols = Tail(kl);
+        LoadBlockRows(r, nl, [&](int i) {
+          return _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(cols, src + (n0 + i) * lds + k0));
+        });
       },
       [&](const __m512i* c, int64_t n0, int64_t k0, int64_t nl, int64_t kl) {
         const __mmask16 cols = Tail(nl);
