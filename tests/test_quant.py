@@ -251,15 +251,19 @@ def test_tiling_fits_ub(soc, m, k, ep, bits, group):
     assert t["k_tile"] >= t["k_pad"] or t["k_tile"] % 128 == 0
 
 
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 16])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("n,k", [(13, 64), (131, 576), (9, 608), (40, 1000), (17, 4127)])
-def test_w4_decode_bf16_pairs_and_tails(m, group, n, k, isa):
-    # bf16 x on an AVX512-BF16 CPU takes the vdpbf16ps route: chunk pairs, a lone last chunk (K/32 odd),
-    # groups of two chunks (G = 32) or whole pairs, short last groups, row blocks of 8 and their tails.
-    x = torch.randn(m, k).bfloat16()
+def test_w4_decode_16bit_x_loads_and_tails(dtype, m, group, n, k, isa):
+    # 16-bit x takes an int16 GEMV where the table has one (the 256-bit vpmaddwd one reads chunk pairs, the
+    # AVX512-VNNI one four chunks per load, with 2 weight rows per block at M = 1 once a row passes 2 KiB:
+    # K = 4127), else with bf16 x on an AVX512-BF16 CPU the vdpbf16ps route (chunk pairs). Here: a last
+    # load of 1-3 chunks, groups of one, two or four chunks and short last groups, blocks of 1, 2 and 4 x rows
+    # and of 8, 4, 2 and 1 weight rows with their tails.
+    x = torch.randn(m, k).to(dtype)
     q = _qw(n, k, "w4a16", group)
-    b = torch.randn(n).bfloat16()
+    b = torch.randn(n).to(dtype)
     assert_close(K.linear(x, q, b), linear_ref(x, quant_weight_ref(q, x), b), scale=_scale(k))
 
 

@@ -57,7 +57,7 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
     // 16-bit x, so a table without it just leaves the buffers unused).
     int16_ = kHalfWidth && QuantSimd().gemv_w4_i16 && QuantSimd().gemv_w8_i16;
     // x as int16 in the order of each int16 GEMV the launch runs: W8's as QuantizeXInt16 writes it, W4's pairs
-    // (PairXInt16ForW4, in place when no W8 segment needs the first).
+    // (InterleaveXInt16ForW4, in place when no W8 segment needs the first).
     if (int16_) {
       w4Pairs_ = t.gemvW4;
       w8Order_ = t.gemvW8;
@@ -93,7 +93,7 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
       if (int16_) {
         int16_t* xq = xqBuf_.Get<int16_t>().GetPhyAddr(m * XqPitch());
         QuantizeXInt16(xq, xqScaleBuf_.Get<float>().GetPhyAddr(m * kChunks_), row, kl);
-        if (w4Pairs_) PairXInt16ForW4(XPairs() + m * XqPitch(), xq, kl);
+        if (w4Pairs_) InterleaveXInt16ForW4(XPairs() + m * XqPitch(), xq, kl, QuantSimd().w4_i16_x);
       }
       if (kBf16) {
         uint16_t* xb = xbBuf_.Get<uint16_t>().GetPhyAddr(m * t_.kTile);
@@ -168,7 +168,7 @@ class KernelQuantLinear : public LinearStreamIo<T, KernelQuantLinear<T>> {
   }
 
   // Row pitch of the int16 x buffers: a W4 chunk pair takes 64 values, so an odd last chunk gets its pair's room.
-  int64_t XqPitch() const { return AlignUp(t_.kTile, int64_t(64)); }
+  int64_t XqPitch() const { return AlignUp(t_.kTile, kQuantXInt16Align); }
   int16_t* XPairs() { return (w8Order_ ? xqPairsBuf_ : xqBuf_).Get<int16_t>().GetPhyAddr(); }
   const float* XInt16Scales() { return xqScaleBuf_.Get<float>().GetPhyAddr(); }
 

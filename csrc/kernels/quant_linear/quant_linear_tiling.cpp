@@ -19,8 +19,8 @@ namespace {
 //   x          fp32 [mTile, kTile]     (zero-padded past K)
 //   xsum       fp32 [mTile, kTile/32]  (x summed per 32-value chunk: the W4 min term)
 //   x bf16     bf16 [mTile, kTile]     (bf16 x only: the AVX512-BF16 W4 route reads x as it came)
-//   x int16    int16 [mTile, kTile rounded up to 64] and its fp32 scales [mTile, kTile/32] (fp16/bf16 x: the
-//              gemv_*_i16 routes), in gemv_w8_i16's order or gemv_w4_i16's pairs; twice when both run
+//   x int16    int16 [mTile, kTile rounded up to kQuantXInt16Align] and its fp32 scales [mTile, kTile/32] (fp16/bf16 x: the
+//              gemv_*_i16 routes), in gemv_w8_i16's order or gemv_w4_i16's interleave; twice when both run
 //   scale, min fp32 [nTile, kTile/32 x groupsPerChunk]  per stream (this tile's group scales, widened)
 //   sums       fp32 [mTile, nTile]     per stream
 //   and LinearIo's out (and residual) queues
@@ -39,7 +39,7 @@ int64_t StreamUb(int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue
   if (gemvFormats == 0) return ub;
   ub += UbSlot(mt * chunks * 4);
   if (bf16) ub += UbSlot(mt * kt * 2);
-  if (elt == 2) ub += gemvFormats * UbSlot(mt * AlignUp(kt, 64) * 2) + UbSlot(mt * chunks * 4);
+  if (elt == 2) ub += gemvFormats * UbSlot(mt * AlignUp(kt, kQuantXInt16Align) * 2) + UbSlot(mt * chunks * 4);
   return ub;
 }
 

@@ -28,6 +28,9 @@ namespace atb {
 // takes 16 (GGUF's Q6_K), two groups per chunk. scale/min: [N, groups] in scaleType
 // (fp32, fp16 or bf16), widened to fp32 in UB per tile.
 constexpr int64_t kQuantChunk = 32;  // values per SIMD chunk; kPad and every group but W8's 16 are multiples of it
+// A row of int16 x (the gemv_*_i16 routes) is padded to this many values: whole loads of the widest W4 GEMV's
+// layouts (quant_simd.h: InterleaveXInt16ForW4).
+constexpr int64_t kQuantXInt16Align = 4 * kQuantChunk;
 // Weight rows the GEMM kernel dequantizes before one transposed store into its packed B tile (an 8 x 8
 // SIMD transpose block).
 constexpr int64_t kQuantPackRows = 8;

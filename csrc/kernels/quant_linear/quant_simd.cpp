@@ -44,7 +44,13 @@ const QuantSimdOps* Avx512WithInt16() {
   static const QuantSimdOps ops = [] {
     QuantSimdOps o = *QuantAvx512Ops();
     o.isa = "avx512-i16";
-    o.gemv_w4_i16 = QuantAvx2Int16GemvsForAvx512Host()->w4;
+    __builtin_cpu_init();
+    if (QuantAvx512VnniW4Gemv() && __builtin_cpu_supports("avx512vnni")) {
+      o.gemv_w4_i16 = QuantAvx512VnniW4Gemv();
+      o.w4_i16_x = W4XLayout::kBytePlanes;
+    } else {
+      o.gemv_w4_i16 = QuantAvx2Int16GemvsForAvx512Host()->w4;
+    }
     o.gemv_w8_i16 = QuantAvx2Int16GemvsForAvx512Host()->w8;
     return o;
   }();
@@ -122,16 +128,29 @@ void QuantizeXInt16(int16_t* xq, float* scale, const float* x, int64_t kLen) {
   }
 }
 
-void PairXInt16ForW4(int16_t* dst, const int16_t* xq, int64_t kLen) {
-  constexpr int kOffset[4] = {0, 16, 1, 17};  // run j's value w of a chunk: x[2w + kOffset[j]]
-  const int64_t chunks = kLen / 32;
-  for (int64_t c = 0; c < chunks; c += 2) {
-    int16_t pair[64] = {0};  // the pair's values as they came: dst may be xq
-    std::copy_n(xq + 32 * c, 32 * std::min<int64_t>(2, chunks - c), pair);
-    for (int half = 0; half < 2; ++half)
-      for (int j = 0; j < 4; ++j)
-        for (int w = 0; w < 8; ++w) dst[32 * c + 16 * j + 8 * half + w] = pair[32 * half + 2 * w + kOffset[j]];
+void InterleaveXInt16ForW4(int16_t* dst, const int16_t* xq, int64_t kLen, W4XLayout layout) {
+  constexpr int kOffset[4] = {0, 16, 1, 17};  // pairs: run j's value w of a chunk is x[2w + kOffset[j]]
+  const bool planes = layout == W4XLayout::kBytePlanes;
+  const int64_t chunks = kLen / 32, perLoad = planes ? 4 : 2, padded = (kLen + 127) / 128 * 128;
+  for (int64_t c = 0; c < chunks; c += perLoad) {
+    int16_t run[128] = {0};  // the load's values as they came (dst may be xq), zeros past kLen
+    std::copy_n(xq + 32 * c, 32 * std::min(perLoad, chunks - c), run);
+    if (!planes) {
+      for (int half = 0; half < 2; ++half)
+        for (int j = 0; j < 4; ++j)
+          for (int w = 0; w < 8; ++w) dst[32 * c + 16 * j + 8 * half + w] = run[32 * half + 2 * w + kOffset[j]];
+      continue;
+    }
+    uint8_t* out = reinterpret_cast<uint8_t*>(dst + 32 * c);
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < 16; ++j)
+        for (int hi = 0; hi < 2; ++hi) {
+          const int16_t v = run[32 * i + j + 16 * hi];
+          out[64 * hi + 16 * i + j] = uint8_t(v & 0xFF);                // xl
+          out[128 + 64 * hi + 16 * i + j] = uint8_t(int8_t(v >> 8));  // xh
+        }
   }
+  std::fill(dst + (chunks + perLoad - 1) / perLoad * perLoad * 32, dst + padded, int16_t(0));
 }
 
 }  // namespace atb

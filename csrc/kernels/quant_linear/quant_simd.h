@@ -45,6 +45,10 @@ constexpr int64_t kQuantMaxGroupSums = 8192;
 // two groups, each of its SIMD registers' values one group.
 constexpr int64_t kQuantHalfChunkGroup = 16;
 
+// gemv_w4_i16's x layouts (InterleaveXInt16ForW4): int16 pairs of chunks for the 256-bit vpmaddwd GEMV
+// (quant_simd_avx2.cpp), byte planes for the AVX512-VNNI vpdpbusd one (quant_simd_avx512_vnni.cpp).
+enum class W4XLayout { kPairs, kBytePlanes };
+
 struct QuantSimdOps {
   const char* isa;
   // W4 GEMV over one K chunk of kLen values (a multiple of 32) and groups of G
@@ -77,8 +81,8 @@ struct QuantSimdOps {
   // t = fma(sum, xscale, t) per chunk and scale * t per group as the fp32 route does. The kernel gives it
   // only 16-bit activations (quantize_x_i16), which int16 with a power-of-two scale represents exactly
   // wherever a value is within 2^7 (bf16) or 2^4 (fp16) of its chunk's largest.
-  // Their scales come as stored (QuantScaleRows). gemv_w4_i16 takes xq in pairs of chunks (PairXInt16ForW4;
-  // ldx a multiple of 64), gemv_w8_i16 as QuantizeXInt16 writes it.
+  // Their scales come as stored (QuantScaleRows). gemv_w4_i16 takes xq as InterleaveXInt16ForW4 lays it out
+  // for w4_i16_x (ldx a multiple of 128), gemv_w8_i16 as QuantizeXInt16 writes it.
   void (*gemv_w4_i16)(float* y, int64_t ldy, const int16_t* xq, int64_t ldx, const float* xscale, int64_t ldxc,
                       const float* xsum, int64_t ldxs, const uint8_t* q, int64_t ldq, const QuantScaleRows& scales,
                       int64_t M, int64_t N, int64_t kLen, int64_t G, bool accumulate);
@@ -89,6 +93,8 @@ struct QuantSimdOps {
   // q(k) * scale[k / G] (W8); one rounding, as gguf's own dequantization.
   void (*dequant_w4)(float* dst, const uint8_t* q, const float* scale, const float* min, int64_t kLen, int64_t G);
   void (*dequant_w8)(float* dst, const int8_t* q, const float* scale, int64_t kLen, int64_t G);
+  // How gemv_w4_i16 takes x (InterleaveXInt16ForW4).
+  W4XLayout w4_i16_x = W4XLayout::kPairs;
 };
 
 // x (kLen fp32 values that came from fp16/bf16, kLen a multiple of 32) as int16 per 32-value chunk for the
@@ -98,13 +104,18 @@ struct QuantSimdOps {
 // infinity gets scale NaN, so every output it feeds is NaN, as in the fp32 route.
 void QuantizeXInt16(int16_t* xq, float* scale, const float* x, int64_t kLen);
 
-// QuantizeXInt16's xq (kLen values, a multiple of 32) in gemv_w4_i16's order, where W4 weights are read two
-// chunks per 32-byte load as stored: each 16-bit word of a chunk's 16 bytes holds the values 2w and 2w + 16
-// (byte 2w's nibbles) and 2w + 1 and 2w + 17 (byte 2w + 1's). Per pair of chunks c = 2p and c + 1, 64 values
-// at dst + 64 p, four runs of 16: run j's first 8 from chunk c, its last 8 from chunk c + 1 (zeros where
-// c + 1 is past kLen), value w of each half being x[2w], x[2w + 16], x[2w + 1], x[2w + 17] of its chunk for
-// j = 0, 1, 2, 3. dst holds ceil(kLen / 64) * 64 values; it may be xq (the pairs are rewritten in place).
-void PairXInt16ForW4(int16_t* dst, const int16_t* xq, int64_t kLen);
+// QuantizeXInt16's xq (kLen values, a multiple of 32) in the order gemv_w4_i16 reads W4 weights, as stored:
+// each 16-bit word of a chunk's 16 bytes holds the values 2w and 2w + 16 (byte 2w's nibbles) and 2w + 1 and
+// 2w + 17 (byte 2w + 1's). dst holds kLen rounded up to 128 values, zeros past kLen; it may be xq (rewritten
+// in place).
+//   kPairs: two chunks per 32-byte load. Per pair of chunks c = 2p and c + 1, 64 values at dst + 64 p, four
+//     runs of 16: run j's first 8 from chunk c, its last 8 from chunk c + 1, value w of each half being x[2w],
+//     x[2w + 16], x[2w + 1], x[2w + 17] of its chunk for j = 0, 1, 2, 3.
+//   kBytePlanes: four chunks per 64-byte load, whose nibbles unpack to bytes (lo: value j of chunk i at byte
+//     16 i + j; hi: value j + 16 there). Per four chunks from c = 4p, 256 bytes at dst + 128 p: four planes
+//     of 64 bytes, xl of the lo order, xl of the hi order, xh of lo, xh of hi, where xq = 256 xh + xl
+//     (xh = xq >> 8 as int8, xl = xq & 255 as uint8).
+void InterleaveXInt16ForW4(int16_t* dst, const int16_t* xq, int64_t kLen, W4XLayout layout);
 
 const QuantSimdOps& QuantSimd();
 const QuantSimdOps* QuantPortableOps();
@@ -117,6 +128,9 @@ struct QuantInt16Gemvs {
 };
 const QuantInt16Gemvs* QuantAvx2Int16GemvsForAvx512Host();
 const QuantSimdOps* QuantAvx512Ops();  // null when not compiled in
+// The AVX512-VNNI W4 GEMV (x in kBytePlanes), which the avx512-i16 path takes where the CPU has VNNI; null
+// when not compiled in.
+decltype(QuantSimdOps::gemv_w4_i16) QuantAvx512VnniW4Gemv();
 // "auto", "avx512-i16" (quant_simd.cpp), "avx512", "avx2" or "portable"; throws when the CPU cannot run it.
 void SelectQuantSimd(const std::string& isa);
 // The paths this CPU can run, fastest first (always ends with "portable").
