@@ -19,8 +19,9 @@ _ISAS = ("avx512-i16", "avx512", "avx2", "portable")
 def set_isa(isa: str) -> None:
     """Forces the quantized kernels' SIMD path: 'auto' (CPUID), 'avx512-i16', 'avx512', 'avx2' or 'portable'.
 
-    'avx512-i16' (auto's pick where the CPU runs AVX-512 and AVX2) is the AVX-512 table with the AVX2
-    table's int16 GEMVs for 16-bit activations, measured faster than its own bf16 route for W4.
+    'avx512-i16' (auto's pick where the CPU runs AVX-512 and AVX2) is the AVX-512 table with int16 GEMVs
+    for 16-bit activations, measured faster than its own bf16 route for W4: the AVX2 table's for W8, and for
+    W4 the AVX512-VNNI one where the CPU has it (else the AVX2 table's).
     The environment variable ``ATB_QUANT_ISA`` does the same at start-up.
     """
     if isa not in ("auto",) + _ISAS:

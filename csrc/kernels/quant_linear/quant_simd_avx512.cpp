@@ -2,13 +2,13 @@
 // features for this file only (pragma after every system header, everything
 // in an anonymous namespace); selected only when CPUID reports them.
 //
-// Why not VNNI: vpdpbusd multiplies int8 by int8, so it needs the activations
-// quantized to int8 (W8A8). Here the activations stay fp32/bf16/fp16 (A16), so
-// the weights are widened to fp32 in registers and meet x in FMAs; with bf16
-// activations on an AVX512-BF16 CPU, the W4 GEMV instead turns nibbles into
+// Here the weights are widened to fp32 in registers and meet x in FMAs; with
+// bf16 activations on an AVX512-BF16 CPU, the W4 GEMV instead turns nibbles into
 // bf16 and meets x in vdpbf16ps (exact products, see quant_simd.h). The file is
 // compiled with avx512bf16 enabled, but only GemvW4Bf16 uses it and its table
-// is handed out only when CPUID reports the extension.
+// is handed out only when CPUID reports the extension. The int16 GEMVs that the
+// avx512-i16 path adds for 16-bit x live in quant_simd_avx2.cpp and, on
+// AVX512-VNNI, quant_simd_avx512_vnni.cpp.
 #include <algorithm>
 #include <cstdint>
 
