@@ -13,11 +13,13 @@ from atb.quant.formats import (FORMATS, GROUP_SIZES, QuantizedWeight, dequantize
                                quantize_weight, unpack_int4)
 from atb.quant.api import dequantize, quantize
 
-_ISAS = ("avx512-i16", "avx512", "avx2", "portable")
+_ISAS = ("avx512-i16", "avx512", "avx2", "portable", "avx512-i16-simde")
 
 
 def set_isa(isa: str) -> None:
-    """Forces the quantized kernels' SIMD path: 'auto' (CPUID), 'avx512-i16', 'avx512', 'avx2' or 'portable'.
+    """Forces the quantized kernels' SIMD path: 'auto' (CPUID), 'avx512-i16', 'avx512', 'avx2', 'portable' or
+    the test-only 'avx512-i16-simde' (the AVX2 table with the AVX512-VNNI W4 GEMV built against SIMDe, which
+    runs that GEMV's logic on a CPU without AVX-512; present when the build found SIMDe).
 
     'avx512-i16' (auto's pick where the CPU runs AVX-512 and AVX2) is the AVX-512 table with int16 GEMVs
     for 16-bit activations, measured faster than its own bf16 route for W4: the AVX2 table's for W8, and for
@@ -35,7 +37,7 @@ def isa() -> str:
 
 
 def isa_paths() -> list[str]:
-    """The SIMD paths this CPU can run, fastest first (tests run every one)."""
+    """The SIMD paths this CPU can run, fastest first, then 'avx512-i16-simde' where built (tests run every one)."""
     return list(_C.quant_isa_paths())
 
 

@@ -12,7 +12,8 @@ inline void Widen16(float* d, const uint16_t* s, int64_t n, bool bf16, const flo
     return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
   };
   auto widen1 = [&](int64_t i) {
-    return bf16 ? _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(int(s[i]) << 16))) : _cvtsh_ss(s[i]);
+    return _mm_cvtss_f32(bf16 ? _mm_castsi128_ps(_mm_cvtsi32_si128(int(s[i]) << 16))
+                                : _mm_cvtph_ps(_mm_cvtsi32_si128(s[i])));
   };
   int64_t i = 0;
   if (mul) {

@@ -11,9 +11,9 @@
 namespace atb {
 namespace {
 
-// Every path by name, fastest first (auto takes the first the CPU runs).
-constexpr const char* kIsas[] = {"avx512-i16", "avx512", "avx2", "portable"};
-constexpr const char* kValid = "auto, avx512-i16, avx512, avx2, portable";
+// Every path by name, fastest first (auto takes the first the CPU runs), then the test-only SIMDe one.
+constexpr const char* kIsas[] = {"avx512-i16", "avx512", "avx2", "portable", "avx512-i16-simde"};
+constexpr const char* kValid = "auto, avx512-i16, avx512, avx2, portable, avx512-i16-simde";
 
 bool Known(const std::string& isa) {
   for (const char* k : kIsas)
@@ -25,6 +25,7 @@ bool CpuHas(const std::string& isa) {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
   if (isa == "avx512-i16") return CpuHas("avx512") && CpuHas("avx2");
+  if (isa == "avx512-i16-simde") return QuantAvx512VnniW4GemvSimde() && CpuHas("avx2");
   if (isa == "avx512")
     return QuantAvx512Ops() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
@@ -40,6 +41,7 @@ bool CpuHas(const std::string& isa) {
 // (vdpbf16ps route against int16) 6.27 and 5.61 against 3.57 and 3.66, so 10.8 / 9.4 against 6.6 / 6.9 ms
 // per step; W8 (fp32 route against int16) 3.79 and 3.03 against 3.52 and 3.45, within the noise. The
 // copy is made here, in code built for the baseline ISA, not in the AVX-512 file (quant_simd_avx512.cpp).
+// Where the CPU has AVX512-VNNI, W4 takes its byte-plane GEMV instead (quant_simd_avx512_vnni.cpp).
 const QuantSimdOps* Avx512WithInt16() {
   static const QuantSimdOps ops = [] {
     QuantSimdOps o = *QuantAvx512Ops();
@@ -57,8 +59,22 @@ const QuantSimdOps* Avx512WithInt16() {
   return &ops;
 }
 
+// "avx512-i16-simde" (test-only): the AVX2 table with the AVX512-VNNI W4 GEMV compiled against SIMDe
+// (quant_simd_avx512_vnni_simde.cpp), so that a CPU without AVX-512 runs that GEMV's logic in the tests.
+const QuantSimdOps* Avx2WithSimdeVnniW4() {
+  static const QuantSimdOps ops = [] {
+    QuantSimdOps o = *QuantAvx2Ops();
+    o.isa = "avx512-i16-simde";
+    o.gemv_w4_i16 = QuantAvx512VnniW4GemvSimde();
+    o.w4_i16_x = W4XLayout::kBytePlanes;
+    return o;
+  }();
+  return &ops;
+}
+
 const QuantSimdOps* ByName(const std::string& isa) {
   if (isa == "avx512-i16") return Avx512WithInt16();
+  if (isa == "avx512-i16-simde") return Avx2WithSimdeVnniW4();
   if (isa == "avx512") return QuantAvx512Ops();
   if (isa == "avx2") return QuantAvx2Ops();
   return QuantPortableOps();

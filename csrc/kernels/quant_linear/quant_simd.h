@@ -3,8 +3,9 @@
 // rows). One table per ISA (AVX-512 F/BW/VL, AVX2+FMA, portable C++), chosen
 // at first use from CPUID; ATB_QUANT_ISA=avx512-i16|avx512|avx2|portable in the
 // environment, or SelectQuantSimd, forces one so tests run every path the CPU
-// can execute. Kept apart from the AscendC vector table (ascendc/simd.h) so
-// the two evolve independently.
+// can execute (and "avx512-i16-simde", the AVX512-VNNI W4 GEMV built against
+// SIMDe). Kept apart from the AscendC vector table (ascendc/simd.h) so the two
+// evolve independently.
 //
 // Weight layouts (rows of kPad = K rounded up to 32 values, padding q = 0):
 //   W8  int8, row-major, one byte per value.
@@ -131,9 +132,11 @@ const QuantSimdOps* QuantAvx512Ops();  // null when not compiled in
 // The AVX512-VNNI W4 GEMV (x in kBytePlanes), which the avx512-i16 path takes where the CPU has VNNI; null
 // when not compiled in.
 decltype(QuantSimdOps::gemv_w4_i16) QuantAvx512VnniW4Gemv();
-// "auto", "avx512-i16" (quant_simd.cpp), "avx512", "avx2" or "portable"; throws when the CPU cannot run it.
+decltype(QuantSimdOps::gemv_w4_i16) QuantAvx512VnniW4GemvSimde();  // the same against SIMDe (test-only)
+// "auto", "avx512-i16" (quant_simd.cpp), "avx512", "avx2", "portable" or the test-only "avx512-i16-simde";
+// throws when the CPU cannot run it.
 void SelectQuantSimd(const std::string& isa);
-// The paths this CPU can run, fastest first (always ends with "portable").
+// The paths this CPU can run, fastest first down to "portable", then "avx512-i16-simde" where built.
 std::vector<std::string> QuantIsaPaths();
 
 }  // namespace atb
