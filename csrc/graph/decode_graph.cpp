@@ -4,10 +4,12 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "ascendc/error.h"
 #include "ascendc/tensor.h"
+#include "ascendc/vec.h"
 #include "kernels/linear/linear_tiling.h"
 #include "kernels/rms_norm/rms_norm_tiling.h"
 
@@ -43,15 +45,30 @@ class NodeTimer {
   std::chrono::steady_clock::time_point start_;
 };
 
+// out[r] = the first index of row r's largest value (a NaN is never larger; a NaN at index 0 gives 0): the
+// scalar walk `if (v > best)`, taken over blocks of the row. A block whose vector max is no larger than the
+// best so far cannot change the answer and is skipped; any other block is walked value by value. Logits rise past their running best in a handful of a row's blocks, so nearly all of the row goes
+// through the vector max: the plain walk took 886 us for SmolLM2's 16 x 49152 fp32 logits, in cache
+// (2% of a batch-16 fp32 decode step, 5% of a bf16 one).
 template <typename T>
 void ArgmaxRows(const T* logits, int64_t rows, int64_t cols, int32_t* out) {
+  constexpr int64_t kBlock = 512;
+  float block[kBlock];
   for (int64_t r = 0; r < rows; ++r) {
     const T* row = logits + r * cols;
     float best = AscendC::ToFloat(row[0]);
     int64_t arg = 0;
-    for (int64_t c = 1; c < cols; ++c) {
-      float v = AscendC::ToFloat(row[c]);
-      if (v > best) best = v, arg = c;
+    for (int64_t b0 = 0; best == best && b0 < cols; b0 += kBlock) {
+      const int64_t n = std::min(kBlock, cols - b0);
+      const float* v = block;
+      if constexpr (std::is_same<T, float>::value) v = row + b0;
+      else AscendC::CastRaw<float, T>(block, row + b0, n);
+      // The tables' vector max may drop a lane's running max at a NaN (maxps returns its second operand),
+      // so a block whose sum is NaN (a NaN, or infinities of both signs) is walked too.
+      const float m = AscendC::Simd().reduce_max(v, n), sum = AscendC::Simd().reduce_sum(v, n);
+      if (sum == sum && !(m > best)) continue;
+      for (int64_t i = 0; i < n; ++i)
+        if (v[i] > best) best = v[i], arg = b0 + i;
     }
     out[r] = int32_t(arg);
   }
