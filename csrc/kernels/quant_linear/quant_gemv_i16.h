@@ -1,9 +1,14 @@
 // The int16-x GEMV's driver (quant_simd.h: gemv_w4_i16 / gemv_w8_i16), shared by the tables that have one:
 // the walk over blocks of weight rows and x rows, and the widening of fp16/bf16 scales a block ahead. The
 // block itself, Blocks::Block<Bits, NR, MB, kGroupPerChunk, kXScaled, FarBytes>, is the table's own (256-bit
-// in quant_simd_avx2.cpp, 512-bit in quant_simd_avx512.cpp). Included inside each table's target pragma and
-// anonymous namespace, after quant_simd_impl.h (GroupSums), as quant_simd_impl.h is.
+// vpmaddwd in quant_simd_avx2.cpp, 512-bit vpdpbusd in quant_simd_avx512_vnni.cpp). Included inside each
+// table's target pragma and anonymous namespace, after quant_simd_impl.h (GroupSums), as quant_simd_impl.h is.
 #pragma once
+
+// How far ahead the int16 GEMVs' second weight prefetch reaches on an AVX-512 host (FarBytes), whichever
+// block runs: measured on Zen 4 for the 256-bit one (quant_simd_avx2.cpp: kInt16Gemvs), and no distance
+// from 4 to 128 KiB beat it for the vpdpbusd one on the AMX Xeon.
+constexpr int64_t kAvx512HostFarBytes = 16 * 1024;
 
 // n fp16 (or bf16) values widened to fp32 (F16C), times mul[i] where given.
 inline void Widen16(float* d, const uint16_t* s, int64_t n, bool bf16, const float* mul = nullptr) {

@@ -330,13 +330,13 @@ constexpr QuantSimdOps WithInt16(QuantSimdOps ops, const QuantInt16Gemvs& gemvs)
   return ops;
 }
 
-constexpr int64_t kAvx2FarBytes = 4 * 1024, kAvx512FarBytes = 16 * 1024;
+constexpr int64_t kAvx2FarBytes = 4 * 1024;
 constexpr QuantSimdOps kOps = WithInt16(MakeQuantOps<V256>("avx2"), kInt16Gemvs<kAvx2FarBytes>);
 
 }  // namespace
 
 const QuantSimdOps* QuantAvx2Ops() { return &kOps; }
-const QuantInt16Gemvs* QuantAvx2Int16GemvsForAvx512Host() { return &kInt16Gemvs<kAvx512FarBytes>; }
+const QuantInt16Gemvs* QuantAvx2Int16GemvsForAvx512Host() { return &kInt16Gemvs<kAvx512HostFarBytes>; }
 
 }  // namespace atb
 

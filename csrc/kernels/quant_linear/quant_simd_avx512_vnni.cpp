@@ -214,11 +214,11 @@ struct BytePlaneBlocks {
 
 #include "quant_gemv_i16.h"  // GemvI16
 
-// The far prefetch 16 KiB ahead, as the 256-bit int16 GEMVs take it on AVX-512 hosts.
 void GemvW4Bytes(float* y, int64_t ldy, const int16_t* x, int64_t ldx, const float* xsc, int64_t ldxc,
                  const float* xsum, int64_t ldxs, const uint8_t* q, int64_t ldq, const QuantScaleRows& sc, int64_t M,
                  int64_t N, int64_t kLen, int64_t G, bool acc) {
-  GemvI16<BytePlaneBlocks, 4, 16 * 1024>(y, ldy, x, ldx, xsc, ldxc, xsum, ldxs, q, ldq, sc, M, N, kLen, G, acc);
+  GemvI16<BytePlaneBlocks, 4, kAvx512HostFarBytes>(y, ldy, x, ldx, xsc, ldxc, xsum, ldxs, q, ldq, sc, M, N, kLen, G,
+                                                   acc);
 }
 
 }  // namespace
