@@ -214,7 +214,11 @@ class LinearGemmIo : protected LinearIo<T> {
     int64_t units = t.nTiles * t.mPasses;
     int64_t first = AscendC::GetBlockIdx() * t.blockFactor;
     int64_t last = std::min(units, first + t.blockFactor);
-    for (int64_t u = first; u < last; ++u) self().ProcessUnit(UnitAt(u / t.mPasses, u % t.mPasses));
+    // Pass by pass, so the pass's rows of x stay in L2 across this core's row tiles (a unit streams them once
+    // per 32 weight rows): unit by unit they came from L3 every unit. Units are independent: same bits.
+    for (int64_t p = 0; p < t.mPasses; ++p)
+      for (int64_t u = first; u < last; ++u)
+        if (u % t.mPasses == p) self().ProcessUnit(UnitAt(u / t.mPasses, p));
   }
 
  protected:
