@@ -183,12 +183,15 @@ struct AmxBlockOperands {
   AmxRowTile next[2];
 };
 
-// Chunks ahead whose A rows are prefetched into L1 (the prefill form, A = x's rows). A tile load reads 16
-// rows lda apart, 64 bytes of each; from L2 the products wait on it. AMX Xeon, one core, a 384-row pass
-// against 64 weight rows, hot in L2, GFLOP/s without prefetch -> 1, 2, 4 chunks ahead into L1: K = 576
-// 1065 -> 1117, 1102, 1156; K = 1536 (the pass's two row tiles, 96 KiB, overflow L1) 728 -> 962, 1002,
-// 989. Into L2 (prefetcht1) measured no faster than none.
+// Chunks ahead whose A rows are prefetched into L1 (the prefill form, A = x's rows), from K = kAmxPrefetchMinK
+// on. A tile load reads 16 rows lda apart, 64 bytes of each; once a block's two row tiles overflow L1 (32 rows
+// of K = 1536 are 96 KiB) the products wait on those loads from L2. AMX Xeon, one core, a 384-row pass
+// against 64 weight rows, hot in L2, GFLOP/s without prefetch -> 1, 2, 4 chunks ahead: K = 1536 728 -> 962,
+// 1002, 989 (into L2 with prefetcht1: no faster than none). Where x's rows fit, the prefetches only take load
+// slots from the tile loads: 2 threads, 128 x 576 by 1536 rows, us, four alternating runs, none -> every K:
+// 138-156 -> 154-173 (-> 141-155 with this bound).
 constexpr int64_t kAmxPrefetchChunks = 4;
+constexpr int64_t kAmxPrefetchMinK = 1024;
 
 // Prefetches (into L1) the 64-byte pieces of chunk ch of the MT row tiles.
 template <int MT>
@@ -316,10 +319,9 @@ void AmxForBlocks(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const u
 // mmad_dp_bf16_packed on AMX (contract: simd.h; numerics: above).
 void MmadAmxBf16Packed(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* Bp, int64_t M,
                        int64_t N, int64_t K, bool acc) {
-  AmxForBlocks(C, ldc, A, lda, Bp, M, N, K, /*prefetchA=*/true, [&](auto mt, auto nt, float* c, int64_t rows, int64_t cols,
-                                               const AmxBlockOperands& o, int64_t, int64_t) {
-    AmxBlock<decltype(mt)::value, decltype(nt)::value>(c, ldc, rows, cols, o, acc);
-  });
+  AmxForBlocks(C, ldc, A, lda, Bp, M, N, K, /*prefetchA=*/K >= kAmxPrefetchMinK,
+               [&](auto mt, auto nt, float* c, int64_t rows, int64_t cols, const AmxBlockOperands& o, int64_t,
+                   int64_t) { AmxBlock<decltype(mt)::value, decltype(nt)::value>(c, ldc, rows, cols, o, acc); });
 }
 
 // A 32 x 32 fp32 tile (ld 32) and the rows x cols of C (ldc apart) as its transpose, C[j][i] = part[i][j],
@@ -376,10 +378,11 @@ void MmadAmxBf16PackedX(float* C, int64_t ldc, const uint16_t* Xp, const uint16_
                         int64_t N, int64_t K, bool acc) {
   // A is the weight rows, streamed from DRAM once per call (batch decode): prefetches of its next chunks into
   // L1 measured no faster.
-  AmxForBlocks(nullptr, 0, W, ldw, Xp, N, M, K, /*prefetchA=*/false, [&](auto mt, auto nt, float*, int64_t rows, int64_t cols,
-                                                   const AmxBlockOperands& o, int64_t x0, int64_t w0) {
-    AmxBlockT<decltype(mt)::value, decltype(nt)::value>(C + x0 * ldc + w0, ldc, rows, cols, o, acc);
-  });
+  AmxForBlocks(nullptr, 0, W, ldw, Xp, N, M, K, /*prefetchA=*/false,
+               [&](auto mt, auto nt, float*, int64_t rows, int64_t cols, const AmxBlockOperands& o, int64_t x0,
+                   int64_t w0) {
+                 AmxBlockT<decltype(mt)::value, decltype(nt)::value>(C + x0 * ldc + w0, ldc, rows, cols, o, acc);
+               });
 }
 
 #if defined(ATB_AVX512_NATIVE)

@@ -215,7 +215,9 @@ class LinearGemmIo : protected LinearIo<T> {
     int64_t first = AscendC::GetBlockIdx() * t.blockFactor;
     int64_t last = std::min(units, first + t.blockFactor);
     // Pass by pass, so the pass's rows of x stay in L2 across this core's row tiles (a unit streams them once
-    // per 32 weight rows): unit by unit they came from L3 every unit. Units are independent: same bits.
+    // per 32 weight rows); unit by unit, every unit took another pass's rows from L3. Units are independent: the
+    // same bits. AMX Xeon, 2 threads, bf16, SmolLM2's q/k/v, o + residual, gate/up and down + residual at 2048
+    // rows (row-invariant, six 384-row passes), ms for the four, three alternating runs: 11.5-12.2 -> 8.9-10.1.
     for (int64_t p = 0; p < t.mPasses; ++p)
       for (int64_t u = first; u < last; ++u)
         if (u % t.mPasses == p) self().ProcessUnit(UnitAt(u / t.mPasses, p));
