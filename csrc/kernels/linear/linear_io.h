@@ -1,7 +1,7 @@
 // What the linear kernels (STREAM: linear_kernel.cpp, GEMM: linear_gemm_kernel.cpp, and the
 // quantized ones in kernels/quant_linear/, which differ only in how they read weights) share:
-// the GM operands of a launch, the residual tile read, the fused epilogue on the fp32 sums,
-// the output write, each kernel kind's walk over its work (LinearStreamIo, LinearGemmIo),
+// the GM operands of a launch, the fused epilogue on the fp32 sums and the output write,
+// each kernel kind's walk over its work (LinearStreamIo, LinearGemmIo),
 // and the launch itself.
 #pragma once
 #include <algorithm>
@@ -16,7 +16,7 @@ namespace atb {
 template <typename T>
 class LinearIo {
  protected:
-  // GM operands and the output (and residual) queues of [mTile, nTile] tiles.
+  // GM operands.
   void InitIo(AscendC::GM_ADDR x, const LinearSegment* segs, AscendC::GM_ADDR residual, const LinearTilingData& t) {
     using namespace AscendC;
     t_ = t;
@@ -29,42 +29,6 @@ class LinearIo {
       yGm_[s].SetGlobalBuffer(reinterpret_cast<T*>(segs[s].out));
     }
     if (ep_ == LINEAR_RESIDUAL) rGm_.SetGlobalBuffer(reinterpret_cast<T*>(residual));
-    pipe_.InitBuffer(outQue_, BUFFER_NUM, t.mTile * t.nTile * sizeof(T));
-    if (ep_ == LINEAR_RESIDUAL) pipe_.InitBuffer(resQue_, BUFFER_NUM, t.mTile * t.nTile * sizeof(T));
-  }
-
-  // Residual rows [m, m + mt), columns [row, row + nt) (RESIDUAL has one segment).
-  void CopyInResidual(int64_t row, int64_t m, int64_t mt, int64_t nt) {
-    AscendC::LocalTensor<T> r = resQue_.template AllocTensor<T>();
-    int64_t n = t_.segRows[0];
-    for (int64_t i = 0; i < mt; ++i) AscendC::DataCopy(r[i * nt], rGm_[(m + i) * n + row], nt);
-    resQue_.EnQue(r);
-  }
-
-  // sums [mt, nt] of segment s (leading dim ld; up: SWIGLU's second stream, segment 1) -> + their
-  // biases, then the roundings HF performs between its separate ops (see linear_tiling.h), then T
-  // into the output queue.
-  void Epilogue(int s, int64_t row, float* sums, float* up, int64_t ld, int64_t mt, int64_t nt) {
-    using namespace AscendC;
-    LocalTensor<T> r;
-    if (ep_ == LINEAR_RESIDUAL) r = resQue_.template DeQue<T>();
-    LocalTensor<T> y = outQue_.template AllocTensor<T>();
-    for (int64_t i = 0; i < mt; ++i) {
-      float* a = sums + i * ld;
-      T* out = y.GetPhyAddr(i * nt);
-      AddBias(a, bias_[s], row, nt);
-      if (ep_ == LINEAR_SWIGLU) {
-        float* u = up + i * ld;
-        AddBias(u, bias_[1], row, nt);
-        SwigluRow(out, a, u, nt);
-      } else if (ep_ == LINEAR_RESIDUAL) {
-        ResidualRow(out, a, r.GetPhyAddr(i * nt), nt);
-      } else {
-        CastRaw<T, float>(out, a, nt);
-      }
-    }
-    if (ep_ == LINEAR_RESIDUAL) resQue_.FreeTensor(r);
-    outQue_.EnQue(y);
   }
 
   // The epilogues' roundings, as HF's separate ops: y = T(silu(T(gate)) rounded to T, times T(up)) (the SIMD
@@ -108,27 +72,36 @@ class LinearIo {
       for (int64_t n = 0; n < nt; ++n) a[n] += AscendC::ToFloat(bias[row + n]);
   }
 
-  void CopyOut(int s, int64_t row, int64_t m, int64_t mt, int64_t nt) {
-    AscendC::LocalTensor<T> y = outQue_.template DeQue<T>();
-    int64_t n = t_.segRows[s];
-    for (int64_t i = 0; i < mt; ++i) AscendC::DataCopy(yGm_[s][(m + i) * n + row], y[i * nt], nt);
-    outQue_.FreeTensor(y);
-  }
-
   // The output tile of segment s, x rows [m, m + mt) by weight rows [row, row + nt), from its fp32 sums
-  // (leading dim ld; up: SWIGLU's second stream): the residual tile in, the epilogue, the write.
+  // (leading dim ld; up: SWIGLU's second stream, segment 1): + their biases, then the roundings HF performs
+  // between its separate ops (see linear_tiling.h), written as T straight to the output rows; RESIDUAL reads
+  // its residual rows where they lie, each run before the run is written (the decode graph's o_proj and
+  // down_proj add into x in place). An NPU's vector unit would stage the rows in UB and copy them out, and the
+  // tilings keep that UB (LinearIoUb); on the CPU the staging was a second pass and a memcpy per row: AMX
+  // Xeon, bf16, SmolLM2's q/k/v, o + residual, gate/up and down + residual at 2048 rows, ms for the four,
+  // three alternating runs, staged -> straight: 9.9-10.7 -> 9.0-9.1.
   void OutputTile(int s, int64_t row, int64_t m, float* sums, float* up, int64_t ld, int64_t mt, int64_t nt) {
-    if (ep_ == LINEAR_RESIDUAL) CopyInResidual(row, m, mt, nt);
-    Epilogue(s, row, sums, up, ld, mt, nt);
-    CopyOut(s, row, m, mt, nt);
+    const int64_t n = t_.segRows[s];
+    for (int64_t i = 0; i < mt; ++i) {
+      float* a = sums + i * ld;
+      T* out = yGm_[s].GetPhyAddr((m + i) * n + row);
+      AddBias(a, bias_[s], row, nt);
+      if (ep_ == LINEAR_SWIGLU) {
+        float* u = up + i * ld;
+        AddBias(u, bias_[1], row, nt);
+        SwigluRow(out, a, u, nt);
+      } else if (ep_ == LINEAR_RESIDUAL) {
+        ResidualRow(out, a, rGm_.GetPhyAddr((m + i) * n + row), nt);
+      } else {
+        AscendC::CastRaw<T, float>(out, a, nt);
+      }
+    }
   }
 
   LinearTilingData t_;
   LinearEpilogue ep_ = LINEAR_PLAIN;
   int streams_ = 1;
   AscendC::TPipe pipe_;
-  AscendC::TQue<AscendC::QuePosition::VECOUT, AscendC::BUFFER_NUM> outQue_;
-  AscendC::TQue<AscendC::QuePosition::VECIN, AscendC::BUFFER_NUM> resQue_;
   AscendC::GlobalTensor<T> xGm_, rGm_, wGm_[kLinearMaxSegments], yGm_[kLinearMaxSegments];
   const T* bias_[kLinearMaxSegments] = {nullptr, nullptr, nullptr};
 };

@@ -18,7 +18,7 @@ namespace {
 //   x          fp32 [mTile, kTile]            (widened once per pass)
 //   lanes      fp32 [mTile, nTile, 8] per stream (SWIGLU: gate and up)
 //   sums       fp32 [mTile, nTile]    per stream
-//   and LinearIo's out (and residual) queues
+//   and the NPU's output (and residual) staging, LinearIoUb
 int64_t TileUb(int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep) {
   int64_t streams = ep == LINEAR_SWIGLU ? 2 : 1;
   return UbSlot(mt * kt * 4) + streams * (UbSlot(mt * nt * 32) + UbSlot(mt * nt * 4)) + LinearIoUb(mt, nt, elt, ep);
@@ -31,7 +31,7 @@ constexpr int64_t kHostMinBytesPerCore = 256 * 1024;
 // UB of one GEMM work unit:
 //   packed W   fp32 [kTile, nTile]  per stream        (the cube's B operand)
 //   C          fp32 [mPass, nTile]  per stream        (the accumulator, kept across K chunks)
-//   and LinearIo's out (and residual) queues (x is the A operand as fp32 in GM: PackedX)
+//   and the NPU's output (and residual) staging, LinearIoUb (x is the A operand as fp32 in GM: PackedX)
 // With the dot-product micro-kernel (dp) there is no packed W.
 int64_t GemmUb(int64_t mPass, int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep, int64_t dp) {
   int64_t streams = ep == LINEAR_SWIGLU ? 2 : 1;

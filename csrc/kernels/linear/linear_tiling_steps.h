@@ -23,8 +23,9 @@ struct KHalving {
 // A K chunk that must stay whole (the bf16 dot-product GEMM takes all of K in one call).
 constexpr KHalving kKeepKWhole{std::numeric_limits<int64_t>::max(), 1};
 
-// UB of what LinearIo carves (linear_io.h): the output queue, BUFFER_NUM x T [mTile, nTile], and RESIDUAL's
-// residual queue, the same.
+// UB an NPU's vector unit stages the epilogue's rows in: the output queue, BUFFER_NUM x T [mTile, nTile], and
+// RESIDUAL's residual queue, the same. (LinearIo on the CPU writes straight to the output rows: see
+// OutputTile in linear_io.h; the tilings keep this UB, so they are the NPU's.)
 inline int64_t LinearIoUb(int64_t mt, int64_t nt, int64_t elt, LinearEpilogue ep) {
   return (ep == LINEAR_RESIDUAL ? 2 : 1) * AscendC::BUFFER_NUM * UbSlot(mt * nt * elt);
 }

@@ -23,7 +23,7 @@ namespace {
 //              gemv_*_i16 routes), in gemv_w8_i16's order or gemv_w4_i16's interleave; twice when both run
 //   scale, min fp32 [nTile, kTile/32 x groupsPerChunk]  per stream (this tile's group scales, widened)
 //   sums       fp32 [mTile, nTile]     per stream
-//   and LinearIo's out (and residual) queues
+//   and the NPU's output (and residual) staging, LinearIoUb
 //   lanes      (a segment on the dequantized-lanes route) one panel of dequantized W rows fp32
 //              [QuantLanesPanelRows, kTile] and per stream the lanes fp32 [mTile, nTile, 8]
 //   xsum and the bf16/int16 x only when some segment takes the GEMV
@@ -48,7 +48,7 @@ int64_t StreamUb(int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue
 //   C          fp32 [mPass, nTile]  per stream (accumulators across K chunks)
 //   rows       fp32 [kQuantPackRows, kTile]  (weight rows dequantized before their transposed store)
 //   scale, min fp32 [kTile/32 x groupsPerChunk]  (that row's group scales)
-//   and LinearIo's out (and residual) queues (x is the A operand as fp32 in GM: PackedX)
+//   and the NPU's output (and residual) staging, LinearIoUb (x is the A operand as fp32 in GM: PackedX)
 // kDpPacked instead: packed W bf16 pairs [AlignUp(nTile, 16), kTile] per stream (dequantized) in place of the
 // fp32 B operand and the rows
 int64_t GemmUb(int64_t mPass, int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep, bool dp,
