@@ -47,9 +47,10 @@ class NodeTimer {
 
 // out[r] = the first index of row r's largest value (a NaN is never larger; a NaN at index 0 gives 0): the
 // scalar walk `if (v > best)`, taken over blocks of the row. A block whose vector max is no larger than the
-// best so far cannot change the answer and is skipped; any other block is walked value by value. Logits rise past their running best in a handful of a row's blocks, so nearly all of the row goes
-// through the vector max: the plain walk took 886 us for SmolLM2's 16 x 49152 fp32 logits, in cache
-// (2% of a batch-16 fp32 decode step, 5% of a bf16 one).
+// best so far cannot change the answer and is skipped; any other block is walked value by value. Logits rise
+// past their running best in a handful of a row's blocks, so nearly all of the row goes through the vector
+// max: the plain walk took 886 us for SmolLM2's 16 x 49152 fp32 logits, in cache (2% of a batch-16 fp32
+// decode step, 5% of a bf16 one).
 template <typename T>
 void ArgmaxRows(const T* logits, int64_t rows, int64_t cols, int32_t* out) {
   constexpr int64_t kBlock = 512;
