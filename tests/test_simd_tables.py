@@ -122,6 +122,34 @@ def test_avx512_and_avx2_tables_give_the_same_bits(dtype):
             assert torch.equal(a, b)
 
 
+@pytest.mark.skipif("avx512-amx" not in ISAS or "avx512-amx-simde" not in ISAS,
+                    reason="needs AMX tiles and the build's emulation of them")
+def test_the_amx_emulation_sums_as_the_tiles_do():
+    # simd_amx.h: per 32-k chunk, tdpbf16ps sums the even k's products in order, the odd k's likewise, then
+    # adds the two to the accumulator; the test-only table's emulation must give the tiles' bits exactly
+    # (its earlier single chain over k differed in about one output in 10^4 after the bf16 rounding).
+    # Values spread over a wide range make the last-bit differences between summation orders visible.
+    x = (torch.randn(300, 2048) * torch.exp2(torch.randint(-12, 12, (300, 2048)).float())).bfloat16()
+    w = torch.randn(96, 2048).bfloat16()
+    shapes = [(300, 2048, 96), (200, 576, 64), (64, 1000, 33), (17, 70, 7)]
+
+    def run():
+        return [K.linear(x[:m, :k].contiguous(), w[:n, :k].contiguous()) for m, k, n in shapes]
+
+    atb.set_isa("avx512-amx")
+    try:
+        want = run()
+    finally:
+        atb.set_isa("auto")
+    atb.set_isa("avx512-amx-simde")
+    try:
+        got = run()
+    finally:
+        atb.set_isa("auto")
+    for (m, k, n), a, b in zip(shapes, got, want):
+        assert torch.equal(a, b), (m, k, n, int((a != b).sum()))
+
+
 @pytest.mark.parametrize("words", [0, 1, 31, 32, 33, 4099, 4 * 4096 + 13, 1 << 18])
 def test_streaming_read_sums_every_word(isa, words):
     # The benchmarks' bandwidth probe (read_sum in 4 interleaved runs, split over the threads) must read each

@@ -11,12 +11,16 @@
 // k-pair panels pack_bf16_pairs lays out are exactly AMX's B operand: 16 k pairs of a 16-row panel are a
 // 16 x 64-byte tile, one 1 KiB run. A is x's rows as they lie (16 rows, 32 k each, lda apart).
 //
-// Numerics: each element of C is its 32-k chunks in order, each chunk one tdpbf16ps (the hardware's sum of
-// 16 exact pair products, bf16 denormal inputs and fp32 denormal results flushed) into the fp32
-// accumulator; rows past M, columns past N and k past K are zeros in padded copies, never read from the
-// caller's memory. A row's bits therefore depend neither on M, N nor on the blocking, and a K split at a
-// multiple of 32 changes nothing (C goes through memory in fp32). They differ in the last bits from the
-// vdpbf16ps table's, whose chain adds one pair at a time (measured: most elements differ by an ulp or so).
+// Numerics: each element of C is its 32-k chunks in order, each chunk one tdpbf16ps into the fp32
+// accumulator. Per chunk the hardware sums the even k's exact products in k order and the odd k's likewise,
+// each rounded to fp32 at every step, then adds (even + odd) to C. On this AMX Xeon (family 6, model 167)
+// that matched every one of 5.1M elements of random tiles with magnitudes across 2^-26 .. 2^25, where a
+// single chain over k (this emulation's earlier form) matched 56% and a tree of the 32 products 91%; bf16
+// denormal inputs and fp32 denormal results are flushed, per Intel (not probed, nor emulated). Rows past M,
+// columns past N and k past K are zeros in padded copies, never read from the caller's memory. A row's bits
+// therefore depend neither on M, N nor on the blocking, and a K split at a multiple of 32 changes nothing
+// (C goes through memory in fp32). They differ in the last bits from the vdpbf16ps table's, whose chain
+// adds one pair at a time (measured: most elements differ by an ulp or so).
 #if defined(ATB_AVX512_NATIVE)
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16")
@@ -123,17 +127,21 @@ inline float AmxBf16(const uint8_t* p) {
   std::memcpy(&f, &u, 4);
   return f;
 }
+// tdpbf16ps as the hardware sums (Numerics above): the even and the odd k's products apart, each in k order,
+// then C += (even + odd).
 template <int C, int A, int B>
 inline void AmxDp() {
   AmxTile &c = AmxTiles()[C], &a = AmxTiles()[A], &b = AmxTiles()[B];
   for (int m = 0; m < kAmxRows; ++m)
     for (int n = 0; n < 16; ++n) {
-      float s;
-      std::memcpy(&s, c.bytes[m] + 4 * n, 4);
-      for (int j = 0; j < 16; ++j) {
-        s += AmxBf16(a.bytes[m] + 4 * j) * AmxBf16(b.bytes[j] + 4 * n);
-        s += AmxBf16(a.bytes[m] + 4 * j + 2) * AmxBf16(b.bytes[j] + 4 * n + 2);
+      float s, even = AmxBf16(a.bytes[m]) * AmxBf16(b.bytes[0] + 4 * n);
+      float odd = AmxBf16(a.bytes[m] + 2) * AmxBf16(b.bytes[0] + 4 * n + 2);
+      for (int j = 1; j < 16; ++j) {
+        even += AmxBf16(a.bytes[m] + 4 * j) * AmxBf16(b.bytes[j] + 4 * n);
+        odd += AmxBf16(a.bytes[m] + 4 * j + 2) * AmxBf16(b.bytes[j] + 4 * n + 2);
       }
+      std::memcpy(&s, c.bytes[m] + 4 * n, 4);
+      s += even + odd;
       std::memcpy(c.bytes[m] + 4 * n, &s, 4);
     }
 }
