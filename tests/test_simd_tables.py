@@ -12,6 +12,15 @@ from reference import (DTYPES, add_rms_norm_ref, assert_close, flash_attention_r
 K = atb.kernels
 
 
+def _run_on(isa: str, fn):
+    """fn() with the SIMD table forced to isa, then back to auto."""
+    atb.set_isa(isa)
+    try:
+        return fn()
+    finally:
+        atb.set_isa("auto")
+
+
 def _scale(k: int) -> float:
     return max(1.0, k ** 0.5 / 4)
 
@@ -102,16 +111,7 @@ def test_avx512_and_avx2_tables_give_the_same_bits(dtype):
         return (K.linear(x16[:1], w), K.linear(x16, w), K.linear(x64, w), K.linear_swiglu(x16, w, w),
                 K.flash_attention(q, kv, kv, cu))
 
-    atb.set_isa("avx2")
-    try:
-        want = run()
-    finally:
-        atb.set_isa("auto")
-    atb.set_isa("avx512")
-    try:
-        got = run()
-    finally:
-        atb.set_isa("auto")
+    want, got = _run_on("avx2", run), _run_on("avx512", run)
     # bf16 on AVX512-BF16: from 6 rows on the linears, and flash attention's scores and P . V, run vdpbf16ps
     # (mmad_nt_dp_bf16, its own pairwise-sum contract), so only the M = 1 lanes linear keeps AVX2's bits.
     dp = dtype == torch.bfloat16 and "avx512bf16" in atb.build_info()["cpu_features"].split()
@@ -136,16 +136,7 @@ def test_the_amx_emulation_sums_as_the_tiles_do():
     def run():
         return [K.linear(x[:m, :k].contiguous(), w[:n, :k].contiguous()) for m, k, n in shapes]
 
-    atb.set_isa("avx512-amx")
-    try:
-        want = run()
-    finally:
-        atb.set_isa("auto")
-    atb.set_isa("avx512-amx-simde")
-    try:
-        got = run()
-    finally:
-        atb.set_isa("auto")
+    want, got = _run_on("avx512-amx", run), _run_on("avx512-amx-simde", run)
     for (m, k, n), a, b in zip(shapes, got, want):
         assert torch.equal(a, b), (m, k, n, int((a != b).sum()))
 
