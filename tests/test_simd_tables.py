@@ -35,7 +35,10 @@ def test_linear_forms(isa, dtype, m, k, n):
     # the residual epilogue is HF's separate add: exactly linear's output + r, rounded once
     assert torch.equal(K.linear_residual(x, w, r), (K.linear(x, w).double() + r.double()).to(dtype))
     g, u = (torch.randn(n, k) / k ** 0.5).to(dtype), (torch.randn(n, k) / k ** 0.5).to(dtype)  # unit-scale sums
-    assert_close(K.linear_swiglu(x, g, u), linear_swiglu_ref(x, g, u))
+    y = K.linear_swiglu(x, g, u)
+    assert_close(y, linear_swiglu_ref(x, g, u))
+    # the SwiGLU epilogue is HF's separate ops: silu_mul of the two linears' rounded outputs, bit for bit
+    assert torch.equal(y, K.silu_mul(K.linear(x, g), K.linear(x, u)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -69,6 +69,20 @@ struct SimdOps {
   // (tails too), so results do not depend on where a tile starts.
   void (*silu_mul_f16)(uint16_t* dst, const uint16_t* g, const uint16_t* u, int64_t n);
   void (*silu_mul_bf16)(uint16_t* dst, const uint16_t* g, const uint16_t* u, int64_t n);
+  // The linears' epilogues from their fp32 sums straight to the storage type, with the roundings HF performs
+  // between its separate ops (every value rounded to the storage type where HF's tensor holds it):
+  //   swiglu_out:   dst = T(T(silu(T(g))) * T(u))   (gate and up sums; silu_mul_* on the rounded sums)
+  //   residual_out: dst = T(T(a) + r)               (a projection's sum plus the residual row r, in T)
+  // The same bits as those compositions (each value rounded in the lanes instead of stored and reloaded), in
+  // one pass: the linear epilogues made each a chain of 3-5 vector calls per 64-value run.
+  void (*swiglu_out_f16)(uint16_t* dst, const float* g, const float* u, int64_t n);
+  void (*swiglu_out_bf16)(uint16_t* dst, const float* g, const float* u, int64_t n);
+  void (*residual_out_f16)(uint16_t* dst, const float* a, const uint16_t* r, int64_t n);
+  void (*residual_out_bf16)(uint16_t* dst, const float* a, const uint16_t* r, int64_t n);
+  // RMSNorm's output, HF's roundings: dst = T(w * T(h * rstd)), h the row and w the weight in fp32 (muls, the
+  // round trip through T, mul and the store of a Cast chain, in one pass).
+  void (*rms_scale_out_f16)(uint16_t* dst, const float* h, const float* w, float rstd, int64_t n);
+  void (*rms_scale_out_bf16)(uint16_t* dst, const float* h, const float* w, float rstd, int64_t n);
   // Lane-accumulating NT Mmad, the cube's L0C accumulator kept per SIMD lane:
   //   lanes[(m * N + n) * 8 + j] (+)= sum over k in [0, K), k % 8 == j, of A[m][k] * B[n][k]
   // in increasing k (one fma per step); K must be a multiple of 8. Splitting K into chunks (multiples

@@ -512,6 +512,39 @@ void SiluMulT(uint16_t* d, const uint16_t* g, const uint16_t* u, int64_t n) {
   }
 }
 
+// swiglu_out / residual_out (simd.h): SiluMulT's and add's steps on the sums rounded in the lanes (S::Round8
+// is S::L8 of S::S8); the tail through the same vector path, zero-padded.
+template <class S, class Op>
+void EpilogueOut(uint16_t* d, const float* a, const float* b, int64_t n, Op op) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) S::S8(d + i, op(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+  if (i < n) {
+    alignas(32) float ab[8] = {0}, bb[8] = {0};
+    alignas(32) uint16_t db[8];
+    for (int64_t j = i; j < n; ++j) ab[j - i] = a[j], bb[j - i] = b[j];
+    S::S8(db, op(_mm256_load_ps(ab), _mm256_load_ps(bb)));
+    for (int64_t j = i; j < n; ++j) d[j] = db[j - i];
+  }
+}
+template <class S>
+void SwigluOut(uint16_t* d, const float* g, const float* u, int64_t n) {
+  EpilogueOut<S>(d, g, u, n, [](__m256 gv, __m256 uv) {
+    return _mm256_mul_ps(S::Round8(Silu8(S::Round8(gv))), S::Round8(uv));
+  });
+}
+template <class S>
+void ResidualOut(uint16_t* d, const float* a, const uint16_t* r, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) S::S8(d + i, _mm256_add_ps(S::Round8(_mm256_loadu_ps(a + i)), S::L8(r + i)));
+  for (; i < n; ++i) S::S1(d + i, S::Round1(a[i]) + S::L1(r + i));
+}
+
+template <class S>
+void RmsScaleOut(uint16_t* d, const float* h, const float* w, float rstd, int64_t n) {
+  const __m256 r = _mm256_set1_ps(rstd);
+  EpilogueOut<S>(d, h, w, n, [r](__m256 hv, __m256 wv) { return _mm256_mul_ps(S::Round8(_mm256_mul_ps(hv, r)), wv); });
+}
+
 // Lane-accumulating GEMV/GEMM tile for decode-shaped linears: R rows of A
 // against CN weight rows, R*CN accumulators in registers, every weight vector
 // loaded once per k-step for all R rows. Accumulators start from (and return
@@ -777,6 +810,7 @@ const SimdOps kAvx2 = {
     MmadNT<float, Load8, Load1>, MmadNT<uint16_t, Load8H, Load1H>, MmadNT<uint16_t, Load8B, Load1B>,
     MmadNN<float, Load8, Load1>, MmadNN<uint16_t, Load8H, Load1H>, MmadNN<uint16_t, Load8B, Load1B>,
     Rope<F32S>, Rope<F16S>, Rope<Bf16S>, SiluMulT<F16S>, SiluMulT<Bf16S>,
+    SwigluOut<F16S>, SwigluOut<Bf16S>, ResidualOut<F16S>, ResidualOut<Bf16S>, RmsScaleOut<F16S>, RmsScaleOut<Bf16S>,
     MmadNTLanes<float, Load8>, MmadNTLanes<uint16_t, Load8H>, MmadNTLanes<uint16_t, Load8B>,
     MmadNTRows<float, Load8, Load1>, MmadNTRows<uint16_t, Load8H, Load1H>, MmadNTRows<uint16_t, Load8B, Load1B>,
     MmadNNRows<float, Load8, Load1>, MmadNNRows<uint16_t, Load8H, Load1H>, MmadNNRows<uint16_t, Load8B, Load1B>,

@@ -480,6 +480,40 @@ void SiluMulT(uint16_t* d, const uint16_t* g, const uint16_t* u, int64_t n) {
   }
 }
 
+// swiglu_out / residual_out (simd.h): SiluMulT's and add's steps on the sums rounded in the lanes (S::Round
+// is S::L of S::S, the value a stored and reloaded T holds).
+template <class S>
+void SwigluOut(uint16_t* d, const float* g, const float* u, int64_t n) {
+  auto out = [](V gv, V uv) { return _mm512_mul_ps(S::Round(Silu16(S::Round(gv))), S::Round(uv)); };
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) S::S(d + i, out(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
+  if (i < n) {
+    __mmask16 m = Tail(n - i);
+    S::S(d + i, out(MaskLoad(m, g + i), MaskLoad(m, u + i)), m);
+  }
+}
+template <class S>
+void ResidualOut(uint16_t* d, const float* a, const uint16_t* r, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) S::S(d + i, _mm512_add_ps(S::Round(_mm512_loadu_ps(a + i)), S::L(r + i)));
+  if (i < n) {
+    __mmask16 m = Tail(n - i);
+    S::S(d + i, _mm512_add_ps(S::Round(MaskLoad(m, a + i)), S::L(r + i, m)), m);
+  }
+}
+
+template <class S>
+void RmsScaleOut(uint16_t* d, const float* h, const float* w, float rstd, int64_t n) {
+  const V r = _mm512_set1_ps(rstd);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    S::S(d + i, _mm512_mul_ps(S::Round(_mm512_mul_ps(_mm512_loadu_ps(h + i), r)), _mm512_loadu_ps(w + i)));
+  if (i < n) {
+    __mmask16 m = Tail(n - i);
+    S::S(d + i, _mm512_mul_ps(S::Round(_mm512_mul_ps(MaskLoad(m, h + i), r)), MaskLoad(m, w + i)), m);
+  }
+}
+
 // NC 16-column chunks from c0 at once: a chunk's max is a chain of dependent vmaxps, so NC chains overlap
 // their latency (the max of the same values in any order: the same result).
 template <int NC>
@@ -1352,6 +1386,7 @@ const SimdOps ATB_AVX512_TABLE = {
     MmadNT<float, Load16, Load16>, MmadNT<uint16_t, Load16H, Load16H>, MmadNT<uint16_t, Load16B, Load16B>,
     MmadNN<float, Load16>, MmadNN<uint16_t, Load16H>, MmadNN<uint16_t, Load16B>,
     Rope<F32T>, Rope<F16T>, Rope<Bf16T>, SiluMulT<F16T>, SiluMulT<Bf16T>,
+    SwigluOut<F16T>, SwigluOut<Bf16T>, ResidualOut<F16T>, ResidualOut<Bf16T>, RmsScaleOut<F16T>, RmsScaleOut<Bf16T>,
     MmadNTLanes<float, LanesF>, MmadNTLanes<uint16_t, LanesH>, MmadNTLanes<uint16_t, LanesB>,
     MmadNTRows<float, Load16, Load16>, MmadNTRows<uint16_t, Load16H, Load16H>, MmadNTRows<uint16_t, Load16B, Load16B>,
     MmadNNRows<float, Load16>, MmadNNRows<uint16_t, Load16H>, MmadNNRows<uint16_t, Load16B>,

@@ -135,6 +135,24 @@ void SiluMulT(uint16_t* d, const uint16_t* g, const uint16_t* u, int64_t n) {
   }
 }
 
+// swiglu_out / residual_out (simd.h): SiluMulT's and add's steps on the rounded sums.
+template <class S>
+void SwigluOut(uint16_t* d, const float* g, const float* u, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    float x = S::Round(g[i]);
+    S::S(d + i, S::Round(x / (1.0f + std::exp(-x))) * S::Round(u[i]));
+  }
+}
+template <class S>
+void ResidualOut(uint16_t* d, const float* a, const uint16_t* r, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) S::S(d + i, S::Round(a[i]) + S::L(r + i));
+}
+
+template <class S>
+void RmsScaleOut(uint16_t* d, const float* h, const float* w, float rstd, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) S::S(d + i, S::Round(h[i] * rstd) * w[i]);
+}
+
 // Lanes as the AVX2 table keeps them: lane j sums k = j, j + 8, ... in order.
 template <typename TB, float (*L)(const TB*)>
 void MmadNTLanes(float* lanes, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
@@ -215,6 +233,7 @@ const SimdOps kPortable = {
     MmadNT<float, Load>, MmadNT<uint16_t, LoadH>, MmadNT<uint16_t, LoadB>,
     MmadNN<float, Load>, MmadNN<uint16_t, LoadH>, MmadNN<uint16_t, LoadB>,
     Rope<F32S>, Rope<F16S>, Rope<Bf16S>, SiluMulT<F16S>, SiluMulT<Bf16S>,
+    SwigluOut<F16S>, SwigluOut<Bf16S>, ResidualOut<F16S>, ResidualOut<Bf16S>, RmsScaleOut<F16S>, RmsScaleOut<Bf16S>,
     MmadNTLanes<float, Load>, MmadNTLanes<uint16_t, LoadH>, MmadNTLanes<uint16_t, LoadB>,
     MmadNT<float, Load>, MmadNT<uint16_t, LoadH>, MmadNT<uint16_t, LoadB>,  // mmad_nt_rows: one row at a time already
     MmadNN<float, Load>, MmadNN<uint16_t, LoadH>, MmadNN<uint16_t, LoadB>,  // mmad_nn_rows

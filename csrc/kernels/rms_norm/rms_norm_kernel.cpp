@@ -107,16 +107,9 @@ class KernelRmsNorm {
     }
   }
 
-  // y = T(w * T(h * rstd)) over a run of columns already in fp32.
-  void Normalize(float* h, const float* wt, T* y, int64_t n, float rstd) {
-    Simd().muls(h, h, rstd, n);
-    if (!std::is_same<T, float>::value) {  // HF casts the normalized value back to T first
-      CastRaw<T, float>(y, h, n);
-      CastRaw<float, T>(h, y, n);
-    }
-    Simd().mul(h, h, wt, n);
-    CastRaw<T, float>(y, h, n);
-  }
+  // y = T(w * T(h * rstd)) over a run of columns already in fp32 (HF casts the normalized value back to T
+  // before the weight multiplies it).
+  void Normalize(float* h, const float* wt, T* y, int64_t n, float rstd) { RmsScaleOutRaw(y, h, wt, rstd, n); }
 
   void ComputeRows(int64_t n) {
     int64_t cols = t_.cols;
