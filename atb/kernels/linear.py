@@ -43,8 +43,9 @@ _MEASURE_K = _MEASURE_N = 1024
 # r2: bf16 GEMM on AVX512-BF16 runs vdpbf16ps (from 16 rows on). r3: its k-pair-packed form from 128 rows on.
 # r4: the vdpbf16ps GEMM from 6 rows on. r5: decided per op (ROUTED_OPS), prefill rows in two buckets.
 # r6: the GEMM walks its units pass by pass and every epilogue writes straight to the output rows (faster
-# native prefill: decisions cached under r5 were measured against the slower kernels).
-_KERNELS_REVISION = 6
+# native prefill: decisions cached under r5 were measured against the slower kernels). r7: the fused
+# epilogues (SwiGLU, residual) go from the fp32 sums to the output in one pass.
+_KERNELS_REVISION = 7
 # The ops routed on their own: each is measured as the model runs it, the native fused entry against torch's
 # equivalent. A plain GEMM probe alone undersold the fused ones: on an AMX Xeon torch's bf16 GEMM beats the
 # native one at 256 rows (296 against 367 us), yet the patched SmolLM2's prefill ran 1.30x HF with every
