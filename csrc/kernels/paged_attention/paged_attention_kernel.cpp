@@ -47,8 +47,6 @@ class KernelPagedAttention {
     wsGm_.SetGlobalBuffer(workspace);
     bt_ = blockTables;
     int64_t m = t.rowsPerTile, tn = t.kvTile;
-    pipe_.InitBuffer(inQ_, 1, m * d_ * int64_t(sizeof(T)));
-    pipe_.InitBuffer(outO_, 1, m * d_ * int64_t(sizeof(T)));
     pipe_.InitBuffer(qBuf_, m * d_ * 4);
     pipe_.InitBuffer(accBuf_, m * d_ * 4);
     pipe_.InitBuffer(sBuf_, m * tn * 4);
@@ -88,8 +86,7 @@ class KernelPagedAttention {
       lo_[tp] = t_->window ? std::max<int64_t>(0, p - t_->window + 1) : 0;
       hi_[tp] = p + 1;
     }
-    CopyInQuery(it);
-    PrepareQuery();
+    PrepareQuery(it);
     for (int64_t t0 = it.kvStart; t0 < it.kvEnd;) {
       int64_t t1 = TileEnd(t0, it.kvEnd, t_->kvTile);
       CopyInKv(it, t0, t1);
@@ -103,21 +100,15 @@ class KernelPagedAttention {
   int64_t QueryRow(const PagedAttentionItem& it, int64_t tp) const { return t_->qStart[it.batch] + it.q0 + tp; }
   int64_t FirstHead(const PagedAttentionItem& it) const { return int64_t(it.kvHead) * t_->groupSize + it.g0; }
 
-  // The gn heads of one query token are adjacent in q: one copy per token.
-  void CopyInQuery(const PagedAttentionItem& it) {
-    LocalTensor<T> x = inQ_.AllocTensor<T>();
-    for (int64_t tp = 0; tp < it.qn; ++tp)
-      DataCopy(x[tp * it.gn * d_], qGm_[QueryRow(it, tp) * t_->qStride + FirstHead(it) * d_], int64_t(it.gn) * d_);
-    inQ_.EnQue(x);
-  }
-
-  // fp32 Q with the softmax scale folded in; fresh running statistics.
-  void PrepareQuery() {
-    LocalTensor<T> x = inQ_.DeQue<T>();
+  // fp32 Q with the softmax scale folded in, widened from q where it lies (the gn heads of one query token are
+  // adjacent in q: one run per token; staging them in a UB queue first was one more copy of every query);
+  // fresh running statistics.
+  void PrepareQuery(const PagedAttentionItem& it) {
     LocalTensor<float> q = qBuf_.Get<float>();
-    Cast(q, x, RoundMode::CAST_NONE, rows_ * d_);
+    for (int64_t tp = 0; tp < it.qn; ++tp)
+      CastRaw<float, T>(q.GetPhyAddr(tp * it.gn * d_),
+                        qGm_.GetPhyAddr(QueryRow(it, tp) * t_->qStride + FirstHead(it) * d_), int64_t(it.gn) * d_);
     Muls(q, q, t_->scale, rows_ * d_);
-    inQ_.FreeTensor(x);
     LocalTensor<float> st = statBuf_.Get<float>();
     Duplicate(st, -INFINITY, rows_);        // m
     Duplicate(st[rows_], 0.0f, rows_);      // l
@@ -390,17 +381,16 @@ class KernelPagedAttention {
       DataCopy(wsGm_[it.partial + 2 * rows_], accBuf_.Get<float>(), rows_ * d_);
       return;
     }
+    // out = acc / l, rounded straight into the output rows (a token's gn heads are adjacent there too).
     const float* l = st.GetPhyAddr() + rows_;
-    LocalTensor<T> o = outO_.AllocTensor<T>();
-    for (int64_t r = 0; r < rows_; ++r) {
-      Simd().muls(acc + r * d_, acc + r * d_, 1.0f / l[r], d_);
-      CastRaw<T, float>(o.GetPhyAddr(r * d_), acc + r * d_, d_);
+    for (int64_t tp = 0; tp < it.qn; ++tp) {
+      T* out = oGm_.GetPhyAddr((QueryRow(it, tp) * t_->numHeads + FirstHead(it)) * d_);
+      for (int64_t gi = 0; gi < it.gn; ++gi) {
+        const int64_t r = tp * it.gn + gi;
+        Simd().muls(acc + r * d_, acc + r * d_, 1.0f / l[r], d_);
+        CastRaw<T, float>(out + gi * d_, acc + r * d_, d_);
+      }
     }
-    outO_.EnQue(o);
-    o = outO_.DeQue<T>();
-    for (int64_t tp = 0; tp < it.qn; ++tp)
-      DataCopy(oGm_[(QueryRow(it, tp) * t_->numHeads + FirstHead(it)) * d_], o[tp * it.gn * d_], int64_t(it.gn) * d_);
-    outO_.FreeTensor(o);
   }
 
   const PagedAttentionTilingData* t_ = nullptr;
@@ -411,8 +401,6 @@ class KernelPagedAttention {
   std::vector<KvRun<T>> runs_;
   RowStream ahead_;
   TPipe pipe_;
-  TQue<QuePosition::VECIN, 1> inQ_;
-  TQue<QuePosition::VECOUT, 1> outO_;
   TQue<QuePosition::VECIN, BUFFER_NUM> inK_, inV_;
   TBuf<TPosition::VECCALC> qBuf_, accBuf_, sBuf_, statBuf_;
   GlobalTensor<T> qGm_, kGm_, vGm_, oGm_;

@@ -41,6 +41,8 @@ struct VisibleKeys {
         c1((hi - 1) / kChunk) {}
 };
 
+// q in and out are an NPU's staging (the host kernel reads q and writes out where they lie); kept, so every SoC
+// keeps the tiles it had.
 int64_t AttentionUb(int64_t m, int64_t tn, int64_t d, int64_t elt, bool gather) {
   int64_t ub = 2 * UbSlot(m * d * elt)         // q in, out (storage type)
                + 2 * UbSlot(m * d * 4)         // scaled q, acc (fp32)
