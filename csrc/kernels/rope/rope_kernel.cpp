@@ -7,7 +7,8 @@
 // Per tile (n tokens x hc heads): CopyIn gathers the head rows of q or k from
 // their strided GM view into UB, Compute rotates them with the token's cos/sin
 // rows (fp32 in UB, loaded once per tile and shared by q and k), CopyOut writes
-// them to the output view (possibly the input itself: in place).
+// them to the output view (possibly the input itself: in place). Where both views
+// space their head rows alike, the host kernel rotates them where they lie instead.
 #include <algorithm>
 #include <type_traits>
 #include <utility>
@@ -79,6 +80,7 @@ class KernelRope {
   }
 
   void RopeGroup(const RopeView& in, const RopeView& out, int64_t heads, int64_t tok, int64_t n) {
+    if (in.headStride == out.headStride) return RopeInPlace(in, out, heads, tok, n);
     // Heads packed in both views: a token's hc rows are one contiguous run in GM
     // and in UB; otherwise each head row is its own 32-byte-padded UB row.
     bool packed = in.headStride == t_.headDim && out.headStride == t_.headDim;
@@ -89,6 +91,20 @@ class KernelRope {
       Compute(n, hn, rowPitch);
       CopyOut(out, tok, n, h, hn, packed);
     }
+  }
+
+  // Head rows the same distance apart in both views (in place, or the same layout): each token's rows are
+  // rotated where they lie, straight into the output rows (the rope tables compute a row before storing it,
+  // so an output view that is the input is fine). Staging them in UB queues was a copy in and a copy out of
+  // every row.
+  void RopeInPlace(const RopeView& in, const RopeView& out, int64_t heads, int64_t tok, int64_t n) {
+    const float* c = cosF_.Get<float>().GetPhyAddr();
+    const float* s = sinF_.Get<float>().GetPhyAddr();
+    const T* x = static_cast<const T*>(in.data);
+    T* y = static_cast<T*>(out.data);
+    for (int64_t j = 0; j < n; ++j)
+      RopeRaw(y + (tok + j) * out.tokenStride, x + (tok + j) * in.tokenStride, c + j * t_.rotaryDim,
+              s + j * t_.rotaryDim, heads, in.headStride, t_.headDim, t_.rotaryDim, a_.interleave);
   }
 
   // The hn head rows of one token, between GM (rows headStride apart) and UB.
