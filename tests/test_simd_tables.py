@@ -50,6 +50,13 @@ def test_norms(isa, dtype, shape):
     y_ref, s_ref = add_rms_norm_ref(x, res, w, 1e-6)
     assert_close(y, y_ref)
     assert_close(s, s_ref)
+    # HF's roundings, bit for bit: with x from {+-0.5, +-1, +-1.5, +-2, +-3} every order sums the squares
+    # exactly, so rstd is 1 / sqrt(mean + eps) in fp32 on every table, and y = T(w * T(x * rstd)).
+    x = (torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0])[torch.randint(0, 5, shape)] *
+         (torch.randint(0, 2, shape) * 2 - 1)).to(dtype)
+    xf = x.float()
+    rstd = 1 / torch.sqrt(xf.square().sum(-1, keepdim=True) / shape[-1] + torch.tensor(1e-6, dtype=torch.float32))
+    assert torch.equal(K.rms_norm(x, w, 1e-6), (w.float() * (xf * rstd).to(dtype).float()).to(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
