@@ -116,8 +116,8 @@ class KernelRmsNorm {
   // the residual: their sum, rounded to T, written straight to residualOut and read back), normalized and
   // written straight to y. Every element is read before any is written, so y or residualOut may alias x or
   // the residual. An NPU's vector unit would stage the rows in UB queues (the tiling keeps that UB); on the
-  // CPU that staging was a copy in and a copy out of every element: AMX Xeon, bf16, the engine's batch-16
-  // prefill of 128-token prompts spent about 3% of its samples in those copies.
+  // CPU that staging was a copy in and a copy out of every element: AMX Xeon, 2048 x 576 bf16, three
+  // alternating runs, us: rms_norm 283-288 -> 216-232, add_rms_norm 538-547 -> 388-471.
   void ComputeRows(int64_t off, int64_t n) {
     int64_t cols = t_.cols;
     int64_t rows = n / cols;
