@@ -69,6 +69,14 @@ inline void RopeRaw(bfloat16_t* d, const bfloat16_t* s, const float* c, const fl
                    rotary, interleave);
 }
 inline void SiluMulRaw(float* d, const float* g, const float* u, int64_t n) { Simd().silu_mul(d, g, u, n); }
+inline void SiluMulRaw(half* d, const half* g, const half* u, int64_t n) {
+  Simd().silu_mul_f16(reinterpret_cast<uint16_t*>(d), reinterpret_cast<const uint16_t*>(g),
+                      reinterpret_cast<const uint16_t*>(u), n);
+}
+inline void SiluMulRaw(bfloat16_t* d, const bfloat16_t* g, const bfloat16_t* u, int64_t n) {
+  Simd().silu_mul_bf16(reinterpret_cast<uint16_t*>(d), reinterpret_cast<const uint16_t*>(g),
+                       reinterpret_cast<const uint16_t*>(u), n);
+}
 // The linear epilogues from fp32 sums (SimdOps::swiglu_out_* / residual_out_*; fp32 has nothing to round).
 inline void SwigluOutRaw(float* d, const float* g, const float* u, int64_t n) { Simd().silu_mul(d, g, u, n); }
 inline void SwigluOutRaw(half* d, const float* g, const float* u, int64_t n) {
@@ -78,6 +86,12 @@ inline void SwigluOutRaw(bfloat16_t* d, const float* g, const float* u, int64_t 
   Simd().swiglu_out_bf16(reinterpret_cast<uint16_t*>(d), g, u, n);
 }
 inline void ResidualOutRaw(float* d, const float* a, const float* r, int64_t n) { Simd().add(d, a, r, n); }
+inline void ResidualOutRaw(half* d, const float* a, const half* r, int64_t n) {
+  Simd().residual_out_f16(reinterpret_cast<uint16_t*>(d), a, reinterpret_cast<const uint16_t*>(r), n);
+}
+inline void ResidualOutRaw(bfloat16_t* d, const float* a, const bfloat16_t* r, int64_t n) {
+  Simd().residual_out_bf16(reinterpret_cast<uint16_t*>(d), a, reinterpret_cast<const uint16_t*>(r), n);
+}
 // RMSNorm's output from its fp32 row h (scaled in place for fp32) and weight w (SimdOps::rms_scale_out_*).
 inline void RmsScaleOutRaw(float* d, float* h, const float* w, float rstd, int64_t n) {
   Simd().muls(h, h, rstd, n);
@@ -88,20 +102,6 @@ inline void RmsScaleOutRaw(half* d, float* h, const float* w, float rstd, int64_
 }
 inline void RmsScaleOutRaw(bfloat16_t* d, float* h, const float* w, float rstd, int64_t n) {
   Simd().rms_scale_out_bf16(reinterpret_cast<uint16_t*>(d), h, w, rstd, n);
-}
-inline void ResidualOutRaw(half* d, const float* a, const half* r, int64_t n) {
-  Simd().residual_out_f16(reinterpret_cast<uint16_t*>(d), a, reinterpret_cast<const uint16_t*>(r), n);
-}
-inline void ResidualOutRaw(bfloat16_t* d, const float* a, const bfloat16_t* r, int64_t n) {
-  Simd().residual_out_bf16(reinterpret_cast<uint16_t*>(d), a, reinterpret_cast<const uint16_t*>(r), n);
-}
-inline void SiluMulRaw(half* d, const half* g, const half* u, int64_t n) {
-  Simd().silu_mul_f16(reinterpret_cast<uint16_t*>(d), reinterpret_cast<const uint16_t*>(g),
-                      reinterpret_cast<const uint16_t*>(u), n);
-}
-inline void SiluMulRaw(bfloat16_t* d, const bfloat16_t* g, const bfloat16_t* u, int64_t n) {
-  Simd().silu_mul_bf16(reinterpret_cast<uint16_t*>(d), reinterpret_cast<const uint16_t*>(g),
-                       reinterpret_cast<const uint16_t*>(u), n);
 }
 
 // Mmad, the cube unit: C (fp32) = or += A (fp32) x B^T / B, B in storage type T.

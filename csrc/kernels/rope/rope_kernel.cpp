@@ -80,16 +80,13 @@ class KernelRope {
   }
 
   void RopeGroup(const RopeView& in, const RopeView& out, int64_t heads, int64_t tok, int64_t n) {
-    if (in.headStride == out.headStride) return RopeInPlace(in, out, heads, tok, n);
-    // Heads packed in both views: a token's hc rows are one contiguous run in GM
-    // and in UB; otherwise each head row is its own 32-byte-padded UB row.
-    bool packed = in.headStride == t_.headDim && out.headStride == t_.headDim;
-    int64_t rowPitch = packed ? t_.headDim : t_.headPitch;
+    if (in.headStride == out.headStride) return RopeWhereTheyLie(in, out, heads, tok, n);
+    // Views spaced differently: each head row goes through its own 32-byte-padded UB row.
     for (int64_t h = 0; h < heads; h += t_.headsPerLoop) {
       int64_t hn = std::min(t_.headsPerLoop, heads - h);
-      CopyIn(in, tok, n, h, hn, packed);
-      Compute(n, hn, rowPitch);
-      CopyOut(out, tok, n, h, hn, packed);
+      CopyIn(in, tok, n, h, hn);
+      Compute(n, hn, t_.headPitch);
+      CopyOut(out, tok, n, h, hn);
     }
   }
 
@@ -97,7 +94,7 @@ class KernelRope {
   // rotated where they lie, straight into the output rows (the rope tables compute a row before storing it,
   // so an output view that is the input is fine). Staging them in UB queues was a copy in and a copy out of
   // every row.
-  void RopeInPlace(const RopeView& in, const RopeView& out, int64_t heads, int64_t tok, int64_t n) {
+  void RopeWhereTheyLie(const RopeView& in, const RopeView& out, int64_t heads, int64_t tok, int64_t n) {
     const float* c = cosF_.Get<float>().GetPhyAddr();
     const float* s = sinF_.Get<float>().GetPhyAddr();
     const T* x = static_cast<const T*>(in.data);
@@ -108,16 +105,15 @@ class KernelRope {
   }
 
   // The hn head rows of one token, between GM (rows headStride apart) and UB.
-  DataCopyParams Rows(int64_t hn, int64_t headStride, bool packed, bool toUb) const {
+  DataCopyParams Rows(int64_t hn, int64_t headStride, bool toUb) const {
     int64_t elt = sizeof(T), d = t_.headDim;
-    if (packed) return DataCopyParams{1, hn * d * elt, 0, 0};
     int64_t gap = (headStride - d) * elt;
     return toUb ? DataCopyParams{hn, d * elt, gap, 0} : DataCopyParams{hn, d * elt, 0, gap};
   }
 
-  void CopyIn(const RopeView& in, int64_t tok, int64_t n, int64_t h, int64_t hn, bool packed) {
+  void CopyIn(const RopeView& in, int64_t tok, int64_t n, int64_t h, int64_t hn) {
     LocalTensor<T> x = inQ_.AllocTensor<T>();
-    DataCopyParams p = Rows(hn, in.headStride, packed, true);
+    DataCopyParams p = Rows(hn, in.headStride, true);
     GlobalTensor<T> g;
     g.SetGlobalBuffer(static_cast<T*>(in.data));
     for (int64_t j = 0; j < n; ++j) DataCopyPad(x[j * tokPitch_], g[(tok + j) * in.tokenStride + h * in.headStride], p);
@@ -137,9 +133,9 @@ class KernelRope {
     inQ_.FreeTensor(x);
   }
 
-  void CopyOut(const RopeView& out, int64_t tok, int64_t n, int64_t h, int64_t hn, bool packed) {
+  void CopyOut(const RopeView& out, int64_t tok, int64_t n, int64_t h, int64_t hn) {
     LocalTensor<T> y = outQ_.DeQue<T>();
-    DataCopyParams p = Rows(hn, out.headStride, packed, false);
+    DataCopyParams p = Rows(hn, out.headStride, false);
     GlobalTensor<T> g;
     g.SetGlobalBuffer(static_cast<T*>(out.data));
     for (int64_t j = 0; j < n; ++j) DataCopyPad(g[(tok + j) * out.tokenStride + h * out.headStride], y[j * tokPitch_], p);
