@@ -1,12 +1,14 @@
 // Flash attention on the AscendC-style CPU core.
 //
 // A unit is `rows` = positions x heads query rows of one sequence that share
-// one kv head. Per unit:
+// one kv head. The host first copies every K/V tile's rows together, widened
+// to fp32, once per call for all units (PrepareKVTiles, a GM workspace): a
+// unit reads its tiles from there as the cube reads L1, never copying one.
+// Per unit:
 //   CopyInQ    Q rows -> UB, scaled by `scale` in fp32 and stored transposed
 //              (qT [D][rows]): the cube's B operand, loaded once with its
 //              transpose as LoadData does into L0B, then reused by every K tile.
 //   per K/V tile of blockKv keys (tiles nobody in the unit can see are skipped):
-//     CopyInKV   K, V rows -> UB (widened to fp32 once per tile for fp16/bf16)
 //     Scores     S^T [keys][rows] = K . Q^T          (Mmad, K as the A operand)
 //     Softmax    masked entries = -inf; running max m, sum l in fp32:
 //                m' = max(m, max_k S), P = exp(S - m'), l = l e^(m-m') + sum_k P
@@ -48,7 +50,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 template <typename T>
 class KernelFlashAttention {
  public:
-  void Init(GM_ADDR out, GM_ADDR q, GM_ADDR k, GM_ADDR v, const int32_t* cuSeqlens,
+  void Init(GM_ADDR out, GM_ADDR q, const int32_t* cuSeqlens,
             const FlashAttentionStrides& strides, const FlashAttentionTilingData& t, const FlashAttentionVT& vt) {
     t_ = &t;
     vt_ = vt;
@@ -56,8 +58,6 @@ class KernelFlashAttention {
     cu_ = cuSeqlens;
     outGm_.SetGlobalBuffer(reinterpret_cast<T*>(out));
     qGm_.SetGlobalBuffer(reinterpret_cast<T*>(q));
-    kGm_.SetGlobalBuffer(reinterpret_cast<T*>(k));
-    vGm_.SetGlobalBuffer(reinterpret_cast<T*>(v));
     int64_t rows = t.maxRows, d = t.headDim, ld = t.ubRowElems, bk = t.blockKv;
     if constexpr (std::is_same<T, bfloat16_t>::value) dp_ = vt.vT != nullptr;
     expScale_ = dp_ && t.scale > 0.0f && t.scale <= 1.0f ? t.scale : 1.0f;
@@ -67,18 +67,7 @@ class KernelFlashAttention {
     pipe_.InitBuffer(acc_, rows * d * sizeof(float));
     pipe_.InitBuffer(io_, rows * ld * sizeof(T));
     pipe_.InitBuffer(s_, bk * rows * sizeof(float));
-    if (dp_) {
-      pipe_.InitBuffer(pPacked_, FlashAttentionPackedPBytes(rows, bk));
-    } else {
-      // One slot per K/V queue: on the CPU the copy engine is this same thread,
-      // so a ping-pong slot would overlap nothing; its UB goes to taller units.
-      pipe_.InitBuffer(inK_, 1, bk * ld * sizeof(T));
-      pipe_.InitBuffer(inV_, 1, bk * ld * sizeof(T));
-      if constexpr (!std::is_same<T, float>::value) {
-        pipe_.InitBuffer(kF_, bk * ld * sizeof(float));
-        pipe_.InitBuffer(vF_, bk * ld * sizeof(float));
-      }
-    }
+    if (dp_) pipe_.InitBuffer(pPacked_, FlashAttentionPackedPBytes(rows, bk));
     pipe_.InitBuffer(stats_, 6 * rows * sizeof(float));
   }
 
@@ -108,27 +97,19 @@ class KernelFlashAttention {
       // Causal: keys past the unit's last query are masked for all its rows; the tile stops at the next multiple
       // of 32 (whole AMX chunks) after them. Exact: those keys' P are 0 and add nothing anywhere.
       if (t_->causal) nk = std::min(nk, AlignUp(u.qStart + u.qLen - kvStart, int64_t(32)));
+      const int64_t tile =
+          FlashAttentionVTOffset(vt_.tileBase[u.seq] + j, u.kvHead, t_->numKvHeads, t_->headDim, t_->blockKv);
       if (dp_) {
-        ScoresDp(vt_.kTiles + FlashAttentionVTOffset(vt_.tileBase[u.seq] + j, u.kvHead, t_->numKvHeads,
-                                                     t_->headDim, t_->blockKv),
-                 nk);
+        ScoresDp(vt_.kTiles + tile, nk);
         Mask(u.qStart, kvStart, nk);
         SoftmaxDp(nk);
-        PVDp(vt_.vT + FlashAttentionVTOffset(vt_.tileBase[u.seq] + j, u.kvHead, t_->numKvHeads, t_->headDim,
-                                             t_->blockKv),
-             nk);
+        PVDp(vt_.vT + tile, nk);
         continue;
       }
-      CopyInKV(seqStart + kvStart, u.kvHead, nk);
-      const float* kf;
-      const float* vf;
-      WidenKV(nk, &kf, &vf);
-      Scores(kf, nk);
+      Scores(vt_.kF + tile, nk);
       Mask(u.qStart, kvStart, nk);
       Softmax(nk);
-      PV(vf, nk);
-      inK_.FreeTensor(kIn_);
-      inV_.FreeTensor(vIn_);
+      PV(vt_.vF + tile, nk);
     }
     CopyOut(seqStart + u.qStart, u.qLen);
   }
@@ -164,39 +145,9 @@ class KernelFlashAttention {
       for (int64_t i = 0; i < d; ++i) qt[i * rows_ + m] = src[m * d + i];
   }
 
-  void CopyInKV(int64_t token0, int64_t kvHead, int64_t nk) {
-    int64_t elt = sizeof(T), d = t_->headDim;
-    kIn_ = inK_.AllocTensor<T>();
-    DataCopyPad(kIn_, kGm_[token0 * st_.kToken + kvHead * st_.kHead], DataCopyParams{nk, d * elt, (st_.kToken - d) * elt, 0});
-    inK_.EnQue(kIn_);
-    vIn_ = inV_.AllocTensor<T>();
-    DataCopyPad(vIn_, vGm_[token0 * st_.vToken + kvHead * st_.vHead], DataCopyParams{nk, d * elt, (st_.vToken - d) * elt, 0});
-    inV_.EnQue(vIn_);
-  }
-
-  // fp32 views of the K and V tiles: the copied tiles themselves for fp32,
-  // otherwise widened once here so the cube products read fp32 only.
-  void WidenKV(int64_t nk, const float** kf, const float** vf) {
-    kIn_ = inK_.DeQue<T>();
-    vIn_ = inV_.DeQue<T>();
-    if constexpr (std::is_same<T, float>::value) {
-      *kf = kIn_.GetPhyAddr();
-      *vf = vIn_.GetPhyAddr();
-    } else {
-      int64_t ld = t_->ubRowElems, d = t_->headDim;
-      LocalTensor<float> k32 = kF_.Get<float>(), v32 = vF_.Get<float>();
-      for (int64_t n = 0; n < nk; ++n) {
-        Cast(k32[n * ld], kIn_[n * ld], RoundMode::CAST_NONE, d);
-        Cast(v32[n * ld], vIn_[n * ld], RoundMode::CAST_NONE, d);
-      }
-      *kf = k32.GetPhyAddr();
-      *vf = v32.GetPhyAddr();
-    }
-  }
-
-  // S^T[n][m] = sum_d K[n][d] * qT[d][m].
+  // S^T[n][m] = sum_d K[n][d] * qT[d][m]; kf: the tile's fp32 K rows, headDim apart.
   void Scores(const float* kf, int64_t nk) {
-    MmadParams p{nk, rows_, t_->headDim, t_->ubRowElems, rows_, rows_, false};
+    MmadParams p{nk, rows_, t_->headDim, t_->headDim, rows_, rows_, false};
     MmadNN<float>(s_.Get<float>().GetPhyAddr(), kf, qT_.Get<float>().GetPhyAddr(), p);
   }
 
@@ -322,9 +273,9 @@ class KernelFlashAttention {
       if (mNew(r) == -kNegInf) l(r) = kNan;
   }
 
-  // acc[m][d] += sum_n P^T[n][m] * V[n][d].
+  // acc[m][d] += sum_n P^T[n][m] * V[n][d]; vf: the tile's fp32 V rows, headDim apart.
   void PV(const float* vf, int64_t nk) {
-    MmadParams p{rows_, t_->headDim, nk, rows_, t_->ubRowElems, t_->headDim, true};
+    MmadParams p{rows_, t_->headDim, nk, rows_, t_->headDim, t_->headDim, true};
     MmadTN(acc_.Get<float>().GetPhyAddr(), s_.Get<float>().GetPhyAddr(), vf, p);
   }
 
@@ -366,40 +317,70 @@ class KernelFlashAttention {
   bool qPacked_ = false;  // dp Scores over Q packed in k pairs once per unit (mmad_dp_bf16_packed)
   float expScale_ = 1.0f; // the scale SoftmaxDp folds into its exp (1: ScoresDp scaled the scores)
   TPipe pipe_;
-  TQue<QuePosition::VECIN, 1> inK_, inV_;
-  LocalTensor<T> kIn_, vIn_;
-  TBuf<TPosition::VECCALC> qT_, acc_, io_, s_, kF_, vF_, pPacked_, stats_;
-  GlobalTensor<T> outGm_, qGm_, kGm_, vGm_;
+  TBuf<TPosition::VECCALC> qT_, acc_, io_, s_, pPacked_, stats_;
+  GlobalTensor<T> outGm_, qGm_;
 };
 
 template <typename T>
-void RunFlashAttention(GM_ADDR out, GM_ADDR q, GM_ADDR k, GM_ADDR v, const int32_t* cu,
+void RunFlashAttention(GM_ADDR out, GM_ADDR q, const int32_t* cu,
                        const FlashAttentionStrides& strides, const FlashAttentionTilingData& t,
                        const FlashAttentionVT& vt) {
   KernelFlashAttention<T> op;
-  op.Init(out, q, k, v, cu, strides, t, vt);
+  op.Init(out, q, cu, strides, t, vt);
   op.Process();
 }
 
-// The bf16 path's K/V tile workspace (FlashAttentionVT), items (tile, kv head) split evenly over the blocks:
-// each tile's K rows copied together, and its V transposed, zero past the sequence's keys.
-void PrepareKVTiles(uint16_t* kTiles, uint16_t* vT, const int64_t* tileBase, const uint16_t* k, const uint16_t* v,
-                    const int32_t* cu, int64_t batch, const FlashAttentionStrides& st,
-                    const FlashAttentionTilingData& t) {
-  const int64_t kvh = t.numKvHeads, d = t.headDim, bk = t.blockKv, items = tileBase[batch] * kvh;
+// Calls tile(offset, k row 0, v row 0, keys) for the K/V workspace's items (tile, kv head), split evenly over the
+// blocks; offset: the item's elements before it in the workspace (FlashAttentionVTOffset).
+template <typename T, typename F>
+void ForKVTiles(const int64_t* tileBase, const T* k, const T* v, const int32_t* cu, int64_t batch,
+                const FlashAttentionStrides& st, const FlashAttentionTilingData& t, F&& tile) {
+  const int64_t kvh = t.numKvHeads, bk = t.blockKv, items = tileBase[batch] * kvh;
   const int64_t blk = GetBlockIdx(), blocks = GetBlockNum();
   int64_t b = 0;
   for (int64_t i = items * blk / blocks; i < items * (blk + 1) / blocks; ++i) {
     const int64_t g = i / kvh, h = i % kvh;
     while (tileBase[b + 1] <= g) ++b;
     const int64_t kv0 = (g - tileBase[b]) * bk, nk = std::min(bk, int64_t(cu[b + 1] - cu[b]) - kv0);
-    uint16_t* kDst = kTiles + FlashAttentionVTOffset(g, h, kvh, d, bk);
-    const uint16_t* kSrc = k + (cu[b] + kv0) * st.kToken + h * st.kHead;
-    for (int64_t r = 0; r < nk; ++r) std::memcpy(kDst + r * d, kSrc + r * st.kToken, size_t(d) * 2);
-    uint16_t* dst = vT + FlashAttentionVTOffset(g, h, kvh, d, bk);
-    Simd().transpose_b16(dst, bk, v + (cu[b] + kv0) * st.vToken + h * st.vHead, st.vToken, nk, d);
-    for (int64_t r = 0; nk < bk && r < d; ++r) std::fill(dst + r * bk + nk, dst + (r + 1) * bk, uint16_t(0));
+    tile(FlashAttentionVTOffset(g, h, kvh, t.headDim, bk), k + (cu[b] + kv0) * st.kToken + h * st.kHead,
+         v + (cu[b] + kv0) * st.vToken + h * st.vHead, nk);
   }
+}
+
+// The bf16 GEMM path's workspace: each tile's K rows copied together and its V transposed, zero past the
+// sequence's keys.
+void PrepareKVTilesDp(uint16_t* kTiles, uint16_t* vT, const int64_t* tileBase, const uint16_t* k, const uint16_t* v,
+                      const int32_t* cu, int64_t batch, const FlashAttentionStrides& st,
+                      const FlashAttentionTilingData& t) {
+  const int64_t d = t.headDim, bk = t.blockKv;
+  ForKVTiles(tileBase, k, v, cu, batch, st, t, [&](int64_t off, const uint16_t* kSrc, const uint16_t* vSrc, int64_t nk) {
+    for (int64_t r = 0; r < nk; ++r) std::memcpy(kTiles + off + r * d, kSrc + r * st.kToken, size_t(d) * 2);
+    uint16_t* dst = vT + off;
+    Simd().transpose_b16(dst, bk, vSrc, st.vToken, nk, d);
+    for (int64_t r = 0; nk < bk && r < d; ++r) std::fill(dst + r * bk + nk, dst + (r + 1) * bk, uint16_t(0));
+  });
+}
+
+// The fp32 path's workspace: each tile's K and V rows together, widened to fp32 (rows past the sequence's keys
+// are never read).
+template <typename T>
+void PrepareKVTilesF32(float* kF, float* vF, const int64_t* tileBase, const T* k, const T* v, const int32_t* cu,
+                       int64_t batch, const FlashAttentionStrides& st, const FlashAttentionTilingData& t) {
+  const int64_t d = t.headDim;
+  auto widen = [d](float* dst, const T* src) {
+    if constexpr (std::is_same<T, float>::value)
+      std::memcpy(dst, src, size_t(d) * sizeof(float));
+    else if constexpr (std::is_same<T, half>::value)
+      Simd().f16_to_f32(dst, StorageBits(src), d);
+    else
+      Simd().bf16_to_f32(dst, StorageBits(src), d);
+  };
+  ForKVTiles(tileBase, k, v, cu, batch, st, t, [&](int64_t off, const T* kSrc, const T* vSrc, int64_t nk) {
+    for (int64_t r = 0; r < nk; ++r) {
+      widen(kF + off + r * d, kSrc + r * st.kToken);
+      widen(vF + off + r * d, vSrc + r * st.vToken);
+    }
+  });
 }
 
 }  // namespace
@@ -411,35 +392,55 @@ void FlashAttention(void* out, const void* q, const void* k, const void* v, cons
   FlashAttentionTilingData t = FlashAttentionTiling(cuSeqlens, batch, numTokens, numHeads, numKvHeads, headDim, dtype,
                                                     scale, causal, window, soc);
   if (t.units.empty()) return;
-  // bf16 on the AVX512-BF16 tables: the K/V tile workspace first (kept per thread: no page faults per call).
-  FlashAttentionVT vt;
-  thread_local std::vector<uint16_t> vTBuf, kBuf;
+  // The K/V tile workspace first (kept per thread: no page faults per call).
   thread_local std::vector<int64_t> tileBase;
+  tileBase.assign(size_t(batch + 1), 0);
+  for (int64_t b = 0; b < batch; ++b)
+    tileBase[b + 1] = tileBase[b] + CeilDiv(cuSeqlens[b + 1] - cuSeqlens[b], t.blockKv);
+  const size_t tileElems = size_t(tileBase[batch] * numKvHeads * headDim * t.blockKv);
+  // (the pointers taken here: inside the launched lambdas these thread_locals would name the workers' own)
+  FlashAttentionVT vt;
+  vt.tileBase = tileBase.data();
   if (t.dpBf16) {
-    tileBase.assign(size_t(batch + 1), 0);
-    for (int64_t b = 0; b < batch; ++b)
-      tileBase[b + 1] = tileBase[b] + CeilDiv(cuSeqlens[b + 1] - cuSeqlens[b], t.blockKv);
-    vTBuf.resize(size_t(tileBase[batch] * numKvHeads * headDim * t.blockKv));
-    kBuf.resize(vTBuf.size());
-    // (the pointers taken here: inside the launched lambda these thread_locals would name the workers' own)
-    uint16_t* vT = vTBuf.data();
-    uint16_t* kTiles = kBuf.data();
-    const int64_t* bases = tileBase.data();
+    thread_local std::vector<uint16_t> vTBuf, kBuf;
+    vTBuf.resize(tileElems);
+    kBuf.resize(tileElems);
+    uint16_t *vT = vTBuf.data(), *kTiles = kBuf.data();
     const auto* k16 = static_cast<const uint16_t*>(k);
     const auto* v16 = static_cast<const uint16_t*>(v);
     KernelLaunch(t.blockDim, soc.ub_size,
-                 [&]() { PrepareKVTiles(kTiles, vT, bases, k16, v16, cuSeqlens, batch, strides, t); });
-    vt = {vT, bases, kTiles};
+                 [&]() { PrepareKVTilesDp(kTiles, vT, vt.tileBase, k16, v16, cuSeqlens, batch, strides, t); });
+    vt.vT = vT;
+    vt.kTiles = kTiles;
+  } else {
+    thread_local std::vector<float> kFBuf, vFBuf;
+    kFBuf.resize(tileElems);
+    vFBuf.resize(tileElems);
+    float *kF = kFBuf.data(), *vF = vFBuf.data();
+    auto prepare = [&](auto* typed) {
+      using T = std::remove_cv_t<std::remove_pointer_t<decltype(typed)>>;
+      KernelLaunch(t.blockDim, soc.ub_size, [&]() {
+        PrepareKVTilesF32(kF, vF, vt.tileBase, static_cast<const T*>(k), static_cast<const T*>(v), cuSeqlens, batch,
+                          strides, t);
+      });
+    };
+    switch (DataType(t.tilingKey)) {
+      case DataType::FLOAT32: prepare(static_cast<const float*>(nullptr)); break;
+      case DataType::FLOAT16: prepare(static_cast<const half*>(nullptr)); break;
+      case DataType::BFLOAT16: prepare(static_cast<const bfloat16_t*>(nullptr)); break;
+    }
+    vt.kF = kF;
+    vt.vF = vF;
   }
   auto gm = [](const void* p) { return reinterpret_cast<GM_ADDR>(const_cast<void*>(p)); };
   auto kernel = [&]() {
     switch (DataType(t.tilingKey)) {
       case DataType::FLOAT32:
-        return RunFlashAttention<float>(gm(out), gm(q), gm(k), gm(v), cuSeqlens, strides, t, vt);
+        return RunFlashAttention<float>(gm(out), gm(q), cuSeqlens, strides, t, vt);
       case DataType::FLOAT16:
-        return RunFlashAttention<half>(gm(out), gm(q), gm(k), gm(v), cuSeqlens, strides, t, vt);
+        return RunFlashAttention<half>(gm(out), gm(q), cuSeqlens, strides, t, vt);
       case DataType::BFLOAT16:
-        return RunFlashAttention<bfloat16_t>(gm(out), gm(q), gm(k), gm(v), cuSeqlens, strides, t, vt);
+        return RunFlashAttention<bfloat16_t>(gm(out), gm(q), cuSeqlens, strides, t, vt);
     }
   };
   KernelLaunch(t.blockDim, soc.ub_size, kernel);

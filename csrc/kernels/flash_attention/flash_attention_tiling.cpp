@@ -15,8 +15,7 @@ namespace {
 
 constexpr int64_t kMaxHeadDim = 256;
 // Rows (query positions x heads) per unit the tiling aims for. Each K/V tile
-// is copied, widened to fp32 and pulled through L1 once per unit, so taller
-// units amortize that better; past ~128 rows the S^T tile (64 keys x rows x 4 B)
+// is pulled through L1 once per unit, so taller units amortize that better; past ~128 rows the S^T tile (64 keys x rows x 4 B)
 // outgrows L1 (32-64 KiB) and the causal waste on the diagonal grows.
 constexpr int64_t kTargetRows = 128;
 constexpr int64_t kHostBlocksPerThread = 4;
@@ -27,8 +26,8 @@ int64_t UbRowElems(int64_t headDim, int64_t elt) { return AlignUp(headDim * elt,
 // rounding of every output, so it depends on head_dim and the path only, never
 // on the SoC: every SoC then produces bit-identical results.
 // * fp32 cube path: 64 keys make the two products 64-deep/-wide; at head_dim >
-//   128 the fp32 K and V tiles (2 x 64 x 256 x 4 B = 128 KiB) would crowd a
-//   192 KiB UB, so 32.
+//   128 the fp32 K and V tiles (2 x 64 x 256 x 4 B = 128 KiB) would crowd L1
+//   and L2 (and did a 192 KiB UB when they were staged there), so 32.
 // * bf16 GEMM path (dp): no K/V tile in UB, so 128 keys whatever head_dim: four
 //   32-k AMX chunks per load and store of acc^T in P.V. AMX Xeon, 32/8/128 at
 //   S = 2048, one thread: 64 keys 10-15% slower than 128; 256 no faster (the
@@ -50,12 +49,10 @@ int64_t UbBytes(int64_t rows, int64_t headDim, int64_t blockKv, int64_t elt, boo
     b += UbSlot(6 * rows * 4);                              // row statistics
     return b;
   }
+  // K and V are read from the host's fp32 tiles, never copied into UB
   b += 2 * UbSlot(rows * headDim * 4);  // qT (scaled Q, transposed) and acc (fp32 output)
   b += UbSlot(rows * ld * elt);         // io: Q block as copied in, later the output block
   b += UbSlot(blockKv * rows * 4);      // S^T / P^T tile
-  b += 2 * UbSlot(blockKv * ld * elt);  // K and V tiles as copied in
-  if (elt != 4) b += 2 * UbSlot(blockKv * ld * 4);  // K and V widened to fp32
-  if (elt == 2) b += UbSlot(FlashAttentionPackedPBytes(rows, blockKv));  // bf16's packed P (fp16: never used)
   b += UbSlot(6 * rows * 4);            // row statistics: max, new max, safe max, alpha, sum, tile sum
   return b;
 }

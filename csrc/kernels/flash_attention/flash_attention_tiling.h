@@ -51,14 +51,18 @@ struct FlashAttentionStrides {
   }
 };
 
-// The bf16 GEMM path's K/V tile workspace (flash_attention_kernel.cpp): the host transposes every K/V tile's V
-// once per call, V^T [headDim][blockKv] per (tile, kv head), tile g of sequence b being tileBase[b] + j, and
-// copies its K rows together, [keys][headDim]; the kernel reads tile (g, h) at vT (kTiles) + (g * numKvHeads +
-// h) * headDim * blockKv. Null vT: the fp32 path.
+// The K/V tile workspace the host prepares once per call (flash_attention_kernel.cpp), per (tile, kv head), tile
+// g of sequence b being tileBase[b] + j; the kernel reads tile (g, h) at + (g * numKvHeads + h) * headDim * blockKv.
+// * bf16 GEMM path: each tile's V transposed, V^T [headDim][blockKv] (vT), and its K rows copied together,
+//   [keys][headDim] (kTiles).
+// * fp32 path (every other dtype and table): the tile's K and V rows copied together and widened to fp32,
+//   [keys][headDim] each (kF, vF), so no unit copies or widens a tile again.
 struct FlashAttentionVT {
   const uint16_t* vT = nullptr;
   const int64_t* tileBase = nullptr;
-  const uint16_t* kTiles = nullptr;  // each tile's K rows at the same offsets, [keys][headDim]
+  const uint16_t* kTiles = nullptr;
+  const float* kF = nullptr;
+  const float* vF = nullptr;
 };
 
 // Elements before the V^T of tile g (tileBase[b] + j), kv head h in the workspace.
