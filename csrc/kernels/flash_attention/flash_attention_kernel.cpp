@@ -81,8 +81,8 @@ class KernelFlashAttention {
     int64_t seqStart = cu_[u.seq], seqLen = cu_[u.seq + 1] - seqStart;
     rows_ = u.qLen * t_->groupSplit;
     firstHead_ = u.kvHead * t_->groupSize + u.headOffset;
-    CopyInQ(seqStart + u.qStart);
-    if (!dp_) ComputeQ();
+    if (dp_) CopyInQ(seqStart + u.qStart);
+    else ComputeQ(seqStart + u.qStart);
     if constexpr (std::is_same<T, bfloat16_t>::value)
       if (qPacked_)
         Simd().pack_bf16_pairs(qT_.Get<uint16_t>().GetPhyAddr(), StorageBits(io_.Get<T>().GetPhyAddr()),
@@ -111,11 +111,12 @@ class KernelFlashAttention {
       Softmax(nk);
       PV(vt_.vF + tile, nk);
     }
-    CopyOut(seqStart + u.qStart, u.qLen);
+    CopyOut(seqStart + u.qStart);
   }
 
   // The unit's Q rows, position-major (row m = position m / gs, head m % gs),
-  // into io; each row is D contiguous elements at its token and head stride.
+  // into io (the bf16 GEMM path packs them from there); each row is D
+  // contiguous elements at its token and head stride.
   void CopyInQ(int64_t token0) {
     LocalTensor<T> io = io_.Get<T>();
     int64_t gs = t_->groupSplit, elt = sizeof(T), ld = t_->ubRowElems;
@@ -124,23 +125,24 @@ class KernelFlashAttention {
       DataCopyPad(io[pos * gs * ld], qGm_[(token0 + pos) * st_.qToken + firstHead_ * st_.qHead], p);
   }
 
-  // qT[d][m] = scale * q[m][d] in fp32; acc is free until the first P.V, so the
-  // widened rows pass through it on their way to the transpose.
-  void ComputeQ() {
-    int64_t d = t_->headDim, ld = t_->ubRowElems;
-    LocalTensor<T> io = io_.Get<T>();
-    LocalTensor<float> tmp = acc_.Get<float>();
+  // qT[d][m] = scale * q[m][d] in fp32, the rows (as CopyInQ orders them) read
+  // where they lie; acc is free until the first P.V, so the widened rows pass
+  // through it on their way to the transpose.
+  void ComputeQ(int64_t token0) {
+    const int64_t d = t_->headDim, gs = t_->groupSplit;
+    float* tmp = acc_.Get<float>().GetPhyAddr();
     float* qt = qT_.Get<float>().GetPhyAddr();
     for (int64_t m = 0; m < rows_; ++m) {
-      LocalTensor<float> row = tmp[m * d];
+      const T* q = qGm_.GetPhyAddr((token0 + m / gs) * st_.qToken + (firstHead_ + m % gs) * st_.qHead);
+      float* row = tmp + m * d;
       if constexpr (std::is_same<T, float>::value) {
-        Muls(row, io[m * ld], t_->scale, d);
+        Simd().muls(row, q, t_->scale, d);
       } else {
-        Cast(row, io[m * ld], RoundMode::CAST_NONE, d);
-        Muls(row, row, t_->scale, d);
+        CastRaw<float, T>(row, q, d);
+        Simd().muls(row, row, t_->scale, d);
       }
     }
-    const float* src = tmp.GetPhyAddr();
+    const float* src = tmp;
     for (int64_t m = 0; m < rows_; ++m)
       for (int64_t i = 0; i < d; ++i) qt[i * rows_ + m] = src[m * d + i];
   }
@@ -286,10 +288,9 @@ class KernelFlashAttention {
                                true);
   }
 
-  void CopyOut(int64_t token0, int64_t qLen) {
-    int64_t d = t_->headDim, ld = t_->ubRowElems, gs = t_->groupSplit, elt = sizeof(T);
+  void CopyOut(int64_t token0) {
+    const int64_t d = t_->headDim, gs = t_->groupSplit;
     LocalTensor<float> acc = acc_.Get<float>(), l = stats_.Get<float>()[4 * rows_];
-    LocalTensor<T> io = io_.Get<T>();
     if (dp_) {  // acc^T / l, transposed back to rows and rounded in one pass, straight to the output
       if constexpr (std::is_same<T, bfloat16_t>::value) {
         LocalTensor<float> inv = stats_.Get<float>()[rows_];
@@ -299,13 +300,17 @@ class KernelFlashAttention {
       }
       return;
     }
+    // acc / l, rounded straight into the output rows (row r: position r / gs, head r % gs).
     for (int64_t r = 0; r < rows_; ++r) {
-      Muls(acc[r * d], acc[r * d], 1.0f / l(r), d);
-      Cast(io[r * ld], acc[r * d], RoundMode::CAST_RINT, d);
+      T* out = outGm_.GetPhyAddr(((token0 + r / gs) * t_->numHeads + firstHead_ + r % gs) * d);
+      float* a = acc.GetPhyAddr(r * d);
+      if constexpr (std::is_same<T, float>::value) {
+        Simd().muls(out, a, 1.0f / l(r), d);
+      } else {
+        Simd().muls(a, a, 1.0f / l(r), d);
+        CastRaw<T, float>(out, a, d);
+      }
     }
-    DataCopyParams p{gs, d * elt, 0, 0};
-    for (int64_t pos = 0; pos < qLen; ++pos)
-      DataCopyPad(outGm_[((token0 + pos) * t_->numHeads + firstHead_) * d], io[pos * gs * ld], p);
   }
 
   const FlashAttentionTilingData* t_ = nullptr;
