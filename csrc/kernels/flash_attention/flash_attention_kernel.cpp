@@ -2,12 +2,12 @@
 //
 // A unit is `rows` = positions x heads query rows of one sequence that share
 // one kv head. The host first copies every K/V tile's rows together, widened
-// to fp32, once per call for all units (PrepareKVTiles, a GM workspace): a
+// to fp32, once per call for all units (PrepareKVTilesF32, a GM workspace): a
 // unit reads its tiles from there as the cube reads L1, never copying one.
 // Per unit:
-//   CopyInQ    Q rows -> UB, scaled by `scale` in fp32 and stored transposed
-//              (qT [D][rows]): the cube's B operand, loaded once with its
-//              transpose as LoadData does into L0B, then reused by every K tile.
+//   ComputeQ   Q rows, read where they lie, scaled by `scale` in fp32 and stored
+//              transposed (qT [D][rows]): the cube's B operand, loaded once with
+//              its transpose as LoadData does into L0B, then reused by every K tile.
 //   per K/V tile of blockKv keys (tiles nobody in the unit can see are skipped):
 //     Scores     S^T [keys][rows] = K . Q^T          (Mmad, K as the A operand)
 //     Softmax    masked entries = -inf; running max m, sum l in fp32:
@@ -15,7 +15,7 @@
 //                Keys run down S^T's rows and query rows along them, so every
 //                reduction over keys is a vertical SIMD op over `rows` lanes.
 //     PV         acc = acc e^(m-m') + P . V           (Mmad TN: P^T as stored)
-//   CopyOut    out = acc / l, cast to T.
+//   CopyOut    out = acc / l, cast to T straight into the output rows.
 // Only the tiles are ever in memory: UB use is O(rows x (D + blockKv)).
 //
 // bf16 where the SIMD table has the AVX512-BF16 entries (tiling dpBf16; vdpbf16ps, on AMX tables the same
@@ -65,9 +65,11 @@ class KernelFlashAttention {
     qPacked_ = dp_ && AlignUp(rows, 16) * AlignUp(d, 2) * 2 <= rows * d * int64_t(sizeof(float));
     pipe_.InitBuffer(qT_, rows * d * sizeof(float));
     pipe_.InitBuffer(acc_, rows * d * sizeof(float));
-    pipe_.InitBuffer(io_, rows * ld * sizeof(T));
     pipe_.InitBuffer(s_, bk * rows * sizeof(float));
-    if (dp_) pipe_.InitBuffer(pPacked_, FlashAttentionPackedPBytes(rows, bk));
+    if (dp_) {
+      pipe_.InitBuffer(io_, rows * ld * sizeof(T));
+      pipe_.InitBuffer(pPacked_, FlashAttentionPackedPBytes(rows, bk));
+    }
     pipe_.InitBuffer(stats_, 6 * rows * sizeof(float));
   }
 

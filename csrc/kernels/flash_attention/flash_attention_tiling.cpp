@@ -49,9 +49,8 @@ int64_t UbBytes(int64_t rows, int64_t headDim, int64_t blockKv, int64_t elt, boo
     b += UbSlot(6 * rows * 4);                              // row statistics
     return b;
   }
-  // K and V are read from the host's fp32 tiles, never copied into UB
+  // K and V are read from the host's fp32 tiles, Q and the output where they lie: none is staged in UB
   b += 2 * UbSlot(rows * headDim * 4);  // qT (scaled Q, transposed) and acc (fp32 output)
-  b += UbSlot(rows * ld * elt);         // io: Q block as copied in, later the output block
   b += UbSlot(blockKv * rows * 4);      // S^T / P^T tile
   b += UbSlot(6 * rows * 4);            // row statistics: max, new max, safe max, alpha, sum, tile sum
   return b;
@@ -103,7 +102,7 @@ FlashAttentionTilingData FlashAttentionTiling(const int32_t* cuSeqlens, int64_t 
 
   // Heads per unit: the whole group, so each K/V tile is loaded once for all
   // of its query heads; a smaller divisor only when one position of the whole
-  // group does not fit the UB (e.g. MQA with 64 heads of 256 on 192 KiB).
+  // group does not fit the UB (e.g. MQA with 128 heads of 256 in fp32 on 192 KiB).
   int64_t gs = t.groupSize;
   while (gs > 1 && UbBytes(gs, headDim, t.blockKv, elt, dp) > soc.ub_size) {
     int64_t d = gs - 1;
