@@ -328,15 +328,6 @@ class KernelFlashAttention {
   GlobalTensor<T> outGm_, qGm_;
 };
 
-template <typename T>
-void RunFlashAttention(GM_ADDR out, GM_ADDR q, const int32_t* cu,
-                       const FlashAttentionStrides& strides, const FlashAttentionTilingData& t,
-                       const FlashAttentionVT& vt) {
-  KernelFlashAttention<T> op;
-  op.Init(out, q, cu, strides, t, vt);
-  op.Process();
-}
-
 // Calls tile(offset, k row 0, v row 0, keys) for the K/V workspace's items (tile, kv head), split evenly over the
 // blocks; offset: the item's elements before it in the workspace (FlashAttentionVTOffset).
 template <typename T, typename F>
@@ -374,19 +365,55 @@ template <typename T>
 void PrepareKVTilesF32(float* kF, float* vF, const int64_t* tileBase, const T* k, const T* v, const int32_t* cu,
                        int64_t batch, const FlashAttentionStrides& st, const FlashAttentionTilingData& t) {
   const int64_t d = t.headDim;
-  auto widen = [d](float* dst, const T* src) {
-    if constexpr (std::is_same<T, float>::value)
-      std::memcpy(dst, src, size_t(d) * sizeof(float));
-    else if constexpr (std::is_same<T, half>::value)
-      Simd().f16_to_f32(dst, StorageBits(src), d);
-    else
-      Simd().bf16_to_f32(dst, StorageBits(src), d);
-  };
   ForKVTiles(tileBase, k, v, cu, batch, st, t, [&](int64_t off, const T* kSrc, const T* vSrc, int64_t nk) {
     for (int64_t r = 0; r < nk; ++r) {
-      widen(kF + off + r * d, kSrc + r * st.kToken);
-      widen(vF + off + r * d, vSrc + r * st.vToken);
+      CastRaw<float, T>(kF + off + r * d, kSrc + r * st.kToken, d);
+      CastRaw<float, T>(vF + off + r * d, vSrc + r * st.vToken, d);
     }
+  });
+}
+
+// One call in storage type T: its K/V tile workspace (buffers kept per calling thread: no page faults per
+// call), then the kernel.
+template <typename T>
+void LaunchFlashAttention(void* out, const void* q, const void* k, const void* v, const int32_t* cu, int64_t batch,
+                          const FlashAttentionStrides& st, const FlashAttentionTilingData& t, const SocInfo& soc) {
+  thread_local std::vector<int64_t> tileBase;
+  tileBase.assign(size_t(batch + 1), 0);
+  for (int64_t b = 0; b < batch; ++b) tileBase[b + 1] = tileBase[b] + CeilDiv(cu[b + 1] - cu[b], t.blockKv);
+  const size_t tileElems = size_t(tileBase[batch] * t.numKvHeads * t.headDim * t.blockKv);
+  // (the pointers taken here: inside the launched lambdas these thread_locals would name the workers' own)
+  FlashAttentionVT vt;
+  vt.tileBase = tileBase.data();
+  const auto* kT = static_cast<const T*>(k);
+  const auto* vTyped = static_cast<const T*>(v);
+  if (t.dpBf16) {
+    if constexpr (std::is_same<T, bfloat16_t>::value) {
+      thread_local std::vector<uint16_t> vTBuf, kBuf;
+      vTBuf.resize(tileElems);
+      kBuf.resize(tileElems);
+      uint16_t *vT = vTBuf.data(), *kTiles = kBuf.data();
+      KernelLaunch(t.blockDim, soc.ub_size, [&]() {
+        PrepareKVTilesDp(kTiles, vT, vt.tileBase, StorageBits(kT), StorageBits(vTyped), cu, batch, st, t);
+      });
+      vt.vT = vT;
+      vt.kTiles = kTiles;
+    }
+  } else {
+    thread_local std::vector<float> kFBuf, vFBuf;
+    kFBuf.resize(tileElems);
+    vFBuf.resize(tileElems);
+    float *kF = kFBuf.data(), *vF = vFBuf.data();
+    KernelLaunch(t.blockDim, soc.ub_size,
+                 [&]() { PrepareKVTilesF32(kF, vF, vt.tileBase, kT, vTyped, cu, batch, st, t); });
+    vt.kF = kF;
+    vt.vF = vF;
+  }
+  GM_ADDR outGm = reinterpret_cast<GM_ADDR>(out), qGm = reinterpret_cast<GM_ADDR>(const_cast<void*>(q));
+  KernelLaunch(t.blockDim, soc.ub_size, [&]() {
+    KernelFlashAttention<T> op;
+    op.Init(outGm, qGm, cu, st, t, vt);
+    op.Process();
   });
 }
 
@@ -399,58 +426,14 @@ void FlashAttention(void* out, const void* q, const void* k, const void* v, cons
   FlashAttentionTilingData t = FlashAttentionTiling(cuSeqlens, batch, numTokens, numHeads, numKvHeads, headDim, dtype,
                                                     scale, causal, window, soc);
   if (t.units.empty()) return;
-  // The K/V tile workspace first (kept per thread: no page faults per call).
-  thread_local std::vector<int64_t> tileBase;
-  tileBase.assign(size_t(batch + 1), 0);
-  for (int64_t b = 0; b < batch; ++b)
-    tileBase[b + 1] = tileBase[b] + CeilDiv(cuSeqlens[b + 1] - cuSeqlens[b], t.blockKv);
-  const size_t tileElems = size_t(tileBase[batch] * numKvHeads * headDim * t.blockKv);
-  // (the pointers taken here: inside the launched lambdas these thread_locals would name the workers' own)
-  FlashAttentionVT vt;
-  vt.tileBase = tileBase.data();
-  if (t.dpBf16) {
-    thread_local std::vector<uint16_t> vTBuf, kBuf;
-    vTBuf.resize(tileElems);
-    kBuf.resize(tileElems);
-    uint16_t *vT = vTBuf.data(), *kTiles = kBuf.data();
-    const auto* k16 = static_cast<const uint16_t*>(k);
-    const auto* v16 = static_cast<const uint16_t*>(v);
-    KernelLaunch(t.blockDim, soc.ub_size,
-                 [&]() { PrepareKVTilesDp(kTiles, vT, vt.tileBase, k16, v16, cuSeqlens, batch, strides, t); });
-    vt.vT = vT;
-    vt.kTiles = kTiles;
-  } else {
-    thread_local std::vector<float> kFBuf, vFBuf;
-    kFBuf.resize(tileElems);
-    vFBuf.resize(tileElems);
-    float *kF = kFBuf.data(), *vF = vFBuf.data();
-    auto prepare = [&](auto* typed) {
-      using T = std::remove_cv_t<std::remove_pointer_t<decltype(typed)>>;
-      KernelLaunch(t.blockDim, soc.ub_size, [&]() {
-        PrepareKVTilesF32(kF, vF, vt.tileBase, static_cast<const T*>(k), static_cast<const T*>(v), cuSeqlens, batch,
-                          strides, t);
-      });
-    };
-    switch (DataType(t.tilingKey)) {
-      case DataType::FLOAT32: prepare(static_cast<const float*>(nullptr)); break;
-      case DataType::FLOAT16: prepare(static_cast<const half*>(nullptr)); break;
-      case DataType::BFLOAT16: prepare(static_cast<const bfloat16_t*>(nullptr)); break;
-    }
-    vt.kF = kF;
-    vt.vF = vF;
+  switch (DataType(t.tilingKey)) {
+    case DataType::FLOAT32:
+      return LaunchFlashAttention<float>(out, q, k, v, cuSeqlens, batch, strides, t, soc);
+    case DataType::FLOAT16:
+      return LaunchFlashAttention<half>(out, q, k, v, cuSeqlens, batch, strides, t, soc);
+    case DataType::BFLOAT16:
+      return LaunchFlashAttention<bfloat16_t>(out, q, k, v, cuSeqlens, batch, strides, t, soc);
   }
-  auto gm = [](const void* p) { return reinterpret_cast<GM_ADDR>(const_cast<void*>(p)); };
-  auto kernel = [&]() {
-    switch (DataType(t.tilingKey)) {
-      case DataType::FLOAT32:
-        return RunFlashAttention<float>(gm(out), gm(q), cuSeqlens, strides, t, vt);
-      case DataType::FLOAT16:
-        return RunFlashAttention<half>(gm(out), gm(q), cuSeqlens, strides, t, vt);
-      case DataType::BFLOAT16:
-        return RunFlashAttention<bfloat16_t>(gm(out), gm(q), cuSeqlens, strides, t, vt);
-    }
-  };
-  KernelLaunch(t.blockDim, soc.ub_size, kernel);
 }
 
 }  // namespace atb
