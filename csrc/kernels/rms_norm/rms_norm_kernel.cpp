@@ -81,7 +81,7 @@ class KernelRmsNorm {
     inX_.FreeTensor(x);
     if (t_.hasResidual) {
       LocalTensor<T> r = inR_.DeQue<T>();
-      AddStorage(w, r, n);
+      AddStorage(w.GetPhyAddr(), r.GetPhyAddr(), n);
       inR_.FreeTensor(r);
       // The sum is rounded to T (as HF's `x + residual` in T is) before it is normalized.
       *hOut = outH_.AllocTensor<T>();
@@ -92,10 +92,7 @@ class KernelRmsNorm {
   }
 
   // w += float(r), in chunks through a small stack buffer (fp32 only needs Add).
-  void AddStorage(const LocalTensor<float>& w, const LocalTensor<T>& r, int64_t n) {
-    AddStorageRaw(w.GetPhyAddr(), r.GetPhyAddr(), n);
-  }
-  static void AddStorageRaw(float* w, const T* r, int64_t n) {
+  static void AddStorage(float* w, const T* r, int64_t n) {
     if constexpr (std::is_same<T, float>::value) {
       Simd().add(w, w, r, n);
     } else {
@@ -107,10 +104,6 @@ class KernelRmsNorm {
       }
     }
   }
-
-  // y = T(w * T(h * rstd)) over a run of columns already in fp32 (HF casts the normalized value back to T
-  // before the weight multiplies it).
-  void Normalize(float* h, const float* wt, T* y, int64_t n, float rstd) { RmsScaleOutRaw(y, h, wt, rstd, n); }
 
   // The whole rows [off, off + n) of this core's share, read where they lie into the fp32 work buffer (plus
   // the residual: their sum, rounded to T, written straight to residualOut and read back), normalized and
@@ -125,7 +118,7 @@ class KernelRmsNorm {
     CastRaw<float, T>(w, xGm_.GetPhyAddr(off), n);
     if (t_.hasResidual) {
       T* h = hGm_.GetPhyAddr(off);
-      AddStorageRaw(w, rGm_.GetPhyAddr(off), n);
+      AddStorage(w, rGm_.GetPhyAddr(off), n);
       CastRaw<T, float>(h, w, n);
       if (!std::is_same<T, float>::value) CastRaw<float, T>(w, h, n);
     }
@@ -133,7 +126,8 @@ class KernelRmsNorm {
     for (int64_t r = 0; r < rows; ++r) {
       float* row = w + r * cols;
       float rstd = 1.0f / std::sqrt(Simd().sum_squares(row, cols) / float(cols) + t_.eps);
-      Normalize(row, wt, yGm_.GetPhyAddr(off + r * cols), cols, rstd);
+      // y = T(w * T(row * rstd)): HF casts the normalized value back to T before the weight multiplies it.
+      RmsScaleOutRaw(yGm_.GetPhyAddr(off + r * cols), row, wt, rstd, cols);
     }
   }
 
@@ -169,7 +163,7 @@ class KernelRmsNorm {
       Cast(w, x, RoundMode::CAST_NONE, n);
       inX_.FreeTensor(x);
       LocalTensor<T> y = outY_.AllocTensor<T>();
-      Normalize(w.GetPhyAddr(), weight_.Get<float>().GetPhyAddr(), y.GetPhyAddr(), n, rstd);
+      RmsScaleOutRaw(y.GetPhyAddr(), w.GetPhyAddr(), weight_.Get<float>().GetPhyAddr(), rstd, n);
       outY_.EnQue(y);
       y = outY_.DeQue<T>();
       DataCopy(yGm_[base + c], y, n);
