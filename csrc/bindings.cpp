@@ -88,7 +88,10 @@ py::dict FlashAttentionTilingDict(const atb::FlashAttentionTilingData& t) {
 py::dict LinearTilingDict(const atb::LinearTilingData& t) {
   return Dict("block_dim", t.blockDim, "block_factor", t.blockFactor, "m_tile", t.mTile, "n_tile", t.nTile,
               "k_tile", t.kTile, "ub_bytes", t.ubBytes, "tiling_key", t.tilingKey, "dp_bf16",
-              t.dpBf16 == atb::kDpPacked ? "packed" : t.dpBf16 == atb::kDpRows ? "rows" : "none");
+              t.dpBf16 == atb::kDpPacked    ? "packed"
+              : t.dpBf16 == atb::kDpPackedX ? "packed_x"
+              : t.dpBf16 == atb::kDpRows    ? "rows"
+                                            : "none");
 }
 
 }  // namespace

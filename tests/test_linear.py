@@ -222,10 +222,16 @@ def test_gemm_bf16_every_isa(isa, m, k, n):
     b = torch.randn(n).bfloat16()
     y = atb.kernels.linear(x, ws[0], b)
     assert_close(y, linear_ref(x, ws[0], b), scale=_scale(k))
-    if dp:  # from 6 rows on one micro-kernel: the same sums whatever the rows around them
-        assert _C.linear_tiling(m, k, [n], 0, DTYPE_CODES[torch.bfloat16], atb.get_soc("host"))["tiling_key"] // 100 == 1
-        for lo, hi in [(0, 6), (m - 6, m)]:
-            assert torch.equal(atb.kernels.linear(x[lo:hi], ws[0], b), y[lo:hi])
+    if dp:  # from 6 rows on a dp micro-kernel (x packed in k pairs from 16 rows on, on AMX from 6): the same
+        # sums whatever the rows around them, for any rows that take the same one
+        kind = lambda rows: _C.linear_tiling(rows, k, [n], 0, DTYPE_CODES[torch.bfloat16],  # noqa: E731
+                                             atb.get_soc("host"))
+        assert kind(m)["tiling_key"] // 100 == 1
+        assert kind(m)["dp_bf16"] == ("packed_x" if m >= 16 or "amx" in isa else "rows")
+        for rows in (6, 16):
+            if rows <= m and kind(rows)["dp_bf16"] == kind(m)["dp_bf16"]:
+                for lo, hi in [(0, rows), (m - rows, m)]:
+                    assert torch.equal(atb.kernels.linear(x[lo:hi], ws[0], b), y[lo:hi])
     for out, w in zip(atb.kernels.linear_multi(x, ws, [b, None, b]), ws):
         assert torch.equal(out, atb.kernels.linear(x, w, b if w is not ws[1] else None))
     r = torch.randn(m, n).bfloat16()
@@ -269,6 +275,30 @@ def test_gemm_bf16_packed_every_isa(isa, m, k, n):
     outs = K.linear_multi(x, ws, [b, None, b])
     for out, w, bias in zip(outs, ws, [b, None, b]):
         assert torch.equal(out, K.linear(x, w, bias))
+
+
+@pytest.mark.parametrize("m,k,n", [(16, 576, 48), (16, 577, 50), (17, 64, 17), (33, 1, 16), (127, 95, 1),
+                                   (16, 1536, 97), (31, 2, 33)])
+def test_batch_decode_rows_have_the_prefill_bits(isa, m, k, n):
+    # On the vector dp tables batch decode (16 to 127 rows) runs mmad_dp_bf16_packed_x, whose every element is
+    # the chain the k-pair-packed prefill GEMM computes: a row decoded in a batch gets the bits a row-invariant
+    # (prefill) call gives it, whatever the batch. Odd K (the lone last pair), N off the 16-row weight block
+    # (its padded copy), M off the 16-row panel of x, every fused epilogue.
+    if not _has_dp(isa) or "amx" in isa:
+        pytest.skip("the vector unit's vdpbf16ps tables only (AMX sums its 32-k chunks its own way)")
+    assert _C.linear_tiling(m, k, [n], 0, DTYPE_CODES[torch.bfloat16], atb.get_soc("host"))["dp_bf16"] == "packed_x"
+    x = torch.randn(m, k).bfloat16()
+    ws = [torch.randn(n, k).bfloat16() for _ in range(3)]
+    b, r = torch.randn(n).bfloat16(), torch.randn(m, n).bfloat16()
+    K = atb.kernels
+    for name, op in {"linear": lambda **kw: K.linear(x, ws[0], b, **kw),
+                     "residual": lambda **kw: K.linear_residual(x, ws[1], r, b, **kw),
+                     "swiglu": lambda **kw: K.linear_swiglu(x, ws[1], ws[2], **kw)}.items():
+        assert torch.equal(op(), op(row_invariant=True)), name
+    assert_close(K.linear(x, ws[0], b), linear_ref(x, ws[0], b), scale=_scale(k))
+    qkv = K.linear_multi(x, ws, [b, None, b])
+    for out, w, bias in zip(qkv, ws, [b, None, b]):
+        assert torch.equal(out, K.linear(x, w, bias, row_invariant=True))
 
 
 def test_gemm_bf16_packed_splits_k_when_the_ub_is_small():

@@ -186,11 +186,14 @@ struct SimdOps {
   // miss buffers until DRAM answers, and L2 measured faster; on Zen 3 (AVX2) only L1 has been measured
   // (a gain over no prefetch), so the AVX2 and portable tables keep it.
   bool prefetch_to_l2;
-  // The few-row bf16 GEMM with x packed rather than the weights (AMX tables; null elsewhere), batch decode's:
+  // The few-row bf16 GEMM with x packed rather than the weights (AVX512-BF16 tables; null elsewhere), batch
+  // decode's:
   //   C[m][n] (+)= sum_k X[m][k] * W[n][k], Xp = pack_bf16_pairs(X, M, K) (X's rows as the panels), W's rows as
-  // they lie (ldw apart), all of K per call. The weights, read once per call, go straight to the tiles as A
-  // operands, 16 rows at a time; x's panels are the B operands and C comes out transposed. Each element: its
-  // 32-k chunks in order, one tdpbf16ps each (the tail zero-padded), so independent of M, N and the blocking.
+  // they lie (ldw apart), all of K per call. The weights are read where they lie, once per 16 rows of x, and C
+  // comes out transposed (a weight row's outputs for a panel of x in one accumulator). On the AMX tables the
+  // weight rows go straight to the tiles as A operands and x's panels are the B operands: each element its
+  // 32-k chunks in order, one tdpbf16ps each (the tail zero-padded). On the vector unit each element is
+  // mmad_dp_bf16_packed's chain (its bits). Either way independent of M, N and the blocking.
   void (*mmad_dp_bf16_packed_x)(float* C, int64_t ldc, const uint16_t* Xp, const uint16_t* W, int64_t ldw,
                                 int64_t M, int64_t N, int64_t K, bool accumulate);
   // (See transpose_b16.) The online softmax's exp pass fused with P^T's packing: from the score tile S [K][N]
@@ -210,6 +213,8 @@ struct SimdOps {
   // Flash attention's rescale of acc^T by the rows' alpha: C[i][j] *= v[j], i < M, j < N (rows ldc apart).
   // 16-column blocks whose v are all exactly 1 are skipped (x * 1 is x: the same bits).
   void (*mul_cols)(float* C, int64_t ldc, const float* v, int64_t M, int64_t N);
+  // Whether mmad_dp_bf16_packed(_x) run on AMX tiles (their own sums; tilings that weigh the tiles' speed).
+  bool amx_tiles;
 };
 
 // The active table (selected on first use; never null).

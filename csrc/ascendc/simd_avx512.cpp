@@ -1202,6 +1202,109 @@ void MmadDpBf16Packed(float* C, int64_t ldc, const uint16_t* A, int64_t lda, con
   }
 }
 
+// ---- bf16 dot-product GEMM over k-pair-packed x (batch decode) --------------------------------------------
+// mmad_dp_bf16_packed_x (contract: simd.h) on the vector unit, mmad_dp_bf16_packed with the roles swapped: an
+// accumulator holds one weight row's outputs for a panel of 16 rows of x (a column of C), so per k pair one
+// load of x's panel feeds 16 weight rows, each row's pair a 32-bit broadcast folded into its vdpbf16ps. The
+// weights are read where they lie, once per panel, with no horizontal sum (mmad_nt_dp_bf16 sums 16 lanes per
+// output and reloads x for every 3 weight rows). Every element is the chain mmad_dp_bf16_packed computes:
+// the exact pair products over the k pairs in order with vdpbf16ps' flushes, so a batch decode row gets the
+// bits the prefill GEMM gives it.
+constexpr int kXPanelRows = 16;   // rows of x per panel (pack_bf16_pairs), one accumulator's lanes
+constexpr int kWBlockRows = 16;   // weight rows per block: 16 accumulators, C's columns by one 16 x 16 transpose
+
+// c += x . (the 32-bit pair at p, broadcast): on the native table one vdpbf16ps with the broadcast folded in
+// as its memory operand (the intrinsics' form takes a vpbroadcastd per pair, one more micro-op per 32
+// multiply-adds on the vector pipes).
+inline void DpPair(V& c, __m512bh x, const char* p) {
+#if defined(ATB_AVX512_NATIVE)
+  asm("vdpbf16ps %1%{1to16%}, %2, %0" : "+v"(c) : "m"(*reinterpret_cast<const int32_t*>(p)), "v"(x));
+#else
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  c = _mm512_dpbf16_ps(c, AsBh(_mm512_set1_epi32(v)), x);
+#endif
+}
+
+// C[r][c] (+)= x row r . W row c for r < rows (<= 16, one panel at Xp) and c < cols (<= 16, W rows ldw apart;
+// the caller pads a short block, so 16 rows are always there to read).
+// Row i of the block is read through one of four pointers (rows 0, 5, 8, 13) plus the row stride L or 3L
+// scaled by 1, 2 or 4: one addressing mode per load, where 16 row pointers spilled to the stack.
+__attribute__((noinline)) void BlockDpPackedX(float* C, int64_t ldc, const uint16_t* Xp, const uint16_t* W,
+                                              int64_t ldw, int64_t rows, int64_t cols, int64_t K, bool acc) {
+  const __mmask16 colMask = Tail(cols);
+  __m512i r[16], t[16];
+  if (acc) {  // the chain goes on from C: its columns in
+#pragma GCC unroll 16
+    for (int m = 0; m < 16; ++m)
+      r[m] = m < rows ? _mm512_castps_si512(MaskLoad(colMask, C + m * ldc)) : _mm512_setzero_si512();
+    Transpose16x16(r, t);
+  } else {
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) t[i] = _mm512_setzero_si512();
+  }
+  // Sixteen named accumulators: as an array under the inline asm they went to the stack every pair.
+  V c0 = _mm512_castsi512_ps(t[0]), c1 = _mm512_castsi512_ps(t[1]), c2 = _mm512_castsi512_ps(t[2]),
+    c3 = _mm512_castsi512_ps(t[3]), c4 = _mm512_castsi512_ps(t[4]), c5 = _mm512_castsi512_ps(t[5]),
+    c6 = _mm512_castsi512_ps(t[6]), c7 = _mm512_castsi512_ps(t[7]), c8 = _mm512_castsi512_ps(t[8]),
+    c9 = _mm512_castsi512_ps(t[9]), c10 = _mm512_castsi512_ps(t[10]), c11 = _mm512_castsi512_ps(t[11]),
+    c12 = _mm512_castsi512_ps(t[12]), c13 = _mm512_castsi512_ps(t[13]), c14 = _mm512_castsi512_ps(t[14]),
+    c15 = _mm512_castsi512_ps(t[15]);
+  const int64_t L = ldw * 2, L3 = 3 * L;
+  const char* p0 = reinterpret_cast<const char*>(W);
+  const char *p5 = p0 + 5 * L, *p8 = p0 + 8 * L, *p13 = p0 + 13 * L;
+  // The weights stream from DRAM in rows too short for the hardware prefetcher to ramp up (as in
+  // mmad_nt_dp_bf16): the next block's rows into L2, one cache line of one row per pair (16 pairs per line,
+  // so each row's next line once per 16 pairs). Past the tile's last row they are the next tile's rows; a
+  // prefetch never faults.
+  const char* ahead = reinterpret_cast<const char*>(W + kWBlockRows * ldw);
+  const int64_t pairs = K / 2;
+  for (int64_t j = 0; j < pairs; ++j) {
+    _mm_prefetch(ahead + (j & 15) * L + (j & ~int64_t(15)) * 4, _MM_HINT_T1);
+    const __m512bh x = LoadBh(Xp + j * 32);
+    DpPair(c0, x, p0), DpPair(c1, x, p0 + L), DpPair(c2, x, p0 + 2 * L), DpPair(c3, x, p0 + L3);
+    DpPair(c4, x, p0 + 4 * L), DpPair(c5, x, p5), DpPair(c6, x, p0 + 2 * L3), DpPair(c7, x, p5 + 2 * L);
+    DpPair(c8, x, p8), DpPair(c9, x, p8 + L), DpPair(c10, x, p8 + 2 * L), DpPair(c11, x, p8 + L3);
+    DpPair(c12, x, p8 + 4 * L), DpPair(c13, x, p13), DpPair(c14, x, p8 + 2 * L3), DpPair(c15, x, p13 + 2 * L);
+    p0 += 4, p5 += 4, p8 += 4, p13 += 4;
+  }
+  V c[16] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15};
+  if (K % 2) {  // an odd K's last pair is its lone value (x's packing holds a zero for the missing partner)
+    const __m512bh x = LoadBh(Xp + pairs * 32);
+#pragma GCC unroll 16
+    for (int i = 0; i < kWBlockRows; ++i)
+      c[i] = _mm512_dpbf16_ps(c[i], AsBh(_mm512_set1_epi32(int32_t(W[i * ldw + K - 1]))), x);
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(c[i]);
+  Transpose16x16(r, t);
+#pragma GCC unroll 16
+  for (int m = 0; m < 16; ++m)
+    if (m < rows) MaskStore(C + m * ldc, colMask, _mm512_castsi512_ps(t[m]));
+}
+
+void MmadDpBf16PackedX(float* C, int64_t ldc, const uint16_t* Xp, const uint16_t* W, int64_t ldw, int64_t M,
+                       int64_t N, int64_t K, bool acc) {
+  const int64_t panelStride = 32 * ((K + 1) / 2);
+  const int64_t whole = N - N % kWBlockRows;
+  // A short last block runs on a copy of its rows padded with zero rows (an uncommon shape: N a multiple of
+  // 16 never takes it), so the block kernel reads 16 rows at a fixed stride.
+  thread_local std::vector<uint16_t> pad;
+  if (whole < N) {
+    pad.assign(size_t(kWBlockRows * K), 0);
+    for (int64_t n = whole; n < N; ++n) std::memcpy(pad.data() + (n - whole) * K, W + n * ldw, size_t(K) * 2);
+  }
+  // Per panel of x, every block of weight rows: the caller's tile of weights (a few dozen rows) stays in L2
+  // for the next panel.
+  for (int64_t m = 0; m < M; m += kXPanelRows) {
+    const int64_t rows = std::min<int64_t>(kXPanelRows, M - m);
+    const uint16_t* xp = Xp + (m / kXPanelRows) * panelStride;
+    for (int64_t n = 0; n < whole; n += kWBlockRows)
+      BlockDpPackedX(C + m * ldc + n, ldc, xp, W + n * ldw, ldw, rows, kWBlockRows, K, acc);
+    if (whole < N) BlockDpPackedX(C + m * ldc + whole, ldc, xp, pad.data(), K, rows, N - whole, K, acc);
+  }
+}
+
 // 2^t for exp_pack_pairs_bf16, t <= 128: n = t rounded to nearest even by the 1.5 * 2^23 shifter (add, then
 // sub: n's bits are then j's low mantissa bits, so 2^n is one integer add and shift away), f = t - n in
 // [-1/2, 1/2], 2^f by kExp2Deg5. t is clamped at -127, where 2^n is the zero bit pattern: a masked score
@@ -1412,6 +1515,7 @@ const SimdOps* WithBf16() {
     t.exp_pack_pairs_bf16 = ExpPackPairsBf16;
     t.store_t_scaled_bf16 = StoreTScaledBf16;
     t.mul_cols = MulCols;
+    t.mmad_dp_bf16_packed_x = MmadDpBf16PackedX;
     return t;
   }();
   return &table;
@@ -1424,6 +1528,7 @@ const SimdOps* WithAmx() {
     t.isa = ATB_AVX512_AMX_NAME;
     t.mmad_dp_bf16_packed = MmadAmxBf16Packed;
     t.mmad_dp_bf16_packed_x = MmadAmxBf16PackedX;
+    t.amx_tiles = true;
     return t;
   }();
   return &table;

@@ -53,7 +53,7 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
  private:
   void ProcessUnit(const GemmUnit& u) {
     if (dp_ == kDpPacked) return Gemm::ProcessDpPackedUnit(u);
-    if (dp_ == kDpRows) return ProcessUnitDp(u);
+    if (dp_ == kDpRows || dp_ == kDpPackedX) return ProcessUnitDp(u);
     Gemm::ProcessPackedUnit(u);
   }
 
@@ -76,7 +76,7 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
     }
   }
 
-  // dp on a table with mmad_dp_bf16_packed_x (AMX): the pass's rows of x in k pairs (packed once per call,
+  // kDpPackedX (mmad_dp_bf16_packed_x): the pass's rows of x in k pairs (packed once per call,
   // LinearGemm), every stream's weight rows read once into all of the pass's sums, then the epilogue per
   // mTile rows. A pass that starts inside a 16-row panel (only under a UB small enough to shrink mTile below
   // 16) packs its own rows first.
@@ -171,7 +171,7 @@ void LinearGemm(const void* x, const LinearSegment* segs, const void* residual, 
                 const SocInfo& soc) {
   const float* xPacked = t.dpBf16 != kDpNone ? nullptr : PackedX(x, t.m, t.k, DataType(t.tilingKey / 10 % 10), soc);
   const uint16_t* xPairs =
-      t.dpBf16 == kDpRows && Simd().mmad_dp_bf16_packed_x ? PackedPairsX(x, t.m, t.k) : nullptr;
+      t.dpBf16 == kDpPackedX ? PackedPairsX(x, t.m, t.k) : nullptr;
   LaunchLinearKernel<KernelLinearGemm>(t, soc, GmAddr(x), xPacked, xPairs, segs, GmAddr(residual), t);
 }
 

@@ -160,6 +160,9 @@ LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int6
   // The dot-product micro-kernel is the running CPU's (the SIMD table in use), whatever SoC is modelled.
   bool dp = dtype == AscendC::DataType::BFLOAT16 && AscendC::Simd().mmad_nt_dp_bf16 != nullptr;
   int64_t dpMode = !dp ? kDpNone : (rowInvariant || m >= kLinearDpPackedMinRows) ? kDpPacked : kDpRows;
+  const auto& simd = AscendC::Simd();
+  if (dpMode == kDpRows && simd.mmad_dp_bf16_packed_x && (simd.amx_tiles || m >= kLinearDpPackedXMinRows))
+    dpMode = kDpPackedX;
   if (rowInvariant || m >= kLinearGemmMinRows || (dp && m >= kLinearDpMinRows)) {
     GemmTiling(t, elt, ep, soc, dpMode);
     t.tilingKey = LINEAR_GEMM * 100 + int64_t(dtype) * 10 + ep;

@@ -56,8 +56,16 @@ constexpr int64_t kLinearDpMinRows = 6;
 // 2201 -> 2131, 2048 68107 -> 58454 (the LM head, 49152 x 576 from DRAM: M = 16 3107 -> 7655, 96 27454 ->
 // 29328); one core, hot, 144 x 64 x 576: 167 -> 226 GFLOP/s, vdpbf16ps's peak ~218.
 constexpr int64_t kLinearDpPackedMinRows = 128;
+// Between kLinearDpMinRows and kLinearDpPackedMinRows rows, where the table has mmad_dp_bf16_packed_x, the dp
+// GEMM packs x in k pairs instead (kDpPackedX: one load of 16 rows of x per k pair for 16 weight rows, no
+// horizontal sums): on AMX tables from kLinearDpMinRows rows on, on the vector unit from this many (it fills
+// its accumulators' 16 lanes with rows of x, so fewer rows leave lanes idle). Zen 4, 2 threads, SmolLM2 bf16,
+// 30 layers' gate+up and down+residual, alternating processes, ms, rows -> packed x: M = 8 4.6 -> 6.8 (hot),
+// 12 6.9 -> 7.3 (hot), 32 16.1 -> 14.6 (cold), 64 29.5 -> 27.2 (cold); the engine's batch-16 decode graph
+// (per-node profile), ms per step: mlp 7.6-7.9 -> 7.0-7.3, lm_head 2.6 -> 2.4-2.5.
+constexpr int64_t kLinearDpPackedXMinRows = 16;
 enum LinearMode : int64_t { LINEAR_STREAM = 0, LINEAR_GEMM = 1 };
-enum LinearDpKind : int64_t { kDpNone = 0, kDpRows = 1, kDpPacked = 2 };
+enum LinearDpKind : int64_t { kDpNone = 0, kDpRows = 1, kDpPacked = 2, kDpPackedX = 3 };
 
 struct LinearSegment {
   const void* weight = nullptr;  // [n, K]
@@ -82,8 +90,9 @@ struct LinearTilingData {
   int64_t nTiles = 0;       // row tiles over all segments (each inside one segment)
   int64_t mPasses = 0;
   int64_t dpBf16 = 0;       // kDpRows: bf16 x and W feed mmad_nt_dp_bf16 as they lie, all of K per call (no
-                            // packed weight tile, kTile = K); kDpPacked: weight tiles k-pair-packed (bf16) for
-                            // mmad_dp_bf16_packed; 0: weight tiles packed to fp32 for MmadNN
+                            // packed weight tile, kTile = K); kDpPackedX: the same tiles, x k-pair-packed once
+                            // per call for mmad_dp_bf16_packed_x; kDpPacked: weight tiles k-pair-packed (bf16)
+                            // for mmad_dp_bf16_packed; 0: weight tiles packed to fp32 for MmadNN
   int64_t ubBytes = 0;
   int64_t tilingKey = 0;     // mode * 100 + dtype * 10 + epilogue
 };

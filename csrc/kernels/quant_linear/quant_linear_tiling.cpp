@@ -111,7 +111,7 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
   // bf16 x on a table with vdpbf16ps: the k-pair-packed dp GEMM (the running CPU's, whatever SoC is modelled),
   // from kQuantDpMinRowsW4 / W8 rows on (see there).
   bool dp = bf16 && AscendC::Simd().pack_q4_pairs_dequant != nullptr;
-  const bool amx = AscendC::Simd().mmad_dp_bf16_packed_x != nullptr;  // the AMX tables
+  const bool amx = AscendC::Simd().amx_tiles;
   int64_t dpMin = kQuantDpMinRowsW4;
   for (int64_t s = 0; s < numSegments; ++s)
     if (segs[s].bits == 8) dpMin = amx ? kQuantDpMinRowsW8Amx : kQuantDpMinRowsW8;
