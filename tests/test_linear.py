@@ -94,8 +94,8 @@ def test_every_soc_gives_the_same_bits(soc):
 
 def test_tiling_splits_rows_and_k():
     soc = atb.get_soc("Ascend910B4")  # 20 cube cores, 192 KiB UB
-    t = _C.linear_tiling(16, 4096, [4096], 0, DTYPE_CODES[torch.float32], soc)
-    assert t["block_dim"] == 20 and t["block_factor"] % 4 == 0
+    t = _C.linear_tiling(15, 4096, [4096], 0, DTYPE_CODES[torch.float32], soc)  # the STREAM kernel's split
+    assert t["tiling_key"] // 100 == 0 and t["block_dim"] == 20 and t["block_factor"] % 4 == 0
     assert (t["block_dim"] - 1) * t["block_factor"] < 4096 <= t["block_dim"] * t["block_factor"]
     assert t["k_tile"] < 4096 and t["k_tile"] % 64 == 0 and t["ub_bytes"] <= soc.ub_size
     t = _C.linear_tiling(1, 576, [576, 192, 192], 0, 0, soc)  # fused qkv: rows of all three segments split
@@ -277,19 +277,26 @@ def test_gemm_bf16_packed_every_isa(isa, m, k, n):
         assert torch.equal(out, K.linear(x, w, bias))
 
 
-@pytest.mark.parametrize("m,k,n", [(16, 576, 48), (16, 577, 50), (17, 64, 17), (33, 1, 16), (127, 95, 1),
-                                   (16, 1536, 97), (31, 2, 33)])
-def test_batch_decode_rows_have_the_prefill_bits(isa, m, k, n):
-    # On the vector dp tables batch decode (16 to 127 rows) runs mmad_dp_bf16_packed_x, whose every element is
-    # the chain the k-pair-packed prefill GEMM computes: a row decoded in a batch gets the bits a row-invariant
-    # (prefill) call gives it, whatever the batch. Odd K (the lone last pair), N off the 16-row weight block
-    # (its padded copy), M off the 16-row panel of x, every fused epilogue.
-    if not _has_dp(isa) or "amx" in isa:
-        pytest.skip("the vector unit's vdpbf16ps tables only (AMX sums its 32-k chunks its own way)")
-    assert _C.linear_tiling(m, k, [n], 0, DTYPE_CODES[torch.bfloat16], atb.get_soc("host"))["dp_bf16"] == "packed_x"
-    x = torch.randn(m, k).bfloat16()
-    ws = [torch.randn(n, k).bfloat16() for _ in range(3)]
-    b, r = torch.randn(n).bfloat16(), torch.randn(m, n).bfloat16()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,k,n", [(16, 576, 48), (16, 577, 50), (17, 64, 17), (31, 1, 16), (16, 1536, 97),
+                                   (31, 2, 33), (127, 95, 1), (33, 3, 16)])
+def test_batch_decode_rows_have_the_prefill_bits(isa, dtype, m, k, n):
+    # Batch decode on x packed in panels of 16 rows (bf16 from 16 to 127 rows on the vector dp tables:
+    # mmad_dp_bf16_packed_x; fp32 from 16 to 31 rows on every AVX-512 table: mmad_packed_x_f32): every element
+    # is the chain the prefill GEMM computes (bf16: the k-pair-packed kernel; fp32: MmadTN's fma chain), so a
+    # row decoded in a batch gets the bits a row-invariant (prefill) call gives it. Odd K (bf16: the lone last
+    # pair), N off the 16-row weight block (its padded copy), M off the 16-row panel, every fused epilogue.
+    if dtype == torch.bfloat16 and (not _has_dp(isa) or "amx" in isa):
+        pytest.skip("bf16: the vector unit's vdpbf16ps tables only (AMX sums its 32-k chunks its own way)")
+    if dtype == torch.float32 and not isa.startswith("avx512"):
+        pytest.skip("fp32: the AVX-512 tables")
+    packed_x = dtype == torch.bfloat16 or m < 32
+    if not packed_x:
+        pytest.skip("fp32 from 32 rows on is the GEMM kernel itself")
+    assert _C.linear_tiling(m, k, [n], 0, DTYPE_CODES[dtype], atb.get_soc("host"))["dp_bf16"] == "packed_x"
+    x = torch.randn(m, k).to(dtype)
+    ws = [torch.randn(n, k).to(dtype) for _ in range(3)]
+    b, r = torch.randn(n).to(dtype), torch.randn(m, n).to(dtype)
     K = atb.kernels
     for name, op in {"linear": lambda **kw: K.linear(x, ws[0], b, **kw),
                      "residual": lambda **kw: K.linear_residual(x, ws[1], r, b, **kw),
@@ -299,6 +306,8 @@ def test_batch_decode_rows_have_the_prefill_bits(isa, m, k, n):
     qkv = K.linear_multi(x, ws, [b, None, b])
     for out, w, bias in zip(qkv, ws, [b, None, b]):
         assert torch.equal(out, K.linear(x, w, bias, row_invariant=True))
+    if m > 16:  # a row's bits do not depend on the rows around it
+        assert torch.equal(K.linear(x[m - 16:], ws[0], b), K.linear(x, ws[0], b)[m - 16:])
 
 
 def test_gemm_bf16_packed_splits_k_when_the_ub_is_small():

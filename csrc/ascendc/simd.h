@@ -215,6 +215,13 @@ struct SimdOps {
   void (*mul_cols)(float* C, int64_t ldc, const float* v, int64_t M, int64_t N);
   // Whether mmad_dp_bf16_packed(_x) run on AMX tiles (their own sums; tilings that weigh the tiles' speed).
   bool amx_tiles;
+  // The fp32 GEMM with x packed (AVX-512 tables; null elsewhere), batch decode's from 16 rows on:
+  //   C[m][n] (+)= sum_k X[m][k] * W[n][k], Xt = X in panels of 16 rows, k-major (panel p at Xt + p * 16 * K,
+  // Xt[p][k][r] = X[16p + r][k], rows past M zero), W's rows as they lie (ldw apart), all of K per call. Each
+  // element one fma chain over k in order (the fp32 GEMM kernel's MmadTN chain: its bits), C out transposed
+  // per 16 x 16 block as in mmad_dp_bf16_packed_x.
+  void (*mmad_packed_x_f32)(float* C, int64_t ldc, const float* Xt, const float* W, int64_t ldw, int64_t M,
+                            int64_t N, int64_t K, bool accumulate);
 };
 
 // The active table (selected on first use; never null).

@@ -856,6 +856,175 @@ void SumLanes8(float* d, const float* l, int64_t n) {
 
 #include "simd_transpose8.h"  // TransposeWiden
 
+// t = r transposed as 16 x 16 32-bit elements (r is clobbered). The result goes to its own array, and the
+// callers store whole tiles with constant indices: a copy back into r, or a store loop over a runtime count,
+// kept the 16 registers on the stack (a 1 KiB rep movsq per tile: a fifth of pack_q4_pairs_dequant's time).
+inline void Transpose16x16(__m512i r[16], __m512i t[16]) {
+#pragma GCC unroll 8
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4q + c] now holds, per 128-bit lane L, rows 4q..4q+3 of column 4L + c.
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    __m512i a = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), b = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);
+    __m512i d = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88), e = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
+    t[c] = _mm512_shuffle_i32x4(a, d, 0x88);       // column c
+    t[8 + c] = _mm512_shuffle_i32x4(a, d, 0xDD);   // column 8 + c
+    t[4 + c] = _mm512_shuffle_i32x4(b, e, 0x88);   // column 4 + c
+    t[12 + c] = _mm512_shuffle_i32x4(b, e, 0xDD);  // column 12 + c
+  }
+}
+
+// ---- GEMM over packed x (batch decode) ----------------------------------------------------------------------
+// C[m][n] (+)= x[m] . W[n] with x packed in panels of 16 rows so that one 64-byte load holds the 16 rows' next
+// unit of k (bf16: a k pair, pack_bf16_pairs; fp32: one k, k-major) and a weight row's unit is 4 bytes where it
+// lies (its pair, or its value). An accumulator holds one weight row's outputs for the panel's 16 rows (a
+// column of C), so per unit one load of x feeds 16 weight rows, each row's unit a 32-bit broadcast folded into
+// the multiply-add as its memory operand ({1to16}): no horizontal sums (the row kernels sum 16 lanes per
+// output), no reload of x per few weight rows, and each element is one chain over k in order: the bits of the
+// prefill GEMM's kernels (mmad_dp_bf16_packed; the fp32 MmadTN). One core, hot weights, bf16, M = 16, SmolLM2's
+// gate (576 x 1536) and down (1536 x 576) projections, us, mmad_nt_dp_bf16 -> this: 189-197 -> 137-138 and
+// 142-143 -> 134, at M = 64 577-728 -> 519-523 (~90% of vdpbf16ps' peak).
+constexpr int kXPanelRows = 16;  // rows of x per panel: one accumulator's lanes
+constexpr int kWBlockRows = 16;  // weight rows per block: 16 accumulators, C's columns by one 16 x 16 transpose
+
+// c += x * (the 4-byte unit at w, broadcast): vdpbf16ps (bf16 pairs) or vfmadd231ps (fp32). Natively one
+// instruction with the broadcast as its memory operand (inline assembly: the intrinsics' form takes a
+// vpbroadcastd per unit, and the asm needs no target attribute, so the block below serves the tables with and
+// without AVX512-BF16); on SIMDe the intrinsics.
+struct PackedXDpBf16 {
+  static constexpr int64_t kUnitValues = 2;  // k values per unit
+  static void Acc(V& c, V x, const char* w) {
+#if defined(ATB_AVX512_NATIVE)
+    asm("vdpbf16ps %1%{1to16%}, %2, %0" : "+v"(c) : "m"(*reinterpret_cast<const int32_t*>(w)), "v"(x));
+#else
+    int32_t v;
+    std::memcpy(&v, w, 4);
+    __m512bh a, b;
+    const __m512i vi = _mm512_set1_epi32(v), xi = _mm512_castps_si512(x);
+    std::memcpy(&a, &vi, sizeof(a));
+    std::memcpy(&b, &xi, sizeof(b));
+    c = _mm512_dpbf16_ps(c, a, b);
+#endif
+  }
+};
+struct PackedXFmaF32 {
+  static constexpr int64_t kUnitValues = 1;
+  static void Acc(V& c, V x, const char* w) {
+#if defined(ATB_AVX512_NATIVE)
+    asm("vfmadd231ps %1%{1to16%}, %2, %0" : "+v"(c) : "m"(*reinterpret_cast<const float*>(w)), "v"(x));
+#else
+    float v;
+    std::memcpy(&v, w, 4);
+    c = _mm512_fmadd_ps(x, _mm512_set1_ps(v), c);
+#endif
+  }
+};
+
+// C[r][c] (+)= x row r . W row c for r < rows (<= 16, one panel at Xp) and c < cols (<= 16, W rows ldwBytes
+// apart; the caller pads a short block, so 16 rows are always there to read), over `units` 4-byte units of k.
+// bf16 with an odd K: the last unit is a lone value (loneLast), never read past.
+template <class Op>
+__attribute__((noinline)) void BlockPackedX(float* C, int64_t ldc, const float* Xp, const char* W, int64_t ldwBytes,
+                                            int64_t rows, int64_t cols, int64_t units, bool loneLast, bool acc) {
+  const __mmask16 colMask = Tail(cols);
+  __m512i r[16], t[16];
+  if (acc) {  // the chain goes on from C: its columns in
+#pragma GCC unroll 16
+    for (int m = 0; m < 16; ++m)
+      r[m] = m < rows ? _mm512_castps_si512(MaskLoad(colMask, C + m * ldc)) : _mm512_setzero_si512();
+    Transpose16x16(r, t);
+  } else {
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) t[i] = _mm512_setzero_si512();
+  }
+  // Sixteen named accumulators: as an array under the inline asm they went to the stack every unit.
+  V c0 = _mm512_castsi512_ps(t[0]), c1 = _mm512_castsi512_ps(t[1]), c2 = _mm512_castsi512_ps(t[2]),
+    c3 = _mm512_castsi512_ps(t[3]), c4 = _mm512_castsi512_ps(t[4]), c5 = _mm512_castsi512_ps(t[5]),
+    c6 = _mm512_castsi512_ps(t[6]), c7 = _mm512_castsi512_ps(t[7]), c8 = _mm512_castsi512_ps(t[8]),
+    c9 = _mm512_castsi512_ps(t[9]), c10 = _mm512_castsi512_ps(t[10]), c11 = _mm512_castsi512_ps(t[11]),
+    c12 = _mm512_castsi512_ps(t[12]), c13 = _mm512_castsi512_ps(t[13]), c14 = _mm512_castsi512_ps(t[14]),
+    c15 = _mm512_castsi512_ps(t[15]);
+  // Row i through one of four pointers (rows 0, 5, 8, 13) plus the row stride L or 3L scaled by 1, 2 or 4: one
+  // addressing mode per load, where 16 row pointers spilled to the stack.
+  const int64_t L = ldwBytes, L3 = 3 * L;
+  const char *p0 = W, *p5 = W + 5 * L, *p8 = W + 8 * L, *p13 = W + 13 * L;
+  auto unit = [&](V x) {
+    Op::Acc(c0, x, p0), Op::Acc(c1, x, p0 + L), Op::Acc(c2, x, p0 + 2 * L), Op::Acc(c3, x, p0 + L3);
+    Op::Acc(c4, x, p0 + 4 * L), Op::Acc(c5, x, p5), Op::Acc(c6, x, p0 + 2 * L3), Op::Acc(c7, x, p5 + 2 * L);
+    Op::Acc(c8, x, p8), Op::Acc(c9, x, p8 + L), Op::Acc(c10, x, p8 + 2 * L), Op::Acc(c11, x, p8 + L3);
+    Op::Acc(c12, x, p8 + 4 * L), Op::Acc(c13, x, p13), Op::Acc(c14, x, p8 + 2 * L3), Op::Acc(c15, x, p13 + 2 * L);
+    p0 += 4, p5 += 4, p8 += 4, p13 += 4;
+  };
+  // The weights stream from DRAM in rows too short for the hardware prefetcher to ramp up (as in
+  // mmad_nt_dp_bf16): the next block's rows into L2, one cache line of one row per unit (16 units per line, so
+  // each row's next line once per 16 units). Past the tile's last row they are the next tile's rows; a
+  // prefetch never faults. Two blocks ahead measured the same (Zen 4, batch-16 decode graph).
+  const char* ahead = W + kWBlockRows * L;
+  const int64_t whole = units - (loneLast ? 1 : 0);
+  for (int64_t j = 0; j < whole; ++j) {
+    _mm_prefetch(ahead + (j & 15) * L + (j & ~int64_t(15)) * 4, _MM_HINT_T1);
+    unit(_mm512_loadu_ps(Xp + j * 16));
+  }
+  V c[16] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15};
+  if (loneLast) {  // its partner in x's packing is a zero; the weight's is taken as zero, not read
+    const V x = _mm512_loadu_ps(Xp + whole * 16);
+#pragma GCC unroll 16
+    for (int i = 0; i < kWBlockRows; ++i) {
+      uint16_t lone[2] = {0, 0};
+      std::memcpy(lone, W + i * L + whole * 4, 2);
+      Op::Acc(c[i], x, reinterpret_cast<const char*>(lone));
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(c[i]);
+  Transpose16x16(r, t);
+#pragma GCC unroll 16
+  for (int m = 0; m < 16; ++m)
+    if (m < rows) MaskStore(C + m * ldc, colMask, _mm512_castsi512_ps(t[m]));
+}
+
+// Every panel of x against every block of W's N rows (elt-byte values, K per row): the packed-x GEMM both
+// entries share. A short last block runs on a copy of its rows padded with zero rows (N a multiple of 16 never
+// takes it), so the block reads 16 rows at a fixed stride. Per panel of x, every block: the caller's tile of
+// weights (a few dozen rows) stays in L2 for the next panel.
+template <class Op>
+void MmadPackedX(float* C, int64_t ldc, const float* Xp, const char* W, int64_t ldwBytes, int64_t M, int64_t N,
+                 int64_t K, int64_t elt, bool acc) {
+  const int64_t units = (K + Op::kUnitValues - 1) / Op::kUnitValues;
+  const bool loneLast = K % Op::kUnitValues != 0;
+  const int64_t panelFloats = 16 * units;
+  const int64_t whole = N - N % kWBlockRows;
+  thread_local std::vector<char> pad;
+  if (whole < N) {
+    pad.assign(size_t(kWBlockRows * K * elt), 0);
+    for (int64_t n = whole; n < N; ++n) std::memcpy(pad.data() + (n - whole) * K * elt, W + n * ldwBytes, size_t(K * elt));
+  }
+  for (int64_t m = 0; m < M; m += kXPanelRows) {
+    const int64_t rows = std::min<int64_t>(kXPanelRows, M - m);
+    const float* xp = Xp + (m / kXPanelRows) * panelFloats;
+    for (int64_t n = 0; n < whole; n += kWBlockRows)
+      BlockPackedX<Op>(C + m * ldc + n, ldc, xp, W + n * ldwBytes, ldwBytes, rows, kWBlockRows, units, loneLast, acc);
+    if (whole < N)
+      BlockPackedX<Op>(C + m * ldc + whole, ldc, xp, pad.data(), K * elt, rows, N - whole, units, loneLast, acc);
+  }
+}
+
+// mmad_packed_x_f32 (contract: simd.h).
+void MmadPackedXF32(float* C, int64_t ldc, const float* Xt, const float* W, int64_t ldw, int64_t M, int64_t N,
+                    int64_t K, bool acc) {
+  MmadPackedX<PackedXFmaF32>(C, ldc, Xt, reinterpret_cast<const char*>(W), ldw * 4, M, N, K, 4, acc);
+}
+
 // ---- bf16 dot-product NT Mmad (AVX512-BF16: prefill GEMM, batch decode) -------
 // R (<= 8) rows of A against CN (<= 3) rows of B per block: R*CN accumulators,
 // R + CN loads per R*CN vdpbf16ps (32 multiply-adds each), x and the weights
@@ -972,33 +1141,6 @@ inline __m512bh AsBh(__m512i v) {
   return r;
 }
 
-// t = r transposed as 16 x 16 32-bit elements (r is clobbered). The result goes to its own array, and the
-// callers store whole tiles with constant indices: a copy back into r, or a store loop over a runtime count,
-// kept the 16 registers on the stack (a 1 KiB rep movsq per tile: a fifth of pack_q4_pairs_dequant's time).
-inline void Transpose16x16(__m512i r[16], __m512i t[16]) {
-#pragma GCC unroll 8
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  // r[4q + c] now holds, per 128-bit lane L, rows 4q..4q+3 of column 4L + c.
-#pragma GCC unroll 4
-  for (int c = 0; c < 4; ++c) {
-    __m512i a = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), b = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);
-    __m512i d = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88), e = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
-    t[c] = _mm512_shuffle_i32x4(a, d, 0x88);       // column c
-    t[8 + c] = _mm512_shuffle_i32x4(a, d, 0xDD);   // column 8 + c
-    t[4 + c] = _mm512_shuffle_i32x4(b, e, 0x88);   // column 4 + c
-    t[12 + c] = _mm512_shuffle_i32x4(b, e, 0xDD);  // column 12 + c
-  }
-}
 
 // The k-pair panels of N rows of K values, 32 values of a row at a time: chunk(n, k, kl) gives row n's
 // values [k, k + kl) as 32 bf16 words (zero past kl).
@@ -1202,107 +1344,10 @@ void MmadDpBf16Packed(float* C, int64_t ldc, const uint16_t* A, int64_t lda, con
   }
 }
 
-// ---- bf16 dot-product GEMM over k-pair-packed x (batch decode) --------------------------------------------
-// mmad_dp_bf16_packed_x (contract: simd.h) on the vector unit, mmad_dp_bf16_packed with the roles swapped: an
-// accumulator holds one weight row's outputs for a panel of 16 rows of x (a column of C), so per k pair one
-// load of x's panel feeds 16 weight rows, each row's pair a 32-bit broadcast folded into its vdpbf16ps. The
-// weights are read where they lie, once per panel, with no horizontal sum (mmad_nt_dp_bf16 sums 16 lanes per
-// output and reloads x for every 3 weight rows). Every element is the chain mmad_dp_bf16_packed computes:
-// the exact pair products over the k pairs in order with vdpbf16ps' flushes, so a batch decode row gets the
-// bits the prefill GEMM gives it.
-constexpr int kXPanelRows = 16;   // rows of x per panel (pack_bf16_pairs), one accumulator's lanes
-constexpr int kWBlockRows = 16;   // weight rows per block: 16 accumulators, C's columns by one 16 x 16 transpose
-
-// c += x . (the 32-bit pair at p, broadcast): on the native table one vdpbf16ps with the broadcast folded in
-// as its memory operand (the intrinsics' form takes a vpbroadcastd per pair, one more micro-op per 32
-// multiply-adds on the vector pipes).
-inline void DpPair(V& c, __m512bh x, const char* p) {
-#if defined(ATB_AVX512_NATIVE)
-  asm("vdpbf16ps %1%{1to16%}, %2, %0" : "+v"(c) : "m"(*reinterpret_cast<const int32_t*>(p)), "v"(x));
-#else
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  c = _mm512_dpbf16_ps(c, AsBh(_mm512_set1_epi32(v)), x);
-#endif
-}
-
-// C[r][c] (+)= x row r . W row c for r < rows (<= 16, one panel at Xp) and c < cols (<= 16, W rows ldw apart;
-// the caller pads a short block, so 16 rows are always there to read).
-// Row i of the block is read through one of four pointers (rows 0, 5, 8, 13) plus the row stride L or 3L
-// scaled by 1, 2 or 4: one addressing mode per load, where 16 row pointers spilled to the stack.
-__attribute__((noinline)) void BlockDpPackedX(float* C, int64_t ldc, const uint16_t* Xp, const uint16_t* W,
-                                              int64_t ldw, int64_t rows, int64_t cols, int64_t K, bool acc) {
-  const __mmask16 colMask = Tail(cols);
-  __m512i r[16], t[16];
-  if (acc) {  // the chain goes on from C: its columns in
-#pragma GCC unroll 16
-    for (int m = 0; m < 16; ++m)
-      r[m] = m < rows ? _mm512_castps_si512(MaskLoad(colMask, C + m * ldc)) : _mm512_setzero_si512();
-    Transpose16x16(r, t);
-  } else {
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) t[i] = _mm512_setzero_si512();
-  }
-  // Sixteen named accumulators: as an array under the inline asm they went to the stack every pair.
-  V c0 = _mm512_castsi512_ps(t[0]), c1 = _mm512_castsi512_ps(t[1]), c2 = _mm512_castsi512_ps(t[2]),
-    c3 = _mm512_castsi512_ps(t[3]), c4 = _mm512_castsi512_ps(t[4]), c5 = _mm512_castsi512_ps(t[5]),
-    c6 = _mm512_castsi512_ps(t[6]), c7 = _mm512_castsi512_ps(t[7]), c8 = _mm512_castsi512_ps(t[8]),
-    c9 = _mm512_castsi512_ps(t[9]), c10 = _mm512_castsi512_ps(t[10]), c11 = _mm512_castsi512_ps(t[11]),
-    c12 = _mm512_castsi512_ps(t[12]), c13 = _mm512_castsi512_ps(t[13]), c14 = _mm512_castsi512_ps(t[14]),
-    c15 = _mm512_castsi512_ps(t[15]);
-  const int64_t L = ldw * 2, L3 = 3 * L;
-  const char* p0 = reinterpret_cast<const char*>(W);
-  const char *p5 = p0 + 5 * L, *p8 = p0 + 8 * L, *p13 = p0 + 13 * L;
-  // The weights stream from DRAM in rows too short for the hardware prefetcher to ramp up (as in
-  // mmad_nt_dp_bf16): the next block's rows into L2, one cache line of one row per pair (16 pairs per line,
-  // so each row's next line once per 16 pairs). Past the tile's last row they are the next tile's rows; a
-  // prefetch never faults.
-  const char* ahead = reinterpret_cast<const char*>(W + kWBlockRows * ldw);
-  const int64_t pairs = K / 2;
-  for (int64_t j = 0; j < pairs; ++j) {
-    _mm_prefetch(ahead + (j & 15) * L + (j & ~int64_t(15)) * 4, _MM_HINT_T1);
-    const __m512bh x = LoadBh(Xp + j * 32);
-    DpPair(c0, x, p0), DpPair(c1, x, p0 + L), DpPair(c2, x, p0 + 2 * L), DpPair(c3, x, p0 + L3);
-    DpPair(c4, x, p0 + 4 * L), DpPair(c5, x, p5), DpPair(c6, x, p0 + 2 * L3), DpPair(c7, x, p5 + 2 * L);
-    DpPair(c8, x, p8), DpPair(c9, x, p8 + L), DpPair(c10, x, p8 + 2 * L), DpPair(c11, x, p8 + L3);
-    DpPair(c12, x, p8 + 4 * L), DpPair(c13, x, p13), DpPair(c14, x, p8 + 2 * L3), DpPair(c15, x, p13 + 2 * L);
-    p0 += 4, p5 += 4, p8 += 4, p13 += 4;
-  }
-  V c[16] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15};
-  if (K % 2) {  // an odd K's last pair is its lone value (x's packing holds a zero for the missing partner)
-    const __m512bh x = LoadBh(Xp + pairs * 32);
-#pragma GCC unroll 16
-    for (int i = 0; i < kWBlockRows; ++i)
-      c[i] = _mm512_dpbf16_ps(c[i], AsBh(_mm512_set1_epi32(int32_t(W[i * ldw + K - 1]))), x);
-  }
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(c[i]);
-  Transpose16x16(r, t);
-#pragma GCC unroll 16
-  for (int m = 0; m < 16; ++m)
-    if (m < rows) MaskStore(C + m * ldc, colMask, _mm512_castsi512_ps(t[m]));
-}
-
 void MmadDpBf16PackedX(float* C, int64_t ldc, const uint16_t* Xp, const uint16_t* W, int64_t ldw, int64_t M,
                        int64_t N, int64_t K, bool acc) {
-  const int64_t panelStride = 32 * ((K + 1) / 2);
-  const int64_t whole = N - N % kWBlockRows;
-  // A short last block runs on a copy of its rows padded with zero rows (an uncommon shape: N a multiple of
-  // 16 never takes it), so the block kernel reads 16 rows at a fixed stride.
-  thread_local std::vector<uint16_t> pad;
-  if (whole < N) {
-    pad.assign(size_t(kWBlockRows * K), 0);
-    for (int64_t n = whole; n < N; ++n) std::memcpy(pad.data() + (n - whole) * K, W + n * ldw, size_t(K) * 2);
-  }
-  // Per panel of x, every block of weight rows: the caller's tile of weights (a few dozen rows) stays in L2
-  // for the next panel.
-  for (int64_t m = 0; m < M; m += kXPanelRows) {
-    const int64_t rows = std::min<int64_t>(kXPanelRows, M - m);
-    const uint16_t* xp = Xp + (m / kXPanelRows) * panelStride;
-    for (int64_t n = 0; n < whole; n += kWBlockRows)
-      BlockDpPackedX(C + m * ldc + n, ldc, xp, W + n * ldw, ldw, rows, kWBlockRows, K, acc);
-    if (whole < N) BlockDpPackedX(C + m * ldc + whole, ldc, xp, pad.data(), K, rows, N - whole, K, acc);
-  }
+  MmadPackedX<PackedXDpBf16>(C, ldc, reinterpret_cast<const float*>(Xp), reinterpret_cast<const char*>(W), ldw * 2,
+                             M, N, K, 2, acc);
 }
 
 // 2^t for exp_pack_pairs_bf16, t <= 128: n = t rounded to nearest even by the 1.5 * 2^23 shifter (add, then
@@ -1502,10 +1547,20 @@ const SimdOps ATB_AVX512_TABLE = {
     /*prefetch_to_l2=*/true,
 };
 
+// The AVX-512 table: the positional entries and those set by name.
+const SimdOps* Base() {
+  static const SimdOps table = [] {
+    SimdOps t = ATB_AVX512_TABLE;
+    t.mmad_packed_x_f32 = MmadPackedXF32;
+    return t;
+  }();
+  return &table;
+}
+
 // The table with the AVX512-BF16 entries (SIMDe implements them on any CPU).
 const SimdOps* WithBf16() {
   static const SimdOps table = [] {
-    SimdOps t = ATB_AVX512_TABLE;
+    SimdOps t = *Base();
     t.mmad_nt_dp_bf16 = MmadNTDpBf16;
     t.pack_bf16_pairs = PackBf16Pairs;
     t.mmad_dp_bf16_packed = MmadDpBf16Packed;
@@ -1537,7 +1592,7 @@ const SimdOps* WithAmx() {
 }  // namespace
 
 #if defined(ATB_AVX512_NATIVE)
-const SimdOps* Avx512SimdOps() { return &ATB_AVX512_TABLE; }
+const SimdOps* Avx512SimdOps() { return Base(); }
 const SimdOps* Avx512Bf16SimdOps() { return WithBf16(); }
 const SimdOps* Avx512AmxSimdOps() { return WithAmx(); }
 #else

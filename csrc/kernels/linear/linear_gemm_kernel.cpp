@@ -34,6 +34,26 @@ using namespace AscendC;
 namespace atb {
 namespace {
 
+// The packed-x GEMMs' x operand: floats per `rows` rows of x (whole panels of 16), and the packing of x's rows
+// into them: bf16, pack_bf16_pairs' k-pair panels; fp32, k-major panels (Xt[p][k][r], rows past `rows` zero).
+template <typename T>
+int64_t XPanelFloats(int64_t rows, int64_t k) {
+  return CeilDiv(rows, 16) * 16 * (std::is_same<T, float>::value ? k : (k + 1) / 2);
+}
+template <typename T>
+void PackXPanels(float* dst, const T* x, int64_t rows, int64_t k) {
+  if constexpr (std::is_same<T, float>::value) {
+    for (int64_t p = 0; p * 16 < rows; ++p) {
+      float* panel = dst + p * 16 * k;
+      const int64_t n = std::min<int64_t>(16, rows - p * 16);
+      if (n < 16) std::fill(panel, panel + 16 * k, 0.0f);
+      Simd().transpose_f32(panel, 16, x + p * 16 * k, k, n, k);
+    }
+  } else {
+    Simd().pack_bf16_pairs(reinterpret_cast<uint16_t*>(dst), StorageBits(x), k, rows, k);
+  }
+}
+
 template <typename T>
 class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
   using Gemm = LinearGemmIo<T, KernelLinearGemm<T>>;
@@ -42,10 +62,10 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
   using Gemm::t_, Gemm::ep_, Gemm::streams_, Gemm::xGm_, Gemm::wGm_, Gemm::bBuf_, Gemm::cBuf_;
 
  public:
-  void Init(GM_ADDR x, const float* xPacked, const uint16_t* xPairs, const LinearSegment* segs, GM_ADDR residual,
+  void Init(GM_ADDR x, const float* xPacked, const float* xPanels, const LinearSegment* segs, GM_ADDR residual,
             const LinearTilingData& t) {
     dp_ = t.dpBf16;
-    xPairs_ = xPairs;
+    xPanels_ = xPanels;
     Gemm::InitGemm(x, xPacked, segs, residual, t, t.k, dp_ == kDpNone);
     if (dp_ == kDpPacked) Gemm::InitDpPacked();
   }
@@ -53,7 +73,8 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
  private:
   void ProcessUnit(const GemmUnit& u) {
     if (dp_ == kDpPacked) return Gemm::ProcessDpPackedUnit(u);
-    if (dp_ == kDpRows || dp_ == kDpPackedX) return ProcessUnitDp(u);
+    if (dp_ == kDpPackedX) return ProcessUnitPackedX(u);
+    if (dp_ == kDpRows) return ProcessUnitDp(u);
     Gemm::ProcessPackedUnit(u);
   }
 
@@ -61,7 +82,6 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
   // L2 across the pass's row tiles), then the epilogue.
   void ProcessUnitDp(const GemmUnit& u) {
     if constexpr (std::is_same<T, bfloat16_t>::value) {
-      if (xPairs_) return ProcessUnitPackedX(u);
       const auto dp = Simd().mmad_nt_dp_bf16;
       for (int64_t mt0 = 0; mt0 < u.mp; mt0 += t_.mTile) {
         int64_t mt = std::min(t_.mTile, u.mp - mt0);
@@ -76,25 +96,31 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
     }
   }
 
-  // kDpPackedX (mmad_dp_bf16_packed_x): the pass's rows of x in k pairs (packed once per call,
-  // LinearGemm), every stream's weight rows read once into all of the pass's sums, then the epilogue per
-  // mTile rows. A pass that starts inside a 16-row panel (only under a UB small enough to shrink mTile below
-  // 16) packs its own rows first.
+  // kDpPackedX (bf16: mmad_dp_bf16_packed_x; fp32: mmad_packed_x_f32): the pass's rows of x in panels of 16
+  // (PackXPanels, once per call in LinearGemm), every stream's weight rows read once into all of the pass's
+  // sums, then the epilogue per mTile rows. A pass that starts inside a panel (only under a UB small enough to
+  // shrink mTile below 16) packs its own rows first.
   void ProcessUnitPackedX(const GemmUnit& u) {
-    const int64_t panel = 32 * ((t_.k + 1) / 2);
-    const uint16_t* xp = xPairs_ + (u.m0 / 16) * panel;
-    if (u.m0 % 16 != 0) {
-      thread_local std::vector<uint16_t> own;
-      own.resize(size_t(CeilDiv(u.mp, 16) * panel));
-      Simd().pack_bf16_pairs(own.data(), StorageBits(xGm_.GetPhyAddr(u.m0 * t_.k)), t_.k, u.mp, t_.k);
-      xp = own.data();
+    if constexpr (!std::is_same<T, half>::value) {
+      const int64_t panel = XPanelFloats<T>(16, t_.k);
+      const float* xp = xPanels_ + (u.m0 / 16) * panel;
+      if (u.m0 % 16 != 0) {
+        thread_local std::vector<float> own;
+        own.resize(size_t(XPanelFloats<T>(u.mp, t_.k)));
+        PackXPanels<T>(own.data(), xGm_.GetPhyAddr(u.m0 * t_.k), u.mp, t_.k);
+        xp = own.data();
+      }
+      for (int st = 0; st < streams_; ++st) {
+        const T* w = wGm_[st == 1 ? 1 : u.s].GetPhyAddr(u.row * t_.k);
+        float* c = cBuf_[st].template Get<float>().GetPhyAddr();
+        if constexpr (std::is_same<T, float>::value)
+          Simd().mmad_packed_x_f32(c, t_.nTile, xp, w, t_.k, u.mp, u.nt, t_.k, false);
+        else
+          Simd().mmad_dp_bf16_packed_x(c, t_.nTile, reinterpret_cast<const uint16_t*>(xp), StorageBits(w), t_.k,
+                                       u.mp, u.nt, t_.k, false);
+      }
+      for (int64_t mt0 = 0; mt0 < u.mp; mt0 += t_.mTile) Gemm::OutputRows(u, mt0, std::min(t_.mTile, u.mp - mt0));
     }
-    for (int st = 0; st < streams_; ++st) {
-      const uint16_t* w = StorageBits(wGm_[st == 1 ? 1 : u.s].GetPhyAddr(u.row * t_.k));
-      Simd().mmad_dp_bf16_packed_x(cBuf_[st].template Get<float>().GetPhyAddr(), t_.nTile, xp, w, t_.k, u.mp, u.nt,
-                                   t_.k, false);
-    }
-    for (int64_t mt0 = 0; mt0 < u.mp; mt0 += t_.mTile) Gemm::OutputRows(u, mt0, std::min(t_.mTile, u.mp - mt0));
   }
 
   // kDpPacked's B operand: the weight rows as they lie, packed in k pairs.
@@ -117,7 +143,7 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
   }
 
   int64_t dp_ = kDpNone;
-  const uint16_t* xPairs_ = nullptr;  // dp with mmad_dp_bf16_packed_x: x in k pairs (LinearGemm), else null
+  const float* xPanels_ = nullptr;  // kDpPackedX: x in panels of 16 rows (LinearGemm), else null
 };
 
 // PackedX blocks [first, last) of x into dst: this core's share.
@@ -158,21 +184,22 @@ const float* PackedX(const void* x, int64_t m, int64_t k, DataType dtype, const 
   return dst;
 }
 
-// x in k pairs for mmad_dp_bf16_packed_x (pack_bf16_pairs' panels of 16 rows), once per call on the calling
-// thread: at most a few hundred KiB (the dp rows kernel runs below kLinearDpPackedMinRows rows).
-const uint16_t* PackedPairsX(const void* x, int64_t m, int64_t k) {
-  thread_local std::vector<uint16_t> workspace;
-  workspace.resize(size_t(CeilDiv(m, 16) * 32 * ((k + 1) / 2)));
-  Simd().pack_bf16_pairs(workspace.data(), static_cast<const uint16_t*>(x), k, m, k);
+// x in panels of 16 rows for the packed-x GEMMs, once per call on the calling thread: at most a few hundred KiB
+// (they run below kLinearDpPackedMinRows / kLinearGemmMinRows rows).
+const float* PackedXPanels(const void* x, int64_t m, int64_t k, DataType dtype) {
+  thread_local std::vector<float> workspace;
+  const bool f32 = dtype == DataType::FLOAT32;
+  workspace.resize(size_t(f32 ? XPanelFloats<float>(m, k) : XPanelFloats<bfloat16_t>(m, k)));
+  if (f32) PackXPanels<float>(workspace.data(), static_cast<const float*>(x), m, k);
+  else PackXPanels<bfloat16_t>(workspace.data(), static_cast<const bfloat16_t*>(x), m, k);
   return workspace.data();
 }
 
 void LinearGemm(const void* x, const LinearSegment* segs, const void* residual, const LinearTilingData& t,
                 const SocInfo& soc) {
   const float* xPacked = t.dpBf16 != kDpNone ? nullptr : PackedX(x, t.m, t.k, DataType(t.tilingKey / 10 % 10), soc);
-  const uint16_t* xPairs =
-      t.dpBf16 == kDpPackedX ? PackedPairsX(x, t.m, t.k) : nullptr;
-  LaunchLinearKernel<KernelLinearGemm>(t, soc, GmAddr(x), xPacked, xPairs, segs, GmAddr(residual), t);
+  const float* xPanels = t.dpBf16 == kDpPackedX ? PackedXPanels(x, t.m, t.k, DataType(t.tilingKey / 10 % 10)) : nullptr;
+  LaunchLinearKernel<KernelLinearGemm>(t, soc, GmAddr(x), xPacked, xPanels, segs, GmAddr(residual), t);
 }
 
 }  // namespace atb

@@ -163,7 +163,11 @@ LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int6
   const auto& simd = AscendC::Simd();
   if (dpMode == kDpRows && simd.mmad_dp_bf16_packed_x && (simd.amx_tiles || m >= kLinearDpPackedXMinRows))
     dpMode = kDpPackedX;
-  if (rowInvariant || m >= kLinearGemmMinRows || (dp && m >= kLinearDpMinRows)) {
+  // fp32 batch decode from kLinearPackedXMinRows rows on, where the table has mmad_packed_x_f32.
+  const bool f32PackedX = dtype == AscendC::DataType::FLOAT32 && simd.mmad_packed_x_f32 && !rowInvariant &&
+                          m >= kLinearPackedXMinRows && m < kLinearGemmMinRows;
+  if (f32PackedX) dpMode = kDpPackedX;
+  if (rowInvariant || m >= kLinearGemmMinRows || (dp && m >= kLinearDpMinRows) || f32PackedX) {
     GemmTiling(t, elt, ep, soc, dpMode);
     t.tilingKey = LINEAR_GEMM * 100 + int64_t(dtype) * 10 + ep;
     return t;

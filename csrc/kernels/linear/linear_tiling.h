@@ -64,6 +64,10 @@ constexpr int64_t kLinearDpPackedMinRows = 128;
 // 12 6.9 -> 7.3 (hot), 32 16.1 -> 14.6 (cold), 64 29.5 -> 27.2 (cold); the engine's batch-16 decode graph
 // (per-node profile), ms per step: mlp 7.6-7.9 -> 7.0-7.3, lm_head 2.6 -> 2.4-2.5.
 constexpr int64_t kLinearDpPackedXMinRows = 16;
+// fp32 x and weights where the table has mmad_packed_x_f32 (AVX-512): the same form with one vfmadd231ps per k,
+// the weight's value broadcast, from this many rows up to kLinearGemmMinRows (the stream kernel's 8-lane
+// chains below; the packed GEMM kernel from 32 rows on, whose bits these rows already have).
+constexpr int64_t kLinearPackedXMinRows = 16;
 enum LinearMode : int64_t { LINEAR_STREAM = 0, LINEAR_GEMM = 1 };
 enum LinearDpKind : int64_t { kDpNone = 0, kDpRows = 1, kDpPacked = 2, kDpPackedX = 3 };
 
