@@ -17,7 +17,10 @@ namespace atb {
 //     bf16 on AVX512-BF16 instead runs vdpbf16ps (twice fp32 FMA's rate) from
 //     kLinearDpMinRows rows on: on x and W where they lie (mmad_nt_dp_bf16),
 //     from kLinearDpPackedMinRows rows on over weight tiles packed in k pairs
-//     (mmad_dp_bf16_packed).
+//     (mmad_dp_bf16_packed); in between, on AMX or from kLinearDpPackedXMinRows
+//     rows on, over x packed in k pairs (mmad_dp_bf16_packed_x). fp32 batch
+//     decode (kLinearPackedXMinRows to kLinearGemmMinRows rows) on AVX-512 runs
+//     the GEMM kernel too, over x packed k-major (mmad_packed_x_f32).
 // Each kernel computes a row of y the same way whatever the other rows (M, the
 // row's place in a tile, the core split), but the kernels differ from each
 // other in the last bits. rowInvariant runs the GEMM kernel (bf16 dp: packed) at every M, so a
@@ -59,10 +62,11 @@ constexpr int64_t kLinearDpPackedMinRows = 128;
 // Between kLinearDpMinRows and kLinearDpPackedMinRows rows, where the table has mmad_dp_bf16_packed_x, the dp
 // GEMM packs x in k pairs instead (kDpPackedX: one load of 16 rows of x per k pair for 16 weight rows, no
 // horizontal sums): on AMX tables from kLinearDpMinRows rows on, on the vector unit from this many (it fills
-// its accumulators' 16 lanes with rows of x, so fewer rows leave lanes idle). Zen 4, 2 threads, SmolLM2 bf16,
-// 30 layers' gate+up and down+residual, alternating processes, ms, rows -> packed x: M = 8 4.6 -> 6.8 (hot),
-// 12 6.9 -> 7.3 (hot), 32 16.1 -> 14.6 (cold), 64 29.5 -> 27.2 (cold); the engine's batch-16 decode graph
-// (per-node profile), ms per step: mlp 7.6-7.9 -> 7.0-7.3, lm_head 2.6 -> 2.4-2.5.
+// its accumulators' 16 lanes with rows of x, so fewer rows leave lanes idle). Zen 4, SmolLM2 bf16: one core,
+// hot weights, us, rows -> packed x: M = 16 gate 576 x 1536 189-197 -> 137-138, down 1536 x 576 142-143 ->
+// 134, M = 64 gate 577-728 -> 519-523; 2 threads, 30 layers' gate+up and down+residual, ms: M = 8 4.6 -> 6.8,
+// 12 6.9 -> 7.3 (so not below 16). In the batch-16 decode graph, whose weights come from DRAM, the MLP's
+// time did not move beyond the run-to-run spread (7.2-8.3 -> 7.4-8.4 ms per step, four alternating runs).
 constexpr int64_t kLinearDpPackedXMinRows = 16;
 // fp32 x and weights where the table has mmad_packed_x_f32 (AVX-512): the same form with one vfmadd231ps per k,
 // the weight's value broadcast, from this many rows up to kLinearGemmMinRows (the stream kernel's 8-lane
