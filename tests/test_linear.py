@@ -310,6 +310,19 @@ def test_batch_decode_rows_have_the_prefill_bits(isa, dtype, m, k, n):
         assert torch.equal(K.linear(x[m - 16:], ws[0], b), K.linear(x, ws[0], b)[m - 16:])
 
 
+def test_packed_x_leaves_weight_rows_4_kib_apart_to_the_other_kernels(isa):
+    # 16 weight rows 4 KiB apart share one L1 set: the packed-x forms read them together, so those shapes keep
+    # the row (bf16) and stream (fp32) kernels on the vector tables.
+    host = atb.get_soc("host")
+    kind = lambda m, k, dtype: _C.linear_tiling(m, k, [64], 0, DTYPE_CODES[dtype], host)  # noqa: E731
+    if isa.startswith("avx512"):
+        assert kind(16, 1536, torch.float32)["dp_bf16"] == "packed_x"
+        assert kind(16, 1024, torch.float32)["tiling_key"] // 100 == 0
+    if _has_dp(isa) and "amx" not in isa:
+        assert kind(16, 2048, torch.bfloat16)["dp_bf16"] == "rows"
+        assert kind(16, 2050, torch.bfloat16)["dp_bf16"] == "packed_x"
+
+
 def test_gemm_bf16_packed_splits_k_when_the_ub_is_small():
     # A modelled SoC's smaller UB splits K into chunks of whole 32-value blocks; the chunks accumulate in fp32
     # in order, so the bits are the host's (where all of K fits).

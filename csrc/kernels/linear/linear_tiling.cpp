@@ -161,11 +161,13 @@ LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int6
   bool dp = dtype == AscendC::DataType::BFLOAT16 && AscendC::Simd().mmad_nt_dp_bf16 != nullptr;
   int64_t dpMode = !dp ? kDpNone : (rowInvariant || m >= kLinearDpPackedMinRows) ? kDpPacked : kDpRows;
   const auto& simd = AscendC::Simd();
-  if (dpMode == kDpRows && simd.mmad_dp_bf16_packed_x && (simd.amx_tiles || m >= kLinearDpPackedXMinRows))
+  const bool aliasing = (k * elt) % kPackedXAliasBytes == 0;
+  if (dpMode == kDpRows && simd.mmad_dp_bf16_packed_x &&
+      (simd.amx_tiles || (m >= kLinearDpPackedXMinRows && !aliasing)))
     dpMode = kDpPackedX;
   // fp32 batch decode from kLinearPackedXMinRows rows on, where the table has mmad_packed_x_f32.
   const bool f32PackedX = dtype == AscendC::DataType::FLOAT32 && simd.mmad_packed_x_f32 && !rowInvariant &&
-                          m >= kLinearPackedXMinRows && m < kLinearGemmMinRows;
+                          !aliasing && m >= kLinearPackedXMinRows && m < kLinearGemmMinRows;
   if (f32PackedX) dpMode = kDpPackedX;
   if (rowInvariant || m >= kLinearGemmMinRows || (dp && m >= kLinearDpMinRows) || f32PackedX) {
     GemmTiling(t, elt, ep, soc, dpMode);
