@@ -87,11 +87,11 @@ py::dict FlashAttentionTilingDict(const atb::FlashAttentionTilingData& t) {
 // linear_tiling's keys; quant_linear_tiling adds its own to them.
 py::dict LinearTilingDict(const atb::LinearTilingData& t) {
   return Dict("block_dim", t.blockDim, "block_factor", t.blockFactor, "m_tile", t.mTile, "n_tile", t.nTile,
-              "k_tile", t.kTile, "ub_bytes", t.ubBytes, "tiling_key", t.tilingKey, "dp_bf16",
-              t.dpBf16 == atb::kDpPacked    ? "packed"
-              : t.dpBf16 == atb::kDpPackedX ? "packed_x"
-              : t.dpBf16 == atb::kDpRows    ? "rows"
-                                            : "none");
+              "k_tile", t.kTile, "ub_bytes", t.ubBytes, "tiling_key", t.tilingKey, "form",
+              t.form == atb::kDpPacked ? "packed"
+              : t.form == atb::kPackedX ? "packed_x"
+              : t.form == atb::kDpRows  ? "rows"
+                                        : "f32_tiles");
 }
 
 }  // namespace

@@ -111,7 +111,7 @@ def quant_dequant_ref(qw) -> torch.Tensor:
 
 def quant_weight_ref(qw, x: torch.Tensor, launch=None, epilogue: int = 0, soc_type: str = "host") -> torch.Tensor:
     """The float64 [N, K] weight a quantized linear multiplies x by: ``quant_dequant_ref``, except under bf16 x
-    in a launch that takes the k-pair-packed dp GEMM (``quant_linear_tiling``'s dp_bf16 "packed"), which
+    in a launch that takes the k-pair-packed dp GEMM (``quant_linear_tiling``'s form "packed"), which
     multiplies by the dequantized weights rounded to bf16 (pack_q4/q8_pairs_dequant: dequantized in fp32,
     then to nearest even). ``launch``: every QuantizedWeight of the call (default: qw alone); ``epilogue``:
     0 plain / bias, 1 residual, 2 SwiGLU (gate and up both in ``launch``)."""
@@ -125,7 +125,7 @@ def quant_weight_ref(qw, x: torch.Tensor, launch=None, epilogue: int = 0, soc_ty
     rows, k = x.reshape(-1, x.shape[-1]).shape
     segs = [(0, 0, 0, 0, 0, q.shape[0], q.bits, q.group_size, DTYPE_CODES[q.scale.dtype]) for q in (launch or [qw])]
     tiling = _C.quant_linear_tiling(rows, k, segs, epilogue, DTYPE_CODES[torch.bfloat16], atb.get_soc(soc_type))
-    return w.float().bfloat16().double() if tiling["dp_bf16"] == "packed" else w
+    return w.float().bfloat16().double() if tiling["form"] == "packed" else w
 
 
 def reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping):

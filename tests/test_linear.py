@@ -227,9 +227,9 @@ def test_gemm_bf16_every_isa(isa, m, k, n):
         kind = lambda rows: _C.linear_tiling(rows, k, [n], 0, DTYPE_CODES[torch.bfloat16],  # noqa: E731
                                              atb.get_soc("host"))
         assert kind(m)["tiling_key"] // 100 == 1
-        assert kind(m)["dp_bf16"] == ("packed_x" if m >= 16 or "amx" in isa else "rows")
+        assert kind(m)["form"] == ("packed_x" if m >= 16 or "amx" in isa else "rows")
         for rows in (6, 16):
-            if rows <= m and kind(rows)["dp_bf16"] == kind(m)["dp_bf16"]:
+            if rows <= m and kind(rows)["form"] == kind(m)["form"]:
                 for lo, hi in [(0, rows), (m - rows, m)]:
                     assert torch.equal(atb.kernels.linear(x[lo:hi], ws[0], b), y[lo:hi])
     for out, w in zip(atb.kernels.linear_multi(x, ws, [b, None, b]), ws):
@@ -254,9 +254,9 @@ def test_gemm_bf16_packed_every_isa(isa, m, k, n):
     # what the UB holds at once (chunks accumulate), every fused epilogue; the same bits whatever rows share
     # the call, and a row-invariant call of a few rows gives the rows of the big one.
     host, code = atb.get_soc("host"), DTYPE_CODES[torch.bfloat16]
-    kind = _C.linear_tiling(m, k, [n], 0, code, host)["dp_bf16"]
-    assert kind == ("packed" if _has_dp(isa) else "none")
-    small = _C.linear_tiling(3, k, [n], 0, code, host, row_invariant=True)["dp_bf16"]
+    kind = _C.linear_tiling(m, k, [n], 0, code, host)["form"]
+    assert kind == ("packed" if _has_dp(isa) else "f32_tiles")
+    small = _C.linear_tiling(3, k, [n], 0, code, host, row_invariant=True)["form"]
     assert small == kind
     x = torch.randn(m, k).bfloat16()
     ws = [torch.randn(n, k).bfloat16() for _ in range(3)]
@@ -293,7 +293,7 @@ def test_batch_decode_rows_have_the_prefill_bits(isa, dtype, m, k, n):
     packed_x = dtype == torch.bfloat16 or m < 32
     if not packed_x:
         pytest.skip("fp32 from 32 rows on is the GEMM kernel itself")
-    assert _C.linear_tiling(m, k, [n], 0, DTYPE_CODES[dtype], atb.get_soc("host"))["dp_bf16"] == "packed_x"
+    assert _C.linear_tiling(m, k, [n], 0, DTYPE_CODES[dtype], atb.get_soc("host"))["form"] == "packed_x"
     x = torch.randn(m, k).to(dtype)
     ws = [torch.randn(n, k).to(dtype) for _ in range(3)]
     b, r = torch.randn(n).to(dtype), torch.randn(m, n).to(dtype)
@@ -316,11 +316,11 @@ def test_packed_x_leaves_weight_rows_4_kib_apart_to_the_other_kernels(isa):
     host = atb.get_soc("host")
     kind = lambda m, k, dtype: _C.linear_tiling(m, k, [64], 0, DTYPE_CODES[dtype], host)  # noqa: E731
     if isa.startswith("avx512"):
-        assert kind(16, 1536, torch.float32)["dp_bf16"] == "packed_x"
+        assert kind(16, 1536, torch.float32)["form"] == "packed_x"
         assert kind(16, 1024, torch.float32)["tiling_key"] // 100 == 0
     if _has_dp(isa) and "amx" not in isa:
-        assert kind(16, 2048, torch.bfloat16)["dp_bf16"] == "rows"
-        assert kind(16, 2050, torch.bfloat16)["dp_bf16"] == "packed_x"
+        assert kind(16, 2048, torch.bfloat16)["form"] == "rows"
+        assert kind(16, 2050, torch.bfloat16)["form"] == "packed_x"
 
 
 def test_gemm_bf16_packed_splits_k_when_the_ub_is_small():
@@ -333,7 +333,7 @@ def test_gemm_bf16_packed_splits_k_when_the_ub_is_small():
     try:
         code = DTYPE_CODES[torch.bfloat16]
         tilings = {s: _C.linear_tiling(256, 4099, [96], 0, code, atb.get_soc(s)) for s in BF16_SOCS + ["host"]}
-        assert {t["dp_bf16"] for t in tilings.values()} == {"packed"}
+        assert {t["form"] for t in tilings.values()} == {"packed"}
         assert any(t["k_tile"] < 4099 for t in tilings.values())
         x, w = torch.randn(256, 4099).bfloat16(), torch.randn(96, 4099).bfloat16()
         host = atb.kernels.linear(x, w, soc_type="host")

@@ -485,7 +485,7 @@ def test_gemm_bf16_x_on_vdpbf16ps(table, fmt, group, scale_dtype):
             q, q2 = _qw(n, k, fmt, group, scale_dtype), _qw(n, k, fmt, group, scale_dtype)
             b, r = torch.randn(n).bfloat16(), torch.randn(m, n).bfloat16()
             seg = _seg(n, 4 if fmt == "w4a16" else 8, group)
-            assert _C.quant_linear_tiling(m, k, [seg], 0, DTYPE_CODES[torch.bfloat16], host)["dp_bf16"] == "packed"
+            assert _C.quant_linear_tiling(m, k, [seg], 0, DTYPE_CODES[torch.bfloat16], host)["form"] == "packed"
             y = K.linear(x, q, b)
             assert_close(y, linear_ref(x, quant_weight_ref(q, x), b), scale=_scale(k))
             assert_close(K.linear_residual(x, q, r, b), linear_residual_ref(x, quant_weight_ref(q, x, epilogue=1), r, b),
@@ -509,7 +509,7 @@ def test_dp_starts_at_6_rows_for_w4_and_16_for_w8_8_on_amx(table):
         host, bf16 = atb.get_soc("host"), DTYPE_CODES[torch.bfloat16]
         w4, w8 = _seg(96, 4, 32), _seg(96, 8, 0)
         w8_from = 8 if "amx" in table else 16
-        kind = lambda m, segs, ep=0: _C.quant_linear_tiling(m, 577, segs, ep, bf16, host)["dp_bf16"]  # noqa: E731
+        kind = lambda m, segs, ep=0: _C.quant_linear_tiling(m, 577, segs, ep, bf16, host)["form"]  # noqa: E731
         assert kind(5, [w4]) != "packed" and kind(6, [w4]) == "packed"
         assert kind(w8_from - 1, [w8]) != "packed" and kind(w8_from, [w8]) == "packed"
         assert kind(6, [w4, w4], 2) == "packed" and kind(w8_from - 1, [w4, w8, w4]) != "packed"

@@ -11,7 +11,7 @@
 // Every output element is one fma chain over k in order, so the result does not
 // depend on the tiling: every SoC gives the same bits.
 //
-// bf16 with the dot-product micro-kernel (tiling dpBf16, AVX512-BF16): nothing is
+// bf16 with the dot-product micro-kernel (tiling form kDpRows/kDpPacked, AVX512-BF16): nothing is
 // packed; each mTile rows of x and the unit's weight rows go to mmad_nt_dp_bf16
 // where they lie, all of K in one call (its per-element contract then makes the
 // result independent of the tiling as well). That call, a [rows, weight rows]
@@ -64,17 +64,17 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
  public:
   void Init(GM_ADDR x, const float* xPacked, const float* xPanels, const LinearSegment* segs, GM_ADDR residual,
             const LinearTilingData& t) {
-    dp_ = t.dpBf16;
+    form_ = t.form;
     xPanels_ = xPanels;
-    Gemm::InitGemm(x, xPacked, segs, residual, t, t.k, dp_ == kDpNone);
-    if (dp_ == kDpPacked) Gemm::InitDpPacked();
+    Gemm::InitGemm(x, xPacked, segs, residual, t, t.k, form_ == kF32Tiles);
+    if (form_ == kDpPacked) Gemm::InitDpPacked();
   }
 
  private:
   void ProcessUnit(const GemmUnit& u) {
-    if (dp_ == kDpPacked) return Gemm::ProcessDpPackedUnit(u);
-    if (dp_ == kDpPackedX) return ProcessUnitPackedX(u);
-    if (dp_ == kDpRows) return ProcessUnitDp(u);
+    if (form_ == kDpPacked) return Gemm::ProcessDpPackedUnit(u);
+    if (form_ == kPackedX) return ProcessUnitPackedX(u);
+    if (form_ == kDpRows) return ProcessUnitDp(u);
     Gemm::ProcessPackedUnit(u);
   }
 
@@ -96,7 +96,7 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
     }
   }
 
-  // kDpPackedX (bf16: mmad_dp_bf16_packed_x; fp32: mmad_packed_x_f32): the pass's rows of x in panels of 16
+  // kPackedX (bf16: mmad_dp_bf16_packed_x; fp32: mmad_packed_x_f32): the pass's rows of x in panels of 16
   // (PackXPanels, once per call in LinearGemm), every stream's weight rows read once into all of the pass's
   // sums, then the epilogue per mTile rows. A pass that starts inside a panel (only under a UB small enough to
   // shrink mTile below 16) packs its own rows first.
@@ -142,8 +142,8 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
     else Simd().transpose_bf16(b, t_.nTile, StorageBits(w), t_.k, nt, kl);
   }
 
-  int64_t dp_ = kDpNone;
-  const float* xPanels_ = nullptr;  // kDpPackedX: x in panels of 16 rows (LinearGemm), else null
+  int64_t form_ = kF32Tiles;
+  const float* xPanels_ = nullptr;  // kPackedX: x in panels of 16 rows (LinearGemm), else null
 };
 
 // PackedX blocks [first, last) of x into dst: this core's share.
@@ -197,8 +197,8 @@ const float* PackedXPanels(const void* x, int64_t m, int64_t k, DataType dtype) 
 
 void LinearGemm(const void* x, const LinearSegment* segs, const void* residual, const LinearTilingData& t,
                 const SocInfo& soc) {
-  const float* xPacked = t.dpBf16 != kDpNone ? nullptr : PackedX(x, t.m, t.k, DataType(t.tilingKey / 10 % 10), soc);
-  const float* xPanels = t.dpBf16 == kDpPackedX ? PackedXPanels(x, t.m, t.k, DataType(t.tilingKey / 10 % 10)) : nullptr;
+  const float* xPacked = t.form != kF32Tiles ? nullptr : PackedX(x, t.m, t.k, DataType(t.tilingKey / 10 % 10), soc);
+  const float* xPanels = t.form == kPackedX ? PackedXPanels(x, t.m, t.k, DataType(t.tilingKey / 10 % 10)) : nullptr;
   LaunchLinearKernel<KernelLinearGemm>(t, soc, GmAddr(x), xPacked, xPanels, segs, GmAddr(residual), t);
 }
 

@@ -32,10 +32,10 @@ constexpr int64_t kHostMinBytesPerCore = 256 * 1024;
 //   packed W   fp32 [kTile, nTile]  per stream        (the cube's B operand)
 //   C          fp32 [mPass, nTile]  per stream        (the accumulator, kept across K chunks)
 //   and the NPU's output (and residual) staging, LinearIoUb (x is the A operand as fp32 in GM: PackedX)
-// With the dot-product micro-kernel (dp) there is no packed W.
-int64_t GemmUb(int64_t mPass, int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep, int64_t dp) {
+// The dot-product and packed-x forms have no packed W (kDpPacked: one packed in k pairs, bf16).
+int64_t GemmUb(int64_t mPass, int64_t mt, int64_t nt, int64_t kt, int64_t elt, LinearEpilogue ep, int64_t form) {
   int64_t streams = ep == LINEAR_SWIGLU ? 2 : 1;
-  int64_t b = dp == kDpPacked ? UbSlot(AlignUp(nt, 16) * AlignUp(kt, 2) * 2) : dp ? 0 : UbSlot(kt * nt * 4);
+  int64_t b = form == kDpPacked ? UbSlot(AlignUp(nt, 16) * AlignUp(kt, 2) * 2) : form != kF32Tiles ? 0 : UbSlot(kt * nt * 4);
   return streams * (b + UbSlot(mPass * nt * 4)) + LinearIoUb(mt, nt, elt, ep);
 }
 
@@ -45,21 +45,21 @@ constexpr int64_t kGemmDpNTile = 48;
 // k-pair-packed dp: 64 weight rows, the micro-kernel's 4 panels of 16.
 constexpr int64_t kGemmDpPackedNTile = 64;
 
-void GemmTiling(LinearTilingData& t, int64_t elt, LinearEpilogue ep, const AscendC::SocInfo& soc, int64_t dp) {
-  t.dpBf16 = dp;
-  if (dp == kDpPacked) {
+void GemmTiling(LinearTilingData& t, int64_t elt, LinearEpilogue ep, const AscendC::SocInfo& soc, int64_t form) {
+  t.form = form;
+  if (form == kDpPacked) {
     t.nTile = std::min(kGemmDpPackedNTile, MinSegmentRows(t));
     t.kTile = t.k;
-  } else if (dp) {
+  } else if (form != kF32Tiles) {
     t.nTile = std::min(kGemmDpNTile, MinSegmentRows(t));
     t.kTile = t.k;
   } else {
     GemmPackedTile(t, t.k);
   }
   // Packed K chunks halve to multiples of 8, k-pair-packed ones to multiples of 32; dp never splits K.
-  KHalving halving = dp == kDpPacked ? KHalving{256, 32} : dp ? kKeepKWhole : KHalving{64, 8};
+  KHalving halving = form == kDpPacked ? KHalving{256, 32} : form != kF32Tiles ? kKeepKWhole : KHalving{64, 8};
   GemmShrinkAndSplit(t, halving, ep, "linear", soc, [&](const LinearTilingData& c) {
-    return GemmUb(c.mPass, c.mTile, c.nTile, c.kTile, elt, ep, dp);
+    return GemmUb(c.mPass, c.mTile, c.nTile, c.kTile, elt, ep, form);
   });
 }
 
@@ -148,7 +148,7 @@ void GemmUnitSplit(LinearTilingData& t, LinearEpilogue ep, const AscendC::SocInf
   // rows already split evenly (M = 2048: 576x1536 1.07 at 32 rows) they stay. The packed fp32 tiling only:
   // the dp micro-kernels have their own panel multiples.
   const int64_t busiest = SplitUnits(t, t.nTile, segs, soc);
-  if (t.dpBf16 != kDpNone || t.nTile != 64) return;
+  if (t.form != kF32Tiles || t.nTile != 64) return;
   LinearTilingData halved = t;
   if (SplitUnits(halved, 32, segs, soc) * 20 < busiest * 19) t = halved;
 }
@@ -159,18 +159,18 @@ LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int6
   int64_t elt = AscendC::DataTypeSize(dtype);
   // The dot-product micro-kernel is the running CPU's (the SIMD table in use), whatever SoC is modelled.
   bool dp = dtype == AscendC::DataType::BFLOAT16 && AscendC::Simd().mmad_nt_dp_bf16 != nullptr;
-  int64_t dpMode = !dp ? kDpNone : (rowInvariant || m >= kLinearDpPackedMinRows) ? kDpPacked : kDpRows;
+  int64_t form = !dp ? kF32Tiles : (rowInvariant || m >= kLinearDpPackedMinRows) ? kDpPacked : kDpRows;
   const auto& simd = AscendC::Simd();
   const bool aliasing = (k * elt) % kPackedXAliasBytes == 0;
-  if (dpMode == kDpRows && simd.mmad_dp_bf16_packed_x &&
+  if (form == kDpRows && simd.mmad_dp_bf16_packed_x &&
       (simd.amx_tiles || (m >= kLinearDpPackedXMinRows && !aliasing)))
-    dpMode = kDpPackedX;
+    form = kPackedX;
   // fp32 batch decode from kLinearPackedXMinRows rows on, where the table has mmad_packed_x_f32.
   const bool f32PackedX = dtype == AscendC::DataType::FLOAT32 && simd.mmad_packed_x_f32 && !rowInvariant &&
                           !aliasing && m >= kLinearPackedXMinRows && m < kLinearGemmMinRows;
-  if (f32PackedX) dpMode = kDpPackedX;
+  if (f32PackedX) form = kPackedX;
   if (rowInvariant || m >= kLinearGemmMinRows || (dp && m >= kLinearDpMinRows) || f32PackedX) {
-    GemmTiling(t, elt, ep, soc, dpMode);
+    GemmTiling(t, elt, ep, soc, form);
     t.tilingKey = LINEAR_GEMM * 100 + int64_t(dtype) * 10 + ep;
     return t;
   }

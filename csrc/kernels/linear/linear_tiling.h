@@ -60,7 +60,7 @@ constexpr int64_t kLinearDpMinRows = 6;
 // 29328); one core, hot, 144 x 64 x 576: 167 -> 226 GFLOP/s, vdpbf16ps's peak ~218.
 constexpr int64_t kLinearDpPackedMinRows = 128;
 // Between kLinearDpMinRows and kLinearDpPackedMinRows rows, where the table has mmad_dp_bf16_packed_x, the dp
-// GEMM packs x in k pairs instead (kDpPackedX: one load of 16 rows of x per k pair for 16 weight rows, no
+// GEMM packs x in k pairs instead (kPackedX: one load of 16 rows of x per k pair for 16 weight rows, no
 // horizontal sums): on AMX tables from kLinearDpMinRows rows on, on the vector unit from this many (it fills
 // its accumulators' 16 lanes with rows of x, so fewer rows leave lanes idle). Zen 4, SmolLM2 bf16: one core,
 // hot weights, us, rows -> packed x: M = 16 gate 576 x 1536 189-197 -> 137-138, down 1536 x 576 142-143 ->
@@ -78,7 +78,13 @@ constexpr int64_t kLinearPackedXMinRows = 16;
 // 1536-value fp32 rows (6 KiB: two sets of 8) ran 1.2x faster packed.
 constexpr int64_t kPackedXAliasBytes = 4096;
 enum LinearMode : int64_t { LINEAR_STREAM = 0, LINEAR_GEMM = 1 };
-enum LinearDpKind : int64_t { kDpNone = 0, kDpRows = 1, kDpPacked = 2, kDpPackedX = 3 };
+// The GEMM kernel's operand forms (tiling `form`, binding key "form"):
+//   kF32Tiles  weight tiles widened to fp32 in UB for MmadNN (fp32, fp16, bf16 without AVX512-BF16);
+//   kDpRows    bf16 x and W feed mmad_nt_dp_bf16 as they lie, all of K per call (kTile = K);
+//   kDpPacked  bf16 weight tiles packed in k pairs for mmad_dp_bf16_packed;
+//   kPackedX   the kDpRows tiles, with x packed once per call in panels of 16 rows: k pairs for
+//              mmad_dp_bf16_packed_x (bf16), k-major for mmad_packed_x_f32 (fp32).
+enum LinearGemmForm : int64_t { kF32Tiles = 0, kDpRows = 1, kDpPacked = 2, kPackedX = 3 };
 
 struct LinearSegment {
   const void* weight = nullptr;  // [n, K]
@@ -102,10 +108,7 @@ struct LinearTilingData {
   int64_t mPass = 0;        // x rows whose fp32 accumulators stay in UB while one weight tile is packed
   int64_t nTiles = 0;       // row tiles over all segments (each inside one segment)
   int64_t mPasses = 0;
-  int64_t dpBf16 = 0;       // kDpRows: bf16 x and W feed mmad_nt_dp_bf16 as they lie, all of K per call (no
-                            // packed weight tile, kTile = K); kDpPackedX: the same tiles, x k-pair-packed once
-                            // per call for mmad_dp_bf16_packed_x; kDpPacked: weight tiles k-pair-packed (bf16)
-                            // for mmad_dp_bf16_packed; 0: weight tiles packed to fp32 for MmadNN
+  int64_t form = kF32Tiles;  // GEMM mode's operand form (LinearGemmForm): how x and the weights reach the cube
   int64_t ubBytes = 0;
   int64_t tilingKey = 0;     // mode * 100 + dtype * 10 + epilogue
 };

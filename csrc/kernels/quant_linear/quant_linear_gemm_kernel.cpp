@@ -36,7 +36,7 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
  public:
   void Init(GM_ADDR x, const float* xPacked, const LinearSegment* ls, const QuantSegment* qs, GM_ADDR residual,
             const QuantLinearTilingData& t) {
-    dp_ = t.base.dpBf16 == kDpPacked;
+    dp_ = t.base.form == kDpPacked;
     Gemm::InitGemm(x, xPacked, ls, residual, t.base, t.kPad, !dp_);
     q_ = qs;
     kPad_ = t.kPad;
@@ -99,7 +99,7 @@ class KernelQuantLinearGemm : public LinearGemmIo<T, KernelQuantLinearGemm<T>> {
 
 void QuantLinearGemm(const void* x, const QuantSegment* segs, const void* residual, const QuantLinearTilingData& t,
                      const SocInfo& soc) {
-  const bool dp = t.base.dpBf16 == kDpPacked;
+  const bool dp = t.base.form == kDpPacked;
   const float* xPacked = dp ? nullptr : PackedX(x, t.base.m, t.base.k, DataType(t.base.tilingKey / 10 % 10), soc);
   LaunchQuantKernel<KernelQuantLinearGemm>(x, segs, residual, t, soc, xPacked);
 }

@@ -118,7 +118,7 @@ QuantLinearTilingData QuantLinearTiling(int64_t m, int64_t k, const QuantSegment
   if (m >= kLinearGemmMinRows || (dp && m >= dpMin)) {
     GemmPackedTile(t, q.kPad);
     if (dp) {
-      t.dpBf16 = kDpPacked;
+      t.form = kDpPacked;
       t.nTile = std::min(kQuantDpNTile, MinSegmentRows(t));
       t.kTile = q.kPad;
     }
