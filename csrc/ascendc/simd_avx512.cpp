@@ -583,22 +583,36 @@ using LanesF = LaneLoads<float, PairF, SingleF>;
 using LanesH = LaneLoads<uint16_t, PairH, SingleH>;
 using LanesB = LaneLoads<uint16_t, PairB, SingleB>;
 
+// Where a block's weight rows lie and where their lanes go. Adjacent: pair c is rows 2c and 2c + 1 (lanes side by
+// side); runs (MmadNTLanes' few-row form): pair c is rows 2c * run and (2c + 1) * run, every row of the block in
+// its own run of the N rows.
+struct LanesLayout {
+  int64_t pairLd;     // weight elements from a pair's first row to its second
+  int64_t pairStep;   // weight elements from pair c's first row to pair c + 1's
+  int64_t laneHi;     // floats from a pair's first row's lanes to its second's
+  int64_t lanePair;   // floats from pair c's lanes to pair c + 1's
+  bool prefetch;      // software prefetch of the block's rows aheadRows on (0: two blocks ahead)
+  int64_t aheadRows;
+};
+inline LanesLayout AdjacentLanes(int64_t ldb) { return {ldb, 2 * ldb, 8, 16, true, 0}; }
+
 // R rows of A against P pairs of weight rows (or one single row, P == 0):
 // R*P accumulators, every weight vector loaded once per k step for all R rows.
 // Accumulators start from (and return to) the lanes buffer, so K may be split
 // anywhere on a multiple of 8.
 template <typename TB, class L, int R, int P>
 __attribute__((noinline)) void LanesBlock(float* lanes, int64_t N, const float* A, int64_t lda, const TB* B,
-                                          int64_t ldb, int64_t K, bool acc) {
+                                          int64_t ldb, int64_t K, bool acc, LanesLayout lay) {
   constexpr int kP = P == 0 ? 1 : P;
   V s[R][kP];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int c = 0; c < kP; ++c) {
-      float* l = lanes + (r * N + 2 * c) * 8;
-      s[r][c] = !acc ? _mm512_setzero_ps() : P == 0 ? _mm512_insertf32x8(_mm512_setzero_ps(), _mm256_loadu_ps(l), 0)
-                                                    : _mm512_loadu_ps(l);
+      const float* l = lanes + r * N * 8 + c * lay.lanePair;
+      s[r][c] = !acc ? _mm512_setzero_ps()
+                     : _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(l)),
+                                          P == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(l + lay.laneHi), 1);
     }
   // Short weight rows end before the hardware prefetcher ramps up: fetch the
   // rows two blocks ahead while these are used (as the AVX2 table does), into
@@ -606,15 +620,16 @@ __attribute__((noinline)) void LanesBlock(float* lanes, int64_t N, const float* 
   // answers, which capped one Zen 4 core's bf16 K=576 GEMV at ~6 GB/s; into L2
   // it streams at the plain read's rate (~12-17 GB/s on the same cold rows).
   constexpr int64_t kLine = 64 / int64_t(sizeof(TB));
-  const bool prefetch = P > 0 && ldb * int64_t(sizeof(TB)) <= 4096;
-  const char* next = reinterpret_cast<const char*>(B + 4 * kP * ldb);
+  const bool prefetch = P > 0 && lay.prefetch && ldb * int64_t(sizeof(TB)) <= 4096;
+  const TB* next = B + (lay.aheadRows ? lay.aheadRows : 4 * kP) * ldb;
   for (int64_t k = 0; k < K; k += 8) {
     if (prefetch && k % kLine == 0)
 #pragma GCC unroll 16
-      for (int c = 0; c < 2 * kP; ++c) _mm_prefetch(next + (c * ldb + k) * int64_t(sizeof(TB)), _MM_HINT_T1);
+      for (int c = 0; c < 2 * kP; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(next + (c / 2) * lay.pairStep + (c % 2) * lay.pairLd + k), _MM_HINT_T1);
     V b[kP];
 #pragma GCC unroll 8
-    for (int c = 0; c < kP; ++c) b[c] = P == 0 ? L::Single(B + k) : L::Pair(B + 2 * c * ldb + k, ldb);
+    for (int c = 0; c < kP; ++c) b[c] = P == 0 ? L::Single(B + k) : L::Pair(B + c * lay.pairStep + k, lay.pairLd);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       V a = _mm512_broadcast_f32x8(_mm256_loadu_ps(A + r * lda + k));
@@ -626,9 +641,9 @@ __attribute__((noinline)) void LanesBlock(float* lanes, int64_t N, const float* 
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int c = 0; c < kP; ++c) {
-      float* l = lanes + (r * N + 2 * c) * 8;
-      if (P == 0) _mm256_storeu_ps(l, _mm512_castps512_ps256(s[r][c]));
-      else _mm512_storeu_ps(l, s[r][c]);
+      float* l = lanes + r * N * 8 + c * lay.lanePair;
+      _mm256_storeu_ps(l, _mm512_castps512_ps256(s[r][c]));
+      if (P > 0) _mm256_storeu_ps(l + lay.laneHi, _mm512_extractf32x8_ps(s[r][c], 1));
     }
 }
 
@@ -666,6 +681,10 @@ inline void ForRowBlocks(int64_t M, Fn&& fn) { ForRowTiles<8>(M, fn); }
 // 10.43-10.87; fp32 M = 1 17.75-18.12 -> 16.76-16.92, M = 4 20.49-20.89 -> 19.17-19.34. One pair is slower
 // again (its single fma chain per row of A bounds it).
 
+// The few-row form's shortest runs: shorter ones end before the hardware prefetcher has ramped up (4 runs of 16
+// rows in 64-row calls read at 0.59 of a plain stream in the measurement below), so such calls keep adjacent rows.
+constexpr int64_t kLanesRunMinRows = 32;
+
 template <typename TB, class L>
 void MmadNTLanes(float* lanes, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
                  bool acc) {
@@ -682,11 +701,29 @@ void MmadNTLanes(float* lanes, const float* A, int64_t lda, const TB* B, int64_t
   const int64_t blocks = (K + 255) / 256;
   const int64_t kb = M <= 8 ? K : (K + 8 * blocks - 1) / (8 * blocks) * 8;
   int64_t n = 0;
-  auto block = [&](auto rows, int64_t m, auto pairs, int64_t n0, int64_t k) {
+  auto block = [&](auto rows, int64_t m, auto pairs, int64_t n0, int64_t k, LanesLayout lay = {}) {
     constexpr int R = decltype(rows)::value, P = decltype(pairs)::value;
+    if (lay.pairLd == 0) lay = AdjacentLanes(ldb);
     LanesBlock<TB, L, R, P>(lanes + (m * N + n0) * 8, N, A + m * lda + k, lda, B + n0 * ldb + k, ldb,
-                            std::min(kb, K - k), acc || k > 0);
+                            std::min(kb, K - k), acc || k > 0, lay);
   };
+  // Up to 4 rows of A (bound by the weight stream): the block's 4 weight rows come from 4 runs of N / 4 rows,
+  // each run read front to back, row after row, so the hardware prefetcher follows 4 long streams (the
+  // software prefetch still requests each run's row two ahead). Adjacent rows read side by side are 4 short
+  // interleaved streams it does not follow. Zen 4, 2 threads, loads only of 256 MiB of 1152-byte rows in the
+  // kernel's order (16 bytes of each row per step), against a front-to-back read, medians of 11-15 interleaved
+  // rounds: adjacent rows with the prefetch 0.69-0.90, 4 runs over each thread's rows 0.86-1.00, adjacent rows
+  // without the prefetch 0.40-0.59. The bf16 M = 1 linear over 256 MiB against the read probe, alternating
+  // processes: 0.84-0.85 -> 0.91-0.92 (runs without the prefetch: 0.87-0.93 at ~35 GB/s, but 0.66 at ~48);
+  // SmolLM2's bf16 batch-1 decode graph step, 7 alternating pairs: median 9.75 -> 8.87 ms (5 of 7 faster).
+  if (M <= 4 && N >= 4 * kLanesRunMinRows) {
+    const int64_t run = N / 4;
+    const LanesLayout runs{run * ldb, 2 * run * ldb, 8 * run, 16 * run, true, 2};
+    for (int64_t i = 0; i < run; ++i)
+      ForRowBlocks(M, [&](auto rows, int64_t m) { block(rows, m, std::integral_constant<int, 2>{}, i, 0, runs); });
+    // The rows past 4 runs (N % 4 of them) in adjacent pairs and the odd row, below.
+    n = 4 * run;
+  }
   using std::integral_constant;
   auto panel = [&](auto pairs, int64_t n0) {
     for (int64_t k = 0; k < K; k += kb)

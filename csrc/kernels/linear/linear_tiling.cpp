@@ -174,8 +174,13 @@ LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int6
     t.tilingKey = LINEAR_GEMM * 100 + int64_t(dtype) * 10 + ep;
     return t;
   }
-  // Decode: all M rows in one pass, all of K in UB, 64 weight rows per tile; K chunks halve to multiples of 64.
+  // Decode: all M rows in one pass, all of K in UB, 64 weight rows per tile (up to kLinearRunsTileRows for
+  // a few rows, below); K chunks halve to multiples of 64.
   StreamRowSplit(t, t.rows * k * elt * (ep == LINEAR_SWIGLU ? 2 : 1), k, soc);
+  // Up to kLinearRunsMaxRows rows of x, the lanes micro-kernel reads a call's weight rows as 4 runs front to
+  // back (simd_avx512.cpp, MmadNTLanes), which the hardware prefetcher follows the longer they are: a core's
+  // rows of a segment in one tile where the UB holds them (StreamShrink halves it where it does not).
+  if (m <= kLinearRunsMaxRows) t.nTile = std::min(t.blockFactor, kLinearRunsTileRows);
   StreamShrink(t, KHalving{64, 64}, "linear", soc,
                [&](const LinearTilingData& c) { return TileUb(c.mTile, c.nTile, c.kTile, elt, ep); });
   t.tilingKey = LINEAR_STREAM * 100 + int64_t(dtype) * 10 + ep;

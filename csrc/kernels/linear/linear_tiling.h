@@ -77,6 +77,11 @@ constexpr int64_t kLinearPackedXMinRows = 16;
 // keep the row and stream kernels. Zen 4, bf16, M = 16, 2048 x 5632 (4 KiB rows): 1.12-1.33 -> 2.18-2.64 ms;
 // 1536-value fp32 rows (6 KiB: two sets of 8) ran 1.2x faster packed.
 constexpr int64_t kPackedXAliasBytes = 4096;
+// STREAM tiles of at most this many rows of x hold up to kLinearRunsTileRows weight rows (else 64): the lanes
+// micro-kernel reads each call's rows in 4 runs front to back, and longer runs stream faster (a 64-row tile's
+// 16-row runs did not: 0.59 of a plain read where 128-row ones made 0.68 and a core's whole share 0.90).
+constexpr int64_t kLinearRunsMaxRows = 4;
+constexpr int64_t kLinearRunsTileRows = 1024;
 enum LinearMode : int64_t { LINEAR_STREAM = 0, LINEAR_GEMM = 1 };
 // The GEMM kernel's operand forms (tiling `form`, binding key "form"):
 //   kF32Tiles  weight tiles widened to fp32 in UB for MmadNN (fp32, fp16, bf16 without AVX512-BF16);
