@@ -549,12 +549,14 @@ void RmsScaleOut(uint16_t* d, const float* h, const float* w, float rstd, int64_
 // against CN weight rows, R*CN accumulators in registers, every weight vector
 // loaded once per k-step for all R rows. Accumulators start from (and return
 // to) the lanes buffer, so K may be split anywhere on a multiple of 8.
+// Weight row c of the block is row c * rowStep (1: adjacent rows; MmadNTLanes' runs: one row of each run).
 template <typename TB, __m256 (*L8)(const TB*), int R, int CN>
 inline void LanesBlock(float* lanes, int64_t N, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t K,
-                       bool acc) {
+                       bool acc, int64_t rowStep = 1) {
   __m256 s[R][CN];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < CN; ++c) s[r][c] = acc ? _mm256_loadu_ps(lanes + (r * N + c) * 8) : _mm256_setzero_ps();
+    for (int c = 0; c < CN; ++c)
+      s[r][c] = acc ? _mm256_loadu_ps(lanes + (r * N + c * rowStep) * 8) : _mm256_setzero_ps();
   // Short weight rows (a few KiB: bf16 K=576 is 1.1 KiB) end before the hardware
   // prefetcher ramps up, so the block ahead is fetched while this one is used
   // (block_prefetch.h; bf16 1536x576, M = 1, 2 threads, medians of 21 interleaved
@@ -566,16 +568,22 @@ inline void LanesBlock(float* lanes, int64_t N, const float* A, int64_t lda, con
   const int64_t rowBytes = K * int64_t(sizeof(TB)), pitch = ldb * int64_t(sizeof(TB));
   const BlockPrefetch<CN> ahead(B, pitch, rowBytes, BlockPrefetch<CN>::Linear(pitch, rowBytes) ? 1 : 2);
   for (int64_t k = 0; k < K; k += 8) {
-    if (prefetch && k % kLine == 0) ahead.At(k * int64_t(sizeof(TB)));
+    if (prefetch && k % kLine == 0) {
+      if (rowStep == 1) {
+        ahead.At(k * int64_t(sizeof(TB)));
+      } else {  // each run's row two ahead
+        for (int c = 0; c < CN; ++c) _mm_prefetch(reinterpret_cast<const char*>(B + (c * rowStep + 2) * ldb + k), _MM_HINT_T1);
+      }
+    }
     __m256 b[CN];
-    for (int c = 0; c < CN; ++c) b[c] = L8(B + c * ldb + k);
+    for (int c = 0; c < CN; ++c) b[c] = L8(B + c * rowStep * ldb + k);
     for (int r = 0; r < R; ++r) {
       __m256 a = _mm256_loadu_ps(A + r * lda + k);
       for (int c = 0; c < CN; ++c) s[r][c] = _mm256_fmadd_ps(a, b[c], s[r][c]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < CN; ++c) _mm256_storeu_ps(lanes + (r * N + c) * 8, s[r][c]);
+    for (int c = 0; c < CN; ++c) _mm256_storeu_ps(lanes + (r * N + c * rowStep) * 8, s[r][c]);
 }
 
 template <typename TB, __m256 (*L8)(const TB*), int R, int CN>
@@ -600,8 +608,7 @@ constexpr int64_t kLanesKBlock = 2048;
 
 template <typename TB, __m256 (*L8)(const TB*), int R, int CN>
 inline void LanesPanels(float* lanes, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N,
-                        int64_t K, int64_t kb, bool acc) {
-  int64_t n = 0;
+                        int64_t K, int64_t kb, bool acc, int64_t n = 0) {
   for (; n + CN <= N; n += CN)
     for (int64_t k = 0; k < K; k += kb)
       LanesRows<TB, L8, R, CN>(lanes + n * 8, N, A + k, lda, B + n * ldb + k, ldb, M, std::min(kb, K - k),
@@ -612,6 +619,9 @@ inline void LanesPanels(float* lanes, const float* A, int64_t lda, const TB* B, 
                               acc || k > 0);
 }
 
+// Runs shorter than this end before the stream prefetcher ramps up (simd_avx512.cpp's kLanesRunMinRows).
+constexpr int64_t kLanesRunMinRows = 32;
+
 template <typename TB, __m256 (*L8)(const TB*)>
 void MmadNTLanes(float* lanes, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
                  bool acc) {
@@ -619,7 +629,16 @@ void MmadNTLanes(float* lanes, const float* A, int64_t lda, const TB* B, int64_t
     if (!acc) std::fill(lanes, lanes + M * N * 8, 0.0f);
     return;
   }
-  if (M <= 2)
+  if (M <= 2 && N >= 4 * kLanesRunMinRows) {
+    // As the AVX-512 table's few-row form: the block's 4 weight rows from 4 runs of N / 4 rows, each run read
+    // front to back (the stream prefetcher follows it), then the rows past the runs as before.
+    const int64_t run = N / 4;
+    for (int64_t i = 0; i < run; ++i) {
+      if (M == 2) LanesBlock<TB, L8, 2, 4>(lanes + i * 8, N, A, lda, B + i * ldb, ldb, K, acc, run);
+      else LanesBlock<TB, L8, 1, 4>(lanes + i * 8, N, A, lda, B + i * ldb, ldb, K, acc, run);
+    }
+    LanesPanels<TB, L8, 2, 4>(lanes, A, lda, B, ldb, M, N, K, K, acc, 4 * run);
+  } else if (M <= 2)
     LanesPanels<TB, L8, 2, 4>(lanes, A, lda, B, ldb, M, N, K, K, acc);
   else
     LanesPanels<TB, L8, 4, 3>(lanes, A, lda, B, ldb, M, N, K, kLanesKBlock, acc);
