@@ -249,15 +249,17 @@ def _has_dp(isa: str) -> bool:
                                    (128, 96, 60), (131, 40, 124)])
 def test_gemm_bf16_packed_every_isa(isa, m, k, n):
     # bf16 from 128 rows on (and at every M under row_invariant): weight tiles packed in k pairs for vdpbf16ps
-    # where the table has it. Odd K (the last pair half), N off the 16-row panel and the 64-row group (1 to 4
+    # where the table has it, or on the vector unit up to 1023 rows x packed in k pairs, whose sums are the
+    # packed kernel's. Odd K (the last pair half), N off the 16-row panel and the 64-row group (1 to 4
     # panels after the last whole group: 60 and 124 once came out wrong), K past
     # what the UB holds at once (chunks accumulate), every fused epilogue; the same bits whatever rows share
-    # the call, and a row-invariant call of a few rows gives the rows of the big one.
+    # the call, and a row-invariant call of a few rows (the packed kernel) gives the rows of the big one.
     host, code = atb.get_soc("host"), DTYPE_CODES[torch.bfloat16]
     kind = _C.linear_tiling(m, k, [n], 0, code, host)["form"]
-    assert kind == ("packed" if _has_dp(isa) else "f32_tiles")
+    assert kind == (("packed_x" if "amx" not in isa else "packed") if _has_dp(isa) else "f32_tiles")
+    assert _C.linear_tiling(m, k, [n], 0, code, host, row_invariant=True)["form"] == kind
     small = _C.linear_tiling(3, k, [n], 0, code, host, row_invariant=True)["form"]
-    assert small == kind
+    assert small == ("packed" if _has_dp(isa) else "f32_tiles")
     x = torch.randn(m, k).bfloat16()
     ws = [torch.randn(n, k).bfloat16() for _ in range(3)]
     b, r = torch.randn(n).bfloat16(), torch.randn(m, n).bfloat16()
@@ -279,21 +281,23 @@ def test_gemm_bf16_packed_every_isa(isa, m, k, n):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("m,k,n", [(16, 576, 48), (16, 577, 50), (17, 64, 17), (31, 1, 16), (16, 1536, 97),
-                                   (31, 2, 33), (127, 95, 1), (33, 3, 16)])
+                                   (31, 2, 33), (127, 95, 1), (33, 3, 16), (255, 131, 40), (300, 65, 19)])
 def test_batch_decode_rows_have_the_prefill_bits(isa, dtype, m, k, n):
-    # Batch decode on x packed in panels of 16 rows (bf16 from 16 to 127 rows on the vector dp tables:
-    # mmad_dp_bf16_packed_x; fp32 from 16 to 31 rows on every AVX-512 table: mmad_packed_x_f32): every element
-    # is the chain the prefill GEMM computes (bf16: the k-pair-packed kernel; fp32: MmadTN's fma chain), so a
-    # row decoded in a batch gets the bits a row-invariant (prefill) call gives it. Odd K (bf16: the lone last
-    # pair), N off the 16-row weight block (its padded copy), M off the 16-row panel, every fused epilogue.
+    # Batch decode and short prefills on x packed in panels of 16 rows (bf16 from 16 to 1023 rows on the vector
+    # dp tables: mmad_dp_bf16_packed_x; fp32 from 16 to 255 rows on every AVX-512 table: mmad_packed_x_f32):
+    # every element is the chain the packed GEMM computes (bf16: the k-pair-packed kernel; fp32: MmadTN's fma
+    # chain), so those rows have the bits of a row-invariant call of fewer than 16 rows (the packed kernels).
+    # Odd K (bf16: the lone last pair), N off the 16-row weight block (its padded copy), M off the 16-row panel,
+    # every fused epilogue.
     if dtype == torch.bfloat16 and (not _has_dp(isa) or "amx" in isa):
         pytest.skip("bf16: the vector unit's vdpbf16ps tables only (AMX sums its 32-k chunks its own way)")
     if dtype == torch.float32 and not isa.startswith("avx512"):
         pytest.skip("fp32: the AVX-512 tables")
-    packed_x = dtype == torch.bfloat16 or m < 32
-    if not packed_x:
-        pytest.skip("fp32 from 32 rows on is the GEMM kernel itself")
-    assert _C.linear_tiling(m, k, [n], 0, DTYPE_CODES[dtype], atb.get_soc("host"))["form"] == "packed_x"
+    if dtype == torch.float32 and m >= 256:
+        pytest.skip("fp32 from 256 rows on is the GEMM kernel itself")
+    for row_invariant in (False, True):
+        tiling = _C.linear_tiling(m, k, [n], 0, DTYPE_CODES[dtype], atb.get_soc("host"), row_invariant=row_invariant)
+        assert tiling["form"] == "packed_x"
     x = torch.randn(m, k).to(dtype)
     ws = [torch.randn(n, k).to(dtype) for _ in range(3)]
     b, r = torch.randn(n).to(dtype), torch.randn(m, n).to(dtype)
@@ -301,7 +305,14 @@ def test_batch_decode_rows_have_the_prefill_bits(isa, dtype, m, k, n):
     for name, op in {"linear": lambda **kw: K.linear(x, ws[0], b, **kw),
                      "residual": lambda **kw: K.linear_residual(x, ws[1], r, b, **kw),
                      "swiglu": lambda **kw: K.linear_swiglu(x, ws[1], ws[2], **kw)}.items():
-        assert torch.equal(op(), op(row_invariant=True)), name
+        full = op()
+        assert torch.equal(full, op(row_invariant=True)), name
+        for lo, hi in [(0, 1), (3, 15), (m - 15, m)]:  # row-invariant calls of a few rows: the packed kernels
+            rows = slice(lo, hi)
+            few = {"linear": lambda: K.linear(x[rows], ws[0], b, row_invariant=True),
+                   "residual": lambda: K.linear_residual(x[rows], ws[1], r[rows], b, row_invariant=True),
+                   "swiglu": lambda: K.linear_swiglu(x[rows], ws[1], ws[2], row_invariant=True)}[name]()
+            assert torch.equal(few, full[rows]), (name, lo, hi)
     assert_close(K.linear(x, ws[0], b), linear_ref(x, ws[0], b), scale=_scale(k))
     qkv = K.linear_multi(x, ws, [b, None, b])
     for out, w, bias in zip(qkv, ws, [b, None, b]):
@@ -332,10 +343,10 @@ def test_gemm_bf16_packed_splits_k_when_the_ub_is_small():
         atb.set_isa("avx512-simde")
     try:
         code = DTYPE_CODES[torch.bfloat16]
-        tilings = {s: _C.linear_tiling(256, 4099, [96], 0, code, atb.get_soc(s)) for s in BF16_SOCS + ["host"]}
+        tilings = {s: _C.linear_tiling(1024, 4099, [96], 0, code, atb.get_soc(s)) for s in BF16_SOCS + ["host"]}
         assert {t["form"] for t in tilings.values()} == {"packed"}
         assert any(t["k_tile"] < 4099 for t in tilings.values())
-        x, w = torch.randn(256, 4099).bfloat16(), torch.randn(96, 4099).bfloat16()
+        x, w = torch.randn(1024, 4099).bfloat16(), torch.randn(96, 4099).bfloat16()
         host = atb.kernels.linear(x, w, soc_type="host")
         assert_close(host, linear_ref(x, w), scale=_scale(4099))
         for soc in BF16_SOCS:

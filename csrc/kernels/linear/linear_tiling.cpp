@@ -162,12 +162,16 @@ LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int6
   int64_t form = !dp ? kF32Tiles : (rowInvariant || m >= kLinearDpPackedMinRows) ? kDpPacked : kDpRows;
   const auto& simd = AscendC::Simd();
   const bool aliasing = (k * elt) % kPackedXAliasBytes == 0;
-  if (form == kDpRows && simd.mmad_dp_bf16_packed_x &&
-      (simd.amx_tiles || (m >= kLinearDpPackedXMinRows && !aliasing)))
-    form = kPackedX;
-  // fp32 batch decode from kLinearPackedXMinRows rows on, where the table has mmad_packed_x_f32.
-  const bool f32PackedX = dtype == AscendC::DataType::FLOAT32 && simd.mmad_packed_x_f32 && !rowInvariant &&
-                          !aliasing && m >= kLinearPackedXMinRows && m < kLinearGemmMinRows;
+  // Packed x on the vector unit: its elements are the packed GEMM's chains (bf16: mmad_dp_bf16_packed's; fp32:
+  // MmadTN's), so the form serves row-invariant calls (engine prefill) as well.
+  const bool bf16PackedX = dp && simd.mmad_dp_bf16_packed_x && !simd.amx_tiles && !aliasing &&
+                           m >= kLinearDpPackedXMinRows && m < kLinearDpPackedXMaxRows;
+  if (bf16PackedX) form = kPackedX;
+  // AMX tables: the tiles' own packed-x form between the row and the packed kernels (not row-invariant: AMX
+  // sums its 32-k chunks its own way).
+  if (form == kDpRows && simd.mmad_dp_bf16_packed_x && simd.amx_tiles) form = kPackedX;
+  const bool f32PackedX = dtype == AscendC::DataType::FLOAT32 && simd.mmad_packed_x_f32 && !aliasing &&
+                          m >= kLinearPackedXMinRows && m < kLinearPackedXF32MaxRows;
   if (f32PackedX) form = kPackedX;
   if (rowInvariant || m >= kLinearGemmMinRows || (dp && m >= kLinearDpMinRows) || f32PackedX) {
     GemmTiling(t, elt, ep, soc, form);
