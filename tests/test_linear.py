@@ -249,17 +249,15 @@ def _has_dp(isa: str) -> bool:
                                    (128, 96, 60), (131, 40, 124)])
 def test_gemm_bf16_packed_every_isa(isa, m, k, n):
     # bf16 from 128 rows on (and at every M under row_invariant): weight tiles packed in k pairs for vdpbf16ps
-    # where the table has it, or on the vector unit up to 1023 rows x packed in k pairs, whose sums are the
-    # packed kernel's. Odd K (the last pair half), N off the 16-row panel and the 64-row group (1 to 4
+    # where the table has it. Odd K (the last pair half), N off the 16-row panel and the 64-row group (1 to 4
     # panels after the last whole group: 60 and 124 once came out wrong), K past
     # what the UB holds at once (chunks accumulate), every fused epilogue; the same bits whatever rows share
-    # the call, and a row-invariant call of a few rows (the packed kernel) gives the rows of the big one.
+    # the call, and a row-invariant call of a few rows gives the rows of the big one.
     host, code = atb.get_soc("host"), DTYPE_CODES[torch.bfloat16]
     kind = _C.linear_tiling(m, k, [n], 0, code, host)["form"]
-    assert kind == (("packed_x" if "amx" not in isa else "packed") if _has_dp(isa) else "f32_tiles")
-    assert _C.linear_tiling(m, k, [n], 0, code, host, row_invariant=True)["form"] == kind
+    assert kind == ("packed" if _has_dp(isa) else "f32_tiles")
     small = _C.linear_tiling(3, k, [n], 0, code, host, row_invariant=True)["form"]
-    assert small == ("packed" if _has_dp(isa) else "f32_tiles")
+    assert small == kind
     x = torch.randn(m, k).bfloat16()
     ws = [torch.randn(n, k).bfloat16() for _ in range(3)]
     b, r = torch.randn(n).bfloat16(), torch.randn(m, n).bfloat16()
@@ -283,19 +281,19 @@ def test_gemm_bf16_packed_every_isa(isa, m, k, n):
 @pytest.mark.parametrize("m,k,n", [(16, 576, 48), (16, 577, 50), (17, 64, 17), (31, 1, 16), (16, 1536, 97),
                                    (31, 2, 33), (127, 95, 1), (33, 3, 16), (255, 131, 40), (300, 65, 19)])
 def test_batch_decode_rows_have_the_prefill_bits(isa, dtype, m, k, n):
-    # Batch decode and short prefills on x packed in panels of 16 rows (bf16 from 16 to 1023 rows on the vector
-    # dp tables: mmad_dp_bf16_packed_x; fp32 from 16 to 255 rows on every AVX-512 table: mmad_packed_x_f32):
-    # every element is the chain the packed GEMM computes (bf16: the k-pair-packed kernel; fp32: MmadTN's fma
-    # chain), so those rows have the bits of a row-invariant call of fewer than 16 rows (the packed kernels).
-    # Odd K (bf16: the lone last pair), N off the 16-row weight block (its padded copy), M off the 16-row panel,
-    # every fused epilogue.
+    # Batch decode and short prefills on x packed in panels of 16 rows (bf16 from 16 to 127 rows on the vector
+    # dp tables: mmad_dp_bf16_packed_x; fp32 from 16 to 255 rows on every AVX-512 table, row-invariant calls
+    # included: mmad_packed_x_f32): every element is the chain the packed GEMM computes (bf16: the
+    # k-pair-packed kernel; fp32: MmadTN's fma chain), so those rows have the bits of a row-invariant call
+    # (bf16: of any size; fp32: of fewer than 16 rows). Odd K (bf16: the lone last pair), N off the 16-row
+    # weight block (its padded copy), M off the 16-row panel, every fused epilogue.
     if dtype == torch.bfloat16 and (not _has_dp(isa) or "amx" in isa):
         pytest.skip("bf16: the vector unit's vdpbf16ps tables only (AMX sums its 32-k chunks its own way)")
     if dtype == torch.float32 and not isa.startswith("avx512"):
         pytest.skip("fp32: the AVX-512 tables")
-    if dtype == torch.float32 and m >= 256:
-        pytest.skip("fp32 from 256 rows on is the GEMM kernel itself")
-    for row_invariant in (False, True):
+    if m >= (128 if dtype == torch.bfloat16 else 256):
+        pytest.skip("bf16 from 128 rows on, fp32 from 256, is the packed GEMM itself")
+    for row_invariant in (False, True) if dtype == torch.float32 else (False,):
         tiling = _C.linear_tiling(m, k, [n], 0, DTYPE_CODES[dtype], atb.get_soc("host"), row_invariant=row_invariant)
         assert tiling["form"] == "packed_x"
     x = torch.randn(m, k).to(dtype)
@@ -343,10 +341,10 @@ def test_gemm_bf16_packed_splits_k_when_the_ub_is_small():
         atb.set_isa("avx512-simde")
     try:
         code = DTYPE_CODES[torch.bfloat16]
-        tilings = {s: _C.linear_tiling(1024, 4099, [96], 0, code, atb.get_soc(s)) for s in BF16_SOCS + ["host"]}
+        tilings = {s: _C.linear_tiling(256, 4099, [96], 0, code, atb.get_soc(s)) for s in BF16_SOCS + ["host"]}
         assert {t["form"] for t in tilings.values()} == {"packed"}
         assert any(t["k_tile"] < 4099 for t in tilings.values())
-        x, w = torch.randn(1024, 4099).bfloat16(), torch.randn(96, 4099).bfloat16()
+        x, w = torch.randn(256, 4099).bfloat16(), torch.randn(96, 4099).bfloat16()
         host = atb.kernels.linear(x, w, soc_type="host")
         assert_close(host, linear_ref(x, w), scale=_scale(4099))
         for soc in BF16_SOCS:

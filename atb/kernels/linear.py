@@ -44,8 +44,8 @@ _MEASURE_K = _MEASURE_N = 1024
 # r4: the vdpbf16ps GEMM from 6 rows on. r5: decided per op (ROUTED_OPS), prefill rows in two buckets.
 # r6: the GEMM walks its units pass by pass and every epilogue writes straight to the output rows (faster
 # native prefill: decisions cached under r5 were measured against the slower kernels). r7: the fused
-# epilogues (SwiGLU, residual) go from the fp32 sums to the output in one pass. r8: x packed once per call
-# for short prefills on the vector unit (bf16 up to 1023 rows, fp32 up to 255), decode of 1-4 rows in runs.
+# epilogues (SwiGLU, residual) go from the fp32 sums to the output in one pass. r8: fp32 x packed once per call
+# for 16-255 rows (AVX-512), decode of 1-4 rows read in runs.
 _KERNELS_REVISION = 8
 # The ops routed on their own: each is measured as the model runs it, the native fused entry against torch's
 # equivalent. A plain GEMM probe alone undersold the fused ones: on an AMX Xeon torch's bf16 GEMM beats the

@@ -584,17 +584,17 @@ using LanesH = LaneLoads<uint16_t, PairH, SingleH>;
 using LanesB = LaneLoads<uint16_t, PairB, SingleB>;
 
 // Where a block's weight rows lie and where their lanes go. Adjacent: pair c is rows 2c and 2c + 1 (lanes side by
-// side); runs (MmadNTLanes' few-row form): pair c is rows 2c * run and (2c + 1) * run, every row of the block in
-// its own run of the N rows.
+// side); runs (MmadNTLanes' few-row form): every row of the block in its own run of the N rows.
 struct LanesLayout {
   int64_t pairLd;     // weight elements from a pair's first row to its second
   int64_t pairStep;   // weight elements from pair c's first row to pair c + 1's
   int64_t laneHi;     // floats from a pair's first row's lanes to its second's
   int64_t lanePair;   // floats from pair c's lanes to pair c + 1's
-  bool prefetch;      // software prefetch of the block's rows aheadRows on (0: two blocks ahead)
-  int64_t aheadRows;
+  int64_t aheadRows;  // rows from each of the block's rows to the one prefetched (0: two blocks ahead, 4 * P)
 };
-inline LanesLayout AdjacentLanes(int64_t ldb) { return {ldb, 2 * ldb, 8, 16, true, 0}; }
+inline LanesLayout AdjacentLanes(int64_t ldb) { return {ldb, 2 * ldb, 8, 16, 0}; }
+// Runs of `run` rows: pair c is rows 2c * run and (2c + 1) * run; each run's row two ahead is prefetched.
+inline LanesLayout RunLanes(int64_t ldb, int64_t run) { return {run * ldb, 2 * run * ldb, 8 * run, 16 * run, 2}; }
 
 // R rows of A against P pairs of weight rows (or one single row, P == 0):
 // R*P accumulators, every weight vector loaded once per k step for all R rows.
@@ -620,7 +620,7 @@ __attribute__((noinline)) void LanesBlock(float* lanes, int64_t N, const float* 
   // answers, which capped one Zen 4 core's bf16 K=576 GEMV at ~6 GB/s; into L2
   // it streams at the plain read's rate (~12-17 GB/s on the same cold rows).
   constexpr int64_t kLine = 64 / int64_t(sizeof(TB));
-  const bool prefetch = P > 0 && lay.prefetch && ldb * int64_t(sizeof(TB)) <= 4096;
+  const bool prefetch = P > 0 && ldb * int64_t(sizeof(TB)) <= 4096;
   const TB* next = B + (lay.aheadRows ? lay.aheadRows : 4 * kP) * ldb;
   for (int64_t k = 0; k < K; k += 8) {
     if (prefetch && k % kLine == 0)
@@ -701,9 +701,9 @@ void MmadNTLanes(float* lanes, const float* A, int64_t lda, const TB* B, int64_t
   const int64_t blocks = (K + 255) / 256;
   const int64_t kb = M <= 8 ? K : (K + 8 * blocks - 1) / (8 * blocks) * 8;
   int64_t n = 0;
-  auto block = [&](auto rows, int64_t m, auto pairs, int64_t n0, int64_t k, LanesLayout lay = {}) {
+  const LanesLayout adjacent = AdjacentLanes(ldb);
+  auto block = [&](auto rows, int64_t m, auto pairs, int64_t n0, int64_t k, const LanesLayout& lay) {
     constexpr int R = decltype(rows)::value, P = decltype(pairs)::value;
-    if (lay.pairLd == 0) lay = AdjacentLanes(ldb);
     LanesBlock<TB, L, R, P>(lanes + (m * N + n0) * 8, N, A + m * lda + k, lda, B + n0 * ldb + k, ldb,
                             std::min(kb, K - k), acc || k > 0, lay);
   };
@@ -718,7 +718,7 @@ void MmadNTLanes(float* lanes, const float* A, int64_t lda, const TB* B, int64_t
   // SmolLM2's bf16 batch-1 decode graph step, 7 alternating pairs: median 9.75 -> 8.87 ms (5 of 7 faster).
   if (M <= 4 && N >= 4 * kLanesRunMinRows) {
     const int64_t run = N / 4;
-    const LanesLayout runs{run * ldb, 2 * run * ldb, 8 * run, 16 * run, true, 2};
+    const LanesLayout runs = RunLanes(ldb, run);
     for (int64_t i = 0; i < run; ++i)
       ForRowBlocks(M, [&](auto rows, int64_t m) { block(rows, m, std::integral_constant<int, 2>{}, i, 0, runs); });
     // The rows past 4 runs (N % 4 of them) in adjacent pairs and the odd row, below.
@@ -727,7 +727,7 @@ void MmadNTLanes(float* lanes, const float* A, int64_t lda, const TB* B, int64_t
   using std::integral_constant;
   auto panel = [&](auto pairs, int64_t n0) {
     for (int64_t k = 0; k < K; k += kb)
-      ForRowBlocks(M, [&](auto rows, int64_t m) { block(rows, m, pairs, n0, k); });
+      ForRowBlocks(M, [&](auto rows, int64_t m) { block(rows, m, pairs, n0, k, adjacent); });
   };
   // Wide panels (3 pairs from 5 rows of A on), then pairs of pairs, single pairs and the odd row.
   if (M > 4)

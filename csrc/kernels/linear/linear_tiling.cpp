@@ -162,14 +162,11 @@ LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int6
   int64_t form = !dp ? kF32Tiles : (rowInvariant || m >= kLinearDpPackedMinRows) ? kDpPacked : kDpRows;
   const auto& simd = AscendC::Simd();
   const bool aliasing = (k * elt) % kPackedXAliasBytes == 0;
-  // Packed x on the vector unit: its elements are the packed GEMM's chains (bf16: mmad_dp_bf16_packed's; fp32:
-  // MmadTN's), so the form serves row-invariant calls (engine prefill) as well.
-  const bool bf16PackedX = dp && simd.mmad_dp_bf16_packed_x && !simd.amx_tiles && !aliasing &&
-                           m >= kLinearDpPackedXMinRows && m < kLinearDpPackedXMaxRows;
-  if (bf16PackedX) form = kPackedX;
-  // AMX tables: the tiles' own packed-x form between the row and the packed kernels (not row-invariant: AMX
-  // sums its 32-k chunks its own way).
-  if (form == kDpRows && simd.mmad_dp_bf16_packed_x && simd.amx_tiles) form = kPackedX;
+  if (form == kDpRows && simd.mmad_dp_bf16_packed_x &&
+      (simd.amx_tiles || (m >= kLinearDpPackedXMinRows && !aliasing)))
+    form = kPackedX;
+  // fp32 on x packed k-major: its elements are the packed GEMM kernel's MmadTN chains (the same bits), so the
+  // form serves row-invariant calls (engine prefill) as well.
   const bool f32PackedX = dtype == AscendC::DataType::FLOAT32 && simd.mmad_packed_x_f32 && !aliasing &&
                           m >= kLinearPackedXMinRows && m < kLinearPackedXF32MaxRows;
   if (f32PackedX) form = kPackedX;

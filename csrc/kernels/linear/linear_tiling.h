@@ -17,15 +17,14 @@ namespace atb {
 //     bf16 on AVX512-BF16 instead runs vdpbf16ps (twice fp32 FMA's rate) from
 //     kLinearDpMinRows rows on: on x and W where they lie (mmad_nt_dp_bf16),
 //     from kLinearDpPackedMinRows rows on over weight tiles packed in k pairs
-//     (mmad_dp_bf16_packed); in between on AMX, and on the vector unit from
-//     kLinearDpPackedXMinRows to kLinearDpPackedXMaxRows rows, over x packed in
-//     k pairs (mmad_dp_bf16_packed_x). fp32 from kLinearPackedXMinRows to
+//     (mmad_dp_bf16_packed); in between, on AMX or from kLinearDpPackedXMinRows
+//     rows on, over x packed in k pairs (mmad_dp_bf16_packed_x). fp32 from kLinearPackedXMinRows to
 //     kLinearPackedXF32MaxRows rows on AVX-512 runs the GEMM kernel over x
 //     packed k-major (mmad_packed_x_f32) instead of packed weight tiles.
 // Each kernel computes a row of y the same way whatever the other rows (M, the
 // row's place in a tile, the core split), but the kernels differ from each
-// other in the last bits. rowInvariant runs the GEMM kernel (bf16 dp: packed, or packed x where the
-// vector unit's form has the packed kernel's bits) at every M, so a
+// other in the last bits. rowInvariant runs the GEMM kernel (bf16 dp: packed; fp32 from 16 to 255 rows on
+// packed x, with the packed kernel's bits) at every M, so a
 // row's bits do not depend on how many rows share the call: a prefill that
 // computes only a prompt's uncached suffix gets the rows a whole-prompt
 // prefill computes (prefix caching).
@@ -54,8 +53,7 @@ constexpr int64_t kLinearGemmMinRows = 32;
 // engine decode step (bf16 graph), ms, 16 -> 4 rows: batch 12 32.1-39.9 -> 17.6-21.7, batch 8 20.0-22.4 ->
 // 13.8-15.5, batch 4 11.8-12.3 -> 12.1-13.3 (no gain): so from 6 rows on.
 constexpr int64_t kLinearDpMinRows = 6;
-// From this many rows on (and at every M under rowInvariant: the engine's prefill; on the vector unit only
-// where the packed-x form below does not take the rows) the dp GEMM packs each
+// From this many rows on (and at every M under rowInvariant: the engine's prefill) the dp GEMM packs each
 // weight tile in k pairs (mmad_dp_bf16_packed) rather than reading weight rows as they lie
 // (mmad_nt_dp_bf16): the packing pays for itself once enough rows reuse a tile. Zen 4, 2 threads, SmolLM2's
 // projections (q/k/v, gate+up, down+residual, o+residual), us, rows -> packed: M = 16 465 -> 543, 96
@@ -71,20 +69,15 @@ constexpr int64_t kLinearDpPackedMinRows = 128;
 // 12 6.9 -> 7.3 (so not below 16). In the batch-16 decode graph, whose weights come from DRAM, the MLP's
 // time did not move beyond the run-to-run spread (7.2-8.3 -> 7.4-8.4 ms per step, four alternating runs).
 constexpr int64_t kLinearDpPackedXMinRows = 16;
-// On the vector unit the packed-x form also runs prefill shapes below this many rows, row-invariant calls (the
-// engine's prefill) included: its elements are mmad_dp_bf16_packed's chains, the same bits, and it packs x once
-// per call instead of every weight tile per M pass. Zen 4, 2 threads, SmolLM2's 30 layers' gate+up and
-// down+residual, bf16, ms, packed weights -> packed x, alternating processes: M = 128 63.2, 62.8 -> 60.2, 58.3;
-// 256 124.7, 123.1 -> 114.7, 116.4; 512 240.5, 241.3 -> 231.6, 230.5; 1024 457.0, 464.8 -> 461.6, 465.2; 2048
-// 959.3, 936.1 -> 1102.7, 1032.5 (x's panels no longer stay in L2 across the weight blocks).
-constexpr int64_t kLinearDpPackedXMaxRows = 1024;
 // fp32 x and weights where the table has mmad_packed_x_f32 (AVX-512): the same form with one vfmadd231ps per k,
 // the weight's value broadcast, from this many rows (the stream kernel's 8-lane chains below) up to
 // kLinearPackedXF32MaxRows, row-invariant calls included: each element is the packed GEMM kernel's MmadTN
 // chain (the same bits), and the GEMM's packing of every weight tile to fp32 per pass is gone. Zen 4, 2
 // threads, the same 30 MLPs in fp32, ms, GEMM -> packed x, alternating processes: M = 32 55.7, 43.7 -> 27.3,
 // 27.4; 64 83.5, 72.9 -> 53.3, 52.9; 128 128.5, 127.5 -> 104.7, 111.3; 256 230.0, 238.8 -> 217.0, 237.8; 512
-// 469.6, 454.8 -> 420.6, 492.8.
+// 469.6, 454.8 -> 420.6, 492.8; one call, hot weights, 576 -> 1536, us: M = 32 412 -> 278, 128 2160 -> 1284,
+// 512 4831 -> 5150. (bf16's packed x measured mixed at 128-1023 rows: 5-8% faster over the 30 MLPs from DRAM,
+// but 1.2-1.3x slower on a hot 1024 x 1024, the routing policy's measured shape; it stays below 128 rows.)
 constexpr int64_t kLinearPackedXMinRows = 16;
 constexpr int64_t kLinearPackedXF32MaxRows = 256;
 // The packed-x forms read the same k of 16 weight rows at once: rows a multiple of this many bytes apart fall
