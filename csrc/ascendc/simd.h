@@ -224,6 +224,13 @@ struct SimdOps {
                             int64_t N, int64_t K, bool accumulate);
 };
 
+// mmad_nt_lanes_* with few A rows (decode) read the weight rows as 4 runs front to back, one per quarter of
+// the call's rows, so the hardware prefetcher follows 4 long streams. Runs shorter than this end before it has
+// ramped up (4 runs of 16 rows in 64-row calls read at 0.59 of a plain stream on Zen 4), so calls with fewer
+// than 4 x kLanesRunMinRows weight rows keep the 4 adjacent rows per block. Shared by the AVX2 and AVX-512
+// tables, which must give the same bits either way.
+constexpr int64_t kLanesRunMinRows = 32;
+
 // The active table (selected on first use; never null).
 const SimdOps& Simd();
 // Tables compiled into this build; null when the build has no such path.

@@ -619,9 +619,6 @@ inline void LanesPanels(float* lanes, const float* A, int64_t lda, const TB* B, 
                               acc || k > 0);
 }
 
-// Runs shorter than this end before the stream prefetcher ramps up (simd_avx512.cpp's kLanesRunMinRows).
-constexpr int64_t kLanesRunMinRows = 32;
-
 template <typename TB, __m256 (*L8)(const TB*)>
 void MmadNTLanes(float* lanes, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
                  bool acc) {

@@ -681,10 +681,6 @@ inline void ForRowBlocks(int64_t M, Fn&& fn) { ForRowTiles<8>(M, fn); }
 // 10.43-10.87; fp32 M = 1 17.75-18.12 -> 16.76-16.92, M = 4 20.49-20.89 -> 19.17-19.34. One pair is slower
 // again (its single fma chain per row of A bounds it).
 
-// The few-row form's shortest runs: shorter ones end before the hardware prefetcher has ramped up (4 runs of 16
-// rows in 64-row calls read at 0.59 of a plain stream in the measurement below), so such calls keep adjacent rows.
-constexpr int64_t kLanesRunMinRows = 32;
-
 template <typename TB, class L>
 void MmadNTLanes(float* lanes, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
                  bool acc) {
