@@ -12,6 +12,9 @@
 // base + byte * a + r * b: no branch in the step (a branch and a runtime row count there cost more
 // than the prefetch gained). Locality 3 requests into L1 (prefetcht0), 2 into L2 (prefetcht1).
 //
+// Runs: the same step-by-step prefetch for rows that are not adjacent (each from its own run of rows, the
+// lanes GEMV's few-row form), each run's row a fixed number of rows ahead.
+//
 // PrefetchRowRuns is the prefill GEMMs' counterpart: a tile's short row runs requested together before
 // they are unpacked.
 //
@@ -35,6 +38,12 @@ class BlockPrefetch {
         perByte_(Linear(pitch, rowBytes) ? NR : 1),
         perRow_(Linear(pitch, rowBytes) ? 64 : pitch) {}
 
+  // Rows `runPitch` bytes apart (one row of each of NR runs), each run's row `rowsAhead` rows (`pitch` bytes
+  // each) past the current one, at the step's offset: the lanes GEMV's runs form.
+  static BlockPrefetch Runs(const void* rows, int64_t pitch, int64_t runPitch, int rowsAhead) {
+    return BlockPrefetch(static_cast<const char*>(rows) + int64_t(rowsAhead) * pitch, 1, runPitch);
+  }
+
   static bool Linear(int64_t pitch, int64_t rowBytes) {
     return pitch == rowBytes && rowBytes <= kLinearPrefetchMaxRowBytes;
   }
@@ -46,6 +55,8 @@ class BlockPrefetch {
   }
 
  private:
+  BlockPrefetch(const char* ahead, int64_t perByte, int64_t perRow) : ahead_(ahead), perByte_(perByte), perRow_(perRow) {}
+
   const char* ahead_;
   int64_t perByte_, perRow_;
 };

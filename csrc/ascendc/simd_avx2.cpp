@@ -564,17 +564,14 @@ inline void LanesBlock(float* lanes, int64_t N, const float* A, int64_t lda, con
   // and fp32 unchanged). Long rows are left to the hardware prefetcher.
   constexpr int64_t kLine = 64 / int64_t(sizeof(TB));
   const bool prefetch = ldb * int64_t(sizeof(TB)) <= 4096;
-  // Rows prefetched one by one (long rows, a K slice) are fetched two blocks ahead, as before the sweep.
+  // Rows prefetched one by one (long rows, a K slice) are fetched two blocks ahead, as before the sweep; rows
+  // from runs, each run's row two ahead.
   const int64_t rowBytes = K * int64_t(sizeof(TB)), pitch = ldb * int64_t(sizeof(TB));
-  const BlockPrefetch<CN> ahead(B, pitch, rowBytes, BlockPrefetch<CN>::Linear(pitch, rowBytes) ? 1 : 2);
+  const BlockPrefetch<CN> ahead =
+      rowStep == 1 ? BlockPrefetch<CN>(B, pitch, rowBytes, BlockPrefetch<CN>::Linear(pitch, rowBytes) ? 1 : 2)
+                   : BlockPrefetch<CN>::Runs(B, pitch, rowStep * pitch, 2);
   for (int64_t k = 0; k < K; k += 8) {
-    if (prefetch && k % kLine == 0) {
-      if (rowStep == 1) {
-        ahead.At(k * int64_t(sizeof(TB)));
-      } else {  // each run's row two ahead
-        for (int c = 0; c < CN; ++c) _mm_prefetch(reinterpret_cast<const char*>(B + (c * rowStep + 2) * ldb + k), _MM_HINT_T1);
-      }
-    }
+    if (prefetch && k % kLine == 0) ahead.At(k * int64_t(sizeof(TB)));
     __m256 b[CN];
     for (int c = 0; c < CN; ++c) b[c] = L8(B + c * rowStep * ldb + k);
     for (int r = 0; r < R; ++r) {
