@@ -647,6 +647,83 @@ __attribute__((noinline)) void LanesBlock(float* lanes, int64_t N, const float* 
     }
 }
 
+// LanesBlock for bf16 weights, 2 pairs (4 weight rows), 2 rows of A (batch-2 decode): the same lanes, widened by
+// one unpack per half instead of a zero-extension and a shift per pair. A pair's 8 + 8 values sit in a ymm (first
+// row low, second high); unpacking the words against zero puts each one in the top half of a dword, its fp32
+// value: the low unpack gives both rows' k..k+3, the high one k+4..k+7. So a pair's lanes live in two ymm
+// accumulators, lanes 0-3 of both rows and lanes 4-7, each lane still the contract's one fma chain over its k
+// (x's k..k+3 or k+4..k+7 broadcast to both halves): the same bits. Per 8 k of 4 weight rows that is 4 unpacks
+// where LanesBlock issues 2 zero-extensions and 2 shifts of zmm (two 256-bit halves each on Zen 4), and the k
+// loop is unrolled by a cache line with its prefetch hoisted. Zen 4, 2 threads, bf16 over 256 MiB from DRAM
+// against the read probe in the same round, medians over ~2000 interleaved rounds bucketed by the probe's rate:
+// M = 2, K = 576: 0.68-0.69 -> 0.75-0.76 of a 42+ GB/s probe, 0.87-0.88 -> 0.90-0.91 at 30-42 GB/s; K = 1536:
+// 0.73 -> 0.81 and 0.88-0.89 -> 0.91. Not taken for 1, 3 or 4 rows, which measured 3-5% slower from DRAM with
+// it (1 row: 0.757 -> 0.728-0.735 of a 42+ GB/s probe) though 1.5x faster on weights in L3 (4.7 MB, 54 -> 80
+// GB/s): a streaming row reads faster with fewer instructions per byte in flight, so only where the zmm form's
+// vector work bounds the rate (2 rows) does the unpack win.
+__attribute__((noinline)) void LanesBlockBf16Rows2(float* lanes, int64_t N, const float* A, int64_t lda,
+                                                   const uint16_t* B, int64_t ldb, int64_t K, bool acc,
+                                                   LanesLayout lay) {
+  constexpr int R = 2;
+  __m256 lo[R][2], hi[R][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int c = 0; c < 2; ++c) {
+      const float* l = lanes + r * N * 8 + c * lay.lanePair;
+      const __m256 first = acc ? _mm256_loadu_ps(l) : _mm256_setzero_ps();
+      const __m256 second = acc ? _mm256_loadu_ps(l + lay.laneHi) : _mm256_setzero_ps();
+      lo[r][c] = _mm256_permute2f128_ps(first, second, 0x20);
+      hi[r][c] = _mm256_permute2f128_ps(first, second, 0x31);
+    }
+  const __m256i zero = _mm256_setzero_si256();
+  auto step = [&](int64_t k) {
+    __m256 wl[2], wh[2];
+#pragma GCC unroll 2
+    for (int c = 0; c < 2; ++c) {
+      const __m256i w = Pair16(B + c * lay.pairStep + k, lay.pairLd);
+      wl[c] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w));
+      wh[c] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w));
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 xl = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(A + r * lda + k));
+      const __m256 xh = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(A + r * lda + k + 4));
+#pragma GCC unroll 2
+      for (int c = 0; c < 2; ++c) {
+        lo[r][c] = _mm256_fmadd_ps(xl, wl[c], lo[r][c]);
+        hi[r][c] = _mm256_fmadd_ps(xh, wh[c], hi[r][c]);
+      }
+    }
+  };
+  // LanesBlock's prefetch (one line of each of the 4 rows ahead per 64 bytes), once per unrolled line of k.
+  constexpr int64_t kLine = 32;
+  const bool prefetch = ldb * 2 <= 4096;
+  const uint16_t* next = B + (lay.aheadRows ? lay.aheadRows : 8) * ldb;
+  int64_t k = 0;
+  for (; k + kLine <= K; k += kLine) {
+    if (prefetch)
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(next + (c / 2) * lay.pairStep + (c % 2) * lay.pairLd + k), _MM_HINT_T1);
+#pragma GCC unroll 4
+    for (int64_t u = 0; u < kLine; u += 8) step(k + u);
+  }
+  if (prefetch && k < K)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c)
+      _mm_prefetch(reinterpret_cast<const char*>(next + (c / 2) * lay.pairStep + (c % 2) * lay.pairLd + k), _MM_HINT_T1);
+  for (; k < K; k += 8) step(k);
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int c = 0; c < 2; ++c) {
+      float* l = lanes + r * N * 8 + c * lay.lanePair;
+      _mm256_storeu_ps(l, _mm256_permute2f128_ps(lo[r][c], hi[r][c], 0x20));
+      _mm256_storeu_ps(l + lay.laneHi, _mm256_permute2f128_ps(lo[r][c], hi[r][c], 0x31));
+    }
+}
+
 // fn(rows, m) over M in tiles of Max rows, rows a compile-time constant for the last, shorter tile too.
 template <int R, typename Fn>
 inline void RowTail(int64_t left, int64_t m, Fn& fn) {
@@ -700,8 +777,12 @@ void MmadNTLanes(float* lanes, const float* A, int64_t lda, const TB* B, int64_t
   const LanesLayout adjacent = AdjacentLanes(ldb);
   auto block = [&](auto rows, int64_t m, auto pairs, int64_t n0, int64_t k, const LanesLayout& lay) {
     constexpr int R = decltype(rows)::value, P = decltype(pairs)::value;
-    LanesBlock<TB, L, R, P>(lanes + (m * N + n0) * 8, N, A + m * lda + k, lda, B + n0 * ldb + k, ldb,
-                            std::min(kb, K - k), acc || k > 0, lay);
+    if constexpr (std::is_same_v<L, LanesB> && P == 2 && R == 2)
+      LanesBlockBf16Rows2(lanes + (m * N + n0) * 8, N, A + m * lda + k, lda, B + n0 * ldb + k, ldb,
+                          std::min(kb, K - k), acc || k > 0, lay);
+    else
+      LanesBlock<TB, L, R, P>(lanes + (m * N + n0) * 8, N, A + m * lda + k, lda, B + n0 * ldb + k, ldb,
+                              std::min(kb, K - k), acc || k > 0, lay);
   };
   // Up to 4 rows of A (bound by the weight stream): the block's 4 weight rows come from 4 runs of N / 4 rows,
   // each run read front to back, row after row, so the hardware prefetcher follows 4 long streams (the
