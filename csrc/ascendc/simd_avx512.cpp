@@ -596,6 +596,22 @@ inline LanesLayout AdjacentLanes(int64_t ldb) { return {ldb, 2 * ldb, 8, 16, 0};
 // Runs of `run` rows: pair c is rows 2c * run and (2c + 1) * run; each run's row two ahead is prefetched.
 inline LanesLayout RunLanes(int64_t ldb, int64_t run) { return {run * ldb, 2 * run * ldb, 8 * run, 16 * run, 2}; }
 
+// The lanes blocks' software prefetch, one 64-byte line of each of a block's 2 * Pairs weight rows per 64 bytes
+// of k, aheadRows on (adjacent rows: two blocks, 4 * Pairs rows), for rows up to this many bytes; the hardware
+// prefetcher follows longer ones.
+constexpr int64_t kLanesPrefetchMaxRowBytes = 4096;
+template <int Pairs, typename TB>
+inline const TB* LanesAhead(const TB* B, int64_t ldb, const LanesLayout& lay) {
+  return B + (lay.aheadRows ? lay.aheadRows : 4 * Pairs) * ldb;
+}
+// Inlined always: GCC drops an out-of-line function that only prefetches.
+template <int Pairs, typename TB>
+__attribute__((always_inline)) inline void PrefetchLanesLine(const TB* ahead, const LanesLayout& lay, int64_t k) {
+#pragma GCC unroll 16
+  for (int c = 0; c < 2 * Pairs; ++c)
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + (c / 2) * lay.pairStep + (c % 2) * lay.pairLd + k), _MM_HINT_T1);
+}
+
 // R rows of A against P pairs of weight rows (or one single row, P == 0):
 // R*P accumulators, every weight vector loaded once per k step for all R rows.
 // Accumulators start from (and return to) the lanes buffer, so K may be split
@@ -620,13 +636,10 @@ __attribute__((noinline)) void LanesBlock(float* lanes, int64_t N, const float* 
   // answers, which capped one Zen 4 core's bf16 K=576 GEMV at ~6 GB/s; into L2
   // it streams at the plain read's rate (~12-17 GB/s on the same cold rows).
   constexpr int64_t kLine = 64 / int64_t(sizeof(TB));
-  const bool prefetch = P > 0 && ldb * int64_t(sizeof(TB)) <= 4096;
-  const TB* next = B + (lay.aheadRows ? lay.aheadRows : 4 * kP) * ldb;
+  const bool prefetch = P > 0 && ldb * int64_t(sizeof(TB)) <= kLanesPrefetchMaxRowBytes;
+  const TB* next = LanesAhead<kP>(B, ldb, lay);
   for (int64_t k = 0; k < K; k += 8) {
-    if (prefetch && k % kLine == 0)
-#pragma GCC unroll 16
-      for (int c = 0; c < 2 * kP; ++c)
-        _mm_prefetch(reinterpret_cast<const char*>(next + (c / 2) * lay.pairStep + (c % 2) * lay.pairLd + k), _MM_HINT_T1);
+    if (prefetch && k % kLine == 0) PrefetchLanesLine<kP>(next, lay, k);
     V b[kP];
 #pragma GCC unroll 8
     for (int c = 0; c < kP; ++c) b[c] = P == 0 ? L::Single(B + k) : L::Pair(B + c * lay.pairStep + k, lay.pairLd);
@@ -696,23 +709,17 @@ __attribute__((noinline)) void LanesBlockBf16Rows2(float* lanes, int64_t N, cons
       }
     }
   };
-  // LanesBlock's prefetch (one line of each of the 4 rows ahead per 64 bytes), once per unrolled line of k.
+  // LanesBlock's prefetch, once per unrolled line of k.
   constexpr int64_t kLine = 32;
-  const bool prefetch = ldb * 2 <= 4096;
-  const uint16_t* next = B + (lay.aheadRows ? lay.aheadRows : 8) * ldb;
+  const bool prefetch = ldb * 2 <= kLanesPrefetchMaxRowBytes;
+  const uint16_t* next = LanesAhead<2>(B, ldb, lay);
   int64_t k = 0;
   for (; k + kLine <= K; k += kLine) {
-    if (prefetch)
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c)
-        _mm_prefetch(reinterpret_cast<const char*>(next + (c / 2) * lay.pairStep + (c % 2) * lay.pairLd + k), _MM_HINT_T1);
+    if (prefetch) PrefetchLanesLine<2>(next, lay, k);
 #pragma GCC unroll 4
     for (int64_t u = 0; u < kLine; u += 8) step(k + u);
   }
-  if (prefetch && k < K)
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c)
-      _mm_prefetch(reinterpret_cast<const char*>(next + (c / 2) * lay.pairStep + (c % 2) * lay.pairLd + k), _MM_HINT_T1);
+  if (prefetch && k < K) PrefetchLanesLine<2>(next, lay, k);
   for (; k < K; k += 8) step(k);
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
