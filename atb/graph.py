@@ -31,12 +31,15 @@ its logits are the rank's vocab slice.
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from atb import _C
+from atb.hugepages import HugePageArena, huge_pages_enabled
 from atb.kernels._common import DTYPE_CODES, ROPE_STYLES, float_code, int_tensor, resolve_soc
+from atb.kernels.linear import pack_rows4, rows4_supported
 from atb.models.base import LayerWeights
 from atb.quant.formats import QuantizedWeight
 
@@ -56,6 +59,24 @@ def _need(name: str, t, dtype, shape) -> torch.Tensor:
     return t
 
 
+_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def decode_repack_default(dtype: torch.dtype) -> bool:
+    """Whether a decode graph keeps rows4 copies of its weights unless told (``DecodeGraph.from_weights``'s
+    ``repack``): where the SIMD table has the kernel for ``dtype`` and ``ATB_DECODE_REPACK`` is not ``0``."""
+    return os.environ.get("ATB_DECODE_REPACK", "1") != "0" and rows4_supported(dtype)
+
+
+def _rows4_copies(weights: list) -> dict[int, torch.Tensor]:
+    """The rows4 copy of each distinct float weight (by id; quantized ones have none), carved from one huge-page
+    arena where huge pages are on: the decode step streams them."""
+    floats = list({id(t): t for t in weights if isinstance(t, torch.Tensor)}.values())
+    shapes = [torch.empty(_C.rows4_numel(*t.shape), dtype=t.dtype, device="meta") for t in floats]
+    arena = HugePageArena(HugePageArena.bytes_for(shapes)) if floats and huge_pages_enabled() else None
+    return {id(t): pack_rows4(t, arena.empty(m.shape, m.dtype) if arena else None) for t, m in zip(floats, shapes)}
+
+
 class DecodeGraph:
     """A built decode graph. Use :meth:`from_weights` (or :meth:`from_runner` for an engine's ModelRunner)."""
 
@@ -73,7 +94,8 @@ class DecodeGraph:
     @classmethod
     def from_weights(cls, config: Mapping, layers: Sequence[LayerWeights], *, embed: torch.Tensor, final_norm: torch.Tensor,
                      lm_head: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_caches: Sequence[torch.Tensor],
-                     value_caches: Sequence[torch.Tensor], max_batch: int, soc_type: str | None = None) -> DecodeGraph:
+                     value_caches: Sequence[torch.Tensor], max_batch: int, soc_type: str | None = None,
+                     repack: bool | None = None) -> DecodeGraph:
         """Builds the graph.
 
         config: ``num_heads, num_kv_heads, head_dim, eps`` (required); optional ``scale`` (default
@@ -86,6 +108,9 @@ class DecodeGraph:
             (the embedding lookup then dequantizes each token's row); the graph's dtype is then final_norm's.
         cos/sin: ``[max_seq_len, rotary_dim]`` rope tables (HF layout), the graph's dtype or float32.
         key_caches/value_caches: per layer ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        repack: keep a rows4 copy (``atb.kernels.linear.pack_rows4``) of every float projection and of the LM head,
+            which steps of up to 4 rows read instead (the same bits, one front-to-back stream per core), at the
+            cost of a second copy of those weights. None (default): where `decode_repack_default` says so.
         """
         layers = list(layers)
         if not layers:
@@ -171,6 +196,19 @@ class DecodeGraph:
         cfg.owns_residual = bool(config.get("owns_residual", True))
         native = _C.DecodeGraph(cfg, native_layers, embed_p, final_p, head_p, cos.data_ptr(), sin.data_ptr(),
                                 resolve_soc(soc_type))
+        if decode_repack_default(dtype) if repack is None else repack:
+            if not rows4_supported(dtype):
+                raise ValueError(f"DecodeGraph: repack=True needs the rows4 kernel for {dtype}, which the "
+                                 f"'{_C.isa()}' SIMD table lacks (bf16 and fp32 on the AVX-512 tables)")
+            copies = _rows4_copies([t for lw in layers for n, t in lw.tensors().items() if n in _PROJECTIONS]
+                                   + [lm_head])
+            keep += copies.values()
+            for nl, lw in zip(native_layers, layers):
+                for n, t in lw.tensors().items():
+                    if id(t) in copies:
+                        setattr(nl, f"{n}_rows4", copies[id(t)].data_ptr())
+            if id(lm_head) in copies:
+                native.set_lm_head_rows4(copies[id(lm_head)].data_ptr())
         if isinstance(embed, QuantizedWeight) or isinstance(lm_head, QuantizedWeight):
             native.set_quant_tables(embed.storage() if isinstance(embed, QuantizedWeight) else None,
                                     lm_head.storage() if isinstance(lm_head, QuantizedWeight) else None)
@@ -214,11 +252,13 @@ class DecodeGraph:
 
     @classmethod
     def from_model(cls, model, *, key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
-                   max_batch: int, max_seq_len: int, soc_type: str | None = None) -> DecodeGraph:
+                   max_batch: int, max_seq_len: int, soc_type: str | None = None,
+                   repack: bool | None = None) -> DecodeGraph:
         """The graph over a loaded HF model's own parameters (through its family adapter) and the given caches.
 
         The model's dtype is the graph's; rope tables come from the model's rotary module. The parameters move
-        into huge pages first, in place, as ``TransformerInfer`` moves them (`atb.hugepages`).
+        into huge pages first, in place, as ``TransformerInfer`` moves them (`atb.hugepages`). ``repack``: as
+        in `from_weights`.
         """
         from atb.hugepages import move_parameters_to_huge_pages
         from atb.layers.rotary import RotaryEmbedding
@@ -242,7 +282,7 @@ class DecodeGraph:
                                 final_norm=ad.final_norm(model).detach(), lm_head=ad.lm_head(model).detach(),
                                 cos=cos[:max_seq_len].contiguous(), sin=sin[:max_seq_len].contiguous(),
                                 key_caches=key_caches, value_caches=value_caches, max_batch=max_batch,
-                                soc_type=soc_type)
+                                soc_type=soc_type, repack=repack)
 
     def _metadata(self, op: str, token_ids, positions, block_tables, context_lens, slot_mapping, logits_out,
                   q_lens=None):

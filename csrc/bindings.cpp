@@ -15,6 +15,7 @@
 #include "ascendc/soc.h"
 #include "binding_utils.h"
 #include "graph/decode_graph.h"
+#include "kernels/linear/linear_rows4.h"
 #include "kernels/linear/linear_tiling.h"
 #include "kernels/rms_norm/rms_norm_tiling.h"
 #include "kernels/rope/rope_tiling.h"
@@ -197,17 +198,30 @@ PYBIND11_MODULE(_C, m) {
       "m", "k", "seg_rows", "epilogue", "dtype", "soc", py::arg("row_invariant") = false);
   Def(
       m, "linear",
-      [](uintptr_t x, int64_t rows, int64_t k, const std::vector<std::tuple<uintptr_t, uintptr_t, uintptr_t, int64_t>>& segs,
-         uintptr_t residual, int epilogue, int dtype, const SocInfo& soc, bool row_invariant) {
+      [](uintptr_t x, int64_t rows, int64_t k,
+         const std::vector<std::tuple<uintptr_t, uintptr_t, uintptr_t, int64_t, uintptr_t>>& segs, uintptr_t residual,
+         int epilogue, int dtype, const SocInfo& soc, bool row_invariant) {
         atb::bind::CheckSegmentCount("linear", segs.size());
         atb::LinearEpilogue ep = atb::bind::CheckedEpilogue("linear", epilogue);
         atb::LinearSegment s[atb::kLinearMaxSegments];
         for (size_t i = 0; i < segs.size(); ++i)
-          s[i] = {Ptr(std::get<0>(segs[i])), Ptr(std::get<1>(segs[i])), Ptr(std::get<2>(segs[i])), std::get<3>(segs[i])};
+          s[i] = {Ptr(std::get<0>(segs[i])), Ptr(std::get<1>(segs[i])), Ptr(std::get<2>(segs[i])), std::get<3>(segs[i]),
+                  Ptr(std::get<4>(segs[i]))};
         py::gil_scoped_release nogil;
         atb::Linear(Ptr(x), rows, k, s, int64_t(segs.size()), Ptr(residual), ep, Dt(dtype), soc, row_invariant);
       },
       "x", "m", "k", "segments", "residual", "epilogue", "dtype", "soc", py::arg("row_invariant") = false);
+
+  // ---- rows4: the decode weights' repacked layout (kernels/linear/linear_rows4.h) ---------------------
+  Def(m, "rows4_numel", [](int64_t n, int64_t k) { return atb::Rows4Elems(n, k); }, "n", "k");
+  Def(m, "rows4_supported", [](int dtype) { return atb::Rows4Supported(Dt(dtype)); }, "dtype");
+  Def(
+      m, "pack_rows4",
+      [](uintptr_t dst, uintptr_t w, int64_t ldw, int64_t n, int64_t k, int dtype) {
+        py::gil_scoped_release nogil;
+        atb::PackRows4(Ptr(dst), Ptr(w), ldw, n, k, Dt(dtype));
+      },
+      "dst", "w", "ldw", "n", "k", "dtype");
 
   // ---- swiglu / silu_mul ---------------------------------------------------------
   Def(
@@ -321,6 +335,13 @@ PYBIND11_MODULE(_C, m) {
   pointer("up_bias", &atb::DecodeLayer::upBias);
   pointer("down", &atb::DecodeLayer::down);
   pointer("down_bias", &atb::DecodeLayer::downBias);
+  pointer("q_rows4", &atb::DecodeLayer::qRows4);
+  pointer("k_rows4", &atb::DecodeLayer::kRows4);
+  pointer("v_rows4", &atb::DecodeLayer::vRows4);
+  pointer("o_rows4", &atb::DecodeLayer::oRows4);
+  pointer("gate_rows4", &atb::DecodeLayer::gateRows4);
+  pointer("up_rows4", &atb::DecodeLayer::upRows4);
+  pointer("down_rows4", &atb::DecodeLayer::downRows4);
   pointer("key_cache", &atb::DecodeLayer::keyCache);
   pointer("value_cache", &atb::DecodeLayer::valueCache);
   // A quantized projection: its LayerWeights field name and (data, scale, min or 0, bits, group, scale dtype
@@ -374,6 +395,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("steps"), py::arg("token_ids"), py::arg("positions"), py::arg("block_tables"),
            py::arg("max_blocks"), py::arg("context_lens"), py::arg("slot_mapping"), py::arg("batch"),
            py::arg("logits"), py::arg("tokens_out"), py::arg("stop_tokens") = 0, py::arg("num_stop") = 0)
+      .def("set_lm_head_rows4", [](atb::DecodeGraph& g, uintptr_t rows4) { g.SetLmHeadRows4(Ptr(rows4)); },
+           py::arg("rows4"))
       .def("set_quant_tables",
            [](atb::DecodeGraph& g, const std::optional<QuantTuple>& embed, const std::optional<QuantTuple>& head) {
              g.SetQuantTables(embed ? QuantRefOf(*embed) : atb::QuantRef{}, head ? QuantRefOf(*head) : atb::QuantRef{});

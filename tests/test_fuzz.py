@@ -23,8 +23,10 @@ import pytest
 import torch
 
 import atb
+from atb import _C
 from atb import kernels as K
-from atb.kernels.linear import native_linear_wins
+from atb.kernels._common import DTYPE_CODES
+from atb.kernels.linear import native_linear_wins, pack_rows4
 from atb.quant import quantize_weight
 from reference import (TOLERANCES, assert_close, flash_attention_ref, linear_ref, linear_residual_ref,
                        linear_swiglu_ref, paged_attention_ref, quant_weight_ref, reshape_and_cache_ref, rms_norm_ref,
@@ -566,12 +568,47 @@ def _fuzz_flash_attention(rng, g, bad, op):
     return op, name
 
 
+def _fuzz_pack_rows4(rng, g, bad, op):
+    # The decode graph's repacked weights: valid copies must give the linear the same bits as the weight itself at
+    # the 1-2 rows of x that read them (where the table has the kernel; elsewhere the copy is ignored).
+    dtype = rng.choice([torch.float32, torch.bfloat16])
+    n, k = _dim(rng, (1, 3, 5, 64, 130, 1030)), _dim(rng, (1, 7, 8, 64, 123, 576))
+    w = _view(rng, g, (n, k), dtype, scale=k ** -0.5)
+    out = torch.full((_C.rows4_numel(n, k),), 5.0, dtype=dtype)
+    if bad is None:
+        packed = pack_rows4(w, out=out if rng.random() < 0.5 else None)
+        m = rng.choice([1, 2])
+        x, wc = _randn(g, (m, k), dtype), w.contiguous()
+        outs = [torch.empty(m, n, dtype=dtype) for _ in range(2)]
+        for y, r4 in zip(outs, (0, packed.data_ptr())):
+            _C.linear(x.data_ptr(), m, k, [(wc.data_ptr(), 0, y.data_ptr(), n, r4)], 0, 0, DTYPE_CODES[dtype],
+                      atb.get_soc("host"))
+        if not torch.equal(outs[0], outs[1]):
+            raise AssertionError(f"{op}: the linear over the rows4 copy differs from the weight's bits")
+        _close(outs[1], linear_ref(x, w), dtype, op, scale=max(1.0, k ** 0.5 / 4))
+        return op, "valid"
+    muts = {
+        "fp16": lambda: pack_rows4(w.half(), out=out),
+        "int": lambda: pack_rows4(torch.zeros(n, k, dtype=torch.int32), out=out),
+        "one_dim": lambda: pack_rows4(w.reshape(-1), out=out),
+        "three_dim": lambda: pack_rows4(w[None], out=out),
+        "empty": lambda: pack_rows4(torch.zeros(0, k, dtype=dtype), out=out),
+        "not_tensor": lambda: pack_rows4(w.tolist(), out=out),
+        "out_size": lambda: pack_rows4(w, out=torch.zeros(out.numel() + 1, dtype=dtype)),
+        "out_dtype": lambda: pack_rows4(w, out=out.to(torch.float64)),
+        "out_strided": lambda: pack_rows4(w, out=torch.zeros(2 * out.numel(), dtype=dtype)[::2]),
+    }
+    name = rng.choice(sorted(muts))
+    _expect_rejected(op, f"{op}/{name}", muts[name], [out])
+    return op, name
+
+
 # Every public op, drawn uniformly; the fuzzer builds that op's case.
 FUZZERS = {"rms_norm": _fuzz_rms_norm, "add_rms_norm": _fuzz_rms_norm, "rope": _fuzz_rope,
            "silu_mul": _fuzz_silu_mul, "swiglu": _fuzz_silu_mul, "linear": _fuzz_linear, "linear_multi": _fuzz_linear,
            "linear_residual": _fuzz_linear, "linear_swiglu": _fuzz_linear, "linear_auto": _fuzz_linear,
            "reshape_and_cache": _fuzz_reshape_and_cache, "paged_attention": _fuzz_paged_attention,
-           "flash_attention": _fuzz_flash_attention}
+           "flash_attention": _fuzz_flash_attention, "pack_rows4": _fuzz_pack_rows4}
 OPS = sorted(FUZZERS)
 INVALID_FRACTION = 0.35
 

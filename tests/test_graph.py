@@ -12,6 +12,7 @@ import torch
 import atb
 from atb.checkpoints import random_model
 from atb.graph import DecodeGraph
+from atb.kernels.linear import rows4_supported
 from conftest import family_model, family_names
 
 BLOCK = 16
@@ -25,12 +26,12 @@ def _caches(model, num_blocks, dtype):
     return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
 
 
-def _graph(model, max_batch, max_seq_len=256, num_blocks=None, soc_type=None):
+def _graph(model, max_batch, max_seq_len=256, num_blocks=None, soc_type=None, repack=None):
     dtype = next(model.parameters()).dtype
     num_blocks = num_blocks or max_batch * (max_seq_len // BLOCK)
     kc, vc = _caches(model, num_blocks, dtype)
     g = DecodeGraph.from_model(model, key_caches=list(kc.unbind(0)), value_caches=list(vc.unbind(0)),
-                               max_batch=max_batch, max_seq_len=max_seq_len, soc_type=soc_type)
+                               max_batch=max_batch, max_seq_len=max_seq_len, soc_type=soc_type, repack=repack)
     return g, kc, vc
 
 
@@ -131,6 +132,25 @@ def test_every_soc_gives_the_same_logits(soc):
     _, l1 = _run(g1, prompts, 4, 2)
     for a, b in zip(l0, l1):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_repacked_weights_decode_the_same_bits(dtype):
+    # repack: the projections' and LM head's rows4 copies, read by steps of 1-4 rows (5 here until one finishes).
+    if not rows4_supported(dtype):
+        pytest.skip(f"the {atb.build_info()['isa']} SIMD table has no rows4 kernel for {dtype}")
+    model = random_model("tiny", dtype)
+    prompts = [[5, 17, 300, 2], [9], [7, 7, 7], [1, 2, 3, 4, 5, 6], [11, 12]]
+    _, plain = _run(_graph(model, max_batch=5, max_seq_len=32, repack=False)[0], prompts, 5, 2)
+    _, packed = _run(_graph(model, max_batch=5, max_seq_len=32, repack=True)[0], prompts, 5, 2)
+    for a, b in zip(plain, packed):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_repack_needs_the_kernel():
+    model = random_model("tiny", torch.float16)
+    with pytest.raises(ValueError, match="DecodeGraph: repack=True needs the rows4 kernel for torch.float16"):
+        _graph(model, max_batch=1, max_seq_len=32, repack=True)
 
 
 def _graph_over_noise():

@@ -5,6 +5,7 @@ import torch
 import atb
 from atb import _C
 from atb.kernels._common import DTYPE_CODES
+from atb.kernels.linear import pack_rows4
 from conftest import ALL_SOCS
 from reference import DTYPES, assert_close, linear_ref, linear_residual_ref, linear_swiglu_ref
 
@@ -422,7 +423,8 @@ def test_swiglu_epilogue_adds_both_biases(dtype, m):
     g, u = (torch.randn(n, k) / k ** 0.5).to(dtype), (torch.randn(n, k) / k ** 0.5).to(dtype)
     gb, ub = torch.randn(n).to(dtype), torch.randn(n).to(dtype)
     out = torch.empty(m, n, dtype=dtype)
-    _C.linear(x.data_ptr(), m, k, [(g.data_ptr(), gb.data_ptr(), out.data_ptr(), n), (u.data_ptr(), ub.data_ptr(), 0, n)],
+    segments = [(g.data_ptr(), gb.data_ptr(), out.data_ptr(), n, 0), (u.data_ptr(), ub.data_ptr(), 0, n, 0)]
+    _C.linear(x.data_ptr(), m, k, segments,
               0, 2, DTYPE_CODES[dtype], atb.get_soc("host"))
     gate = atb.kernels.linear(x, g, gb).double()
     want = (torch.nn.functional.silu(gate) * atb.kernels.linear(x, u, ub).double())
@@ -448,3 +450,33 @@ def test_tiling_rejects_zero_work():
         _C.linear_tiling(0, 8, [4], 0, DTYPE_CODES[torch.float32], host)
     with pytest.raises(ValueError, match="linear tiling: segment 0 has N=0"):
         _C.linear_tiling(2, 8, [0], 0, DTYPE_CODES[torch.float32], host)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(1, 1), (5, 13), (8, 16), (7, 30)])
+def test_pack_rows4_layout(dtype, n, k):
+    # csrc/kernels/linear/linear_rows4.h: groups of 4 rows, chunks of 8 k, zero padding past N and K.
+    w = torch.randn(n, k).to(dtype)
+    got = pack_rows4(w)
+    kp = -(-k // 8) * 8
+    want = torch.zeros(-(-n // 4) * 4 * kp, dtype=dtype)
+    for i in range(n):
+        for j in range(k):
+            r = i % 4
+            inner = r * 8 + j % 8 if dtype == torch.bfloat16 else (j % 8 // 4) * 16 + r * 4 + j % 4
+            want[i // 4 * 4 * kp + j // 8 * 32 + inner] = w[i, j]
+    assert got.numel() == _C.rows4_numel(n, k) and torch.equal(got, want)
+    out = torch.full_like(want, 7)
+    assert pack_rows4(w.T.contiguous().T, out=out) is out and torch.equal(out, want)  # strided weight: copied first
+
+
+def test_pack_rows4_rejects_bad_input():
+    with pytest.raises(TypeError, match="pack_rows4: weight must be a float32 or bfloat16 tensor, got torch.float16"):
+        pack_rows4(torch.randn(4, 8).half())
+    with pytest.raises(ValueError, match=r"pack_rows4: weight must be a non-empty \[N, K\] matrix, got shape \(8,\)"):
+        pack_rows4(torch.randn(8))
+    out = torch.full((10,), 3.0)
+    with pytest.raises(ValueError, match="pack_rows4: out must be a contiguous torch.float32 tensor of 32 elements, "
+                                         "got torch.float32 tensor of 10 elements"):
+        pack_rows4(torch.randn(4, 8), out=out)
+    assert torch.equal(out, torch.full((10,), 3.0))  # a rejected call writes nothing

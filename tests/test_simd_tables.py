@@ -202,3 +202,44 @@ def test_forcing_an_isa_the_cpu_lacks_fails_at_import():
     proc = subprocess.run([sys.executable, "-c", "import atb; print(atb.build_info()['isa'])"], capture_output=True,
                           text=True, env={**__import__("os").environ, "ATB_ISA": "portable"})
     assert proc.stdout.strip() == "portable"
+
+
+def _launch_linear(x, segments, epilogue, residual=None, soc="host"):
+    """atb._C.linear over (weight, bias, rows4 copy or None) segments; the outputs (SWIGLU: the one output)."""
+    from atb import _C
+    from atb.kernels._common import DTYPE_CODES
+
+    m, k = x.shape
+    outs = [torch.empty(m, w.shape[0], dtype=x.dtype) for w, _, _ in segments]
+    if epilogue == 2:
+        outs = outs[:1]
+    segs = [(w.data_ptr(), 0 if b is None else b.data_ptr(), outs[i].data_ptr() if i < len(outs) else 0, w.shape[0],
+             0 if r4 is None else r4.data_ptr()) for i, (w, b, r4) in enumerate(segments)]
+    _C.linear(x.data_ptr(), m, k, segs, 0 if residual is None else residual.data_ptr(), epilogue, DTYPE_CODES[x.dtype],
+              atb.get_soc(soc))
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 1030), (2, 603, 517), (3, 64, 7), (4, 4104, 261), (1, 13, 5), (5, 96, 70)])
+def test_rows4_copies_give_the_lanes_bits(isa, dtype, m, k, n):
+    # The decode graph's repacked weights (pack_rows4): the STREAM kernel reads them at 1 or 2 rows of x where the
+    # table has the kernel (AVX-512), with the lanes kernel's bits; elsewhere (other tables, 3-5 rows) it reads the
+    # weights as they lie. N % 4 != 0: a last group with padding rows; K % 8 != 0: the tail from the weight.
+    from atb.kernels.linear import pack_rows4
+
+    def rand(*shape):
+        return (torch.randn(*shape) / k ** 0.5).to(dtype)
+
+    x, r = torch.randn(m, k).to(dtype), torch.randn(m, n).to(dtype)
+    q, kk, v, gate, up = rand(n, k), rand(n // 4 + 1, k), rand(n // 4 + 1, k), rand(n, k), rand(n, k)
+    qb, kb, vb = torch.randn(n).to(dtype), torch.randn(n // 4 + 1).to(dtype), None
+    for epilogue, segments, residual in ((0, [(q, qb), (kk, kb), (v, vb)], None), (1, [(q, qb)], r),
+                                         (2, [(gate, None), (up, None)], None)):
+        plain = _launch_linear(x, [(w, b, None) for w, b in segments], epilogue, residual)
+        got = _launch_linear(x, [(w, b, pack_rows4(w)) for w, b in segments], epilogue, residual)
+        for a, b in zip(got, plain):
+            assert torch.equal(a, b)
+    for a, (w, b) in zip(_launch_linear(x, [(w, b, pack_rows4(w)) for w, b in ((q, qb), (kk, kb))], 0),
+                         ((q, qb), (kk, kb))):
+        assert_close(a, linear_ref(x, w, b), scale=_scale(k))

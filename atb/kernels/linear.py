@@ -19,9 +19,9 @@ import torch
 
 from atb import _C
 from atb.kernels import quant_linear as _q
-from atb.kernels._common import (EPILOGUE_PLAIN, EPILOGUE_RESIDUAL, EPILOGUE_SWIGLU, float_code, linear_bias,
-                                 linear_lists, linear_residual_arg, linear_x, resolve_soc,
-                                 same_dtype, same_shape)
+from atb.kernels._common import (DTYPE_CODES, EPILOGUE_PLAIN, EPILOGUE_RESIDUAL, EPILOGUE_SWIGLU, float_code,
+                                 linear_bias, linear_lists, linear_residual_arg, linear_x, resolve_soc, same_dtype,
+                                 same_shape)
 from atb.quant.formats import QuantizedWeight
 
 # The policy the AVX2 host measured (native below 32 rows, the STREAM kernel's
@@ -249,7 +249,9 @@ class _FloatWeights:
 
     @staticmethod
     def segment(w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> tuple:
-        return (w.data_ptr(), 0 if bias is None else bias.data_ptr(), 0 if out is None else out.data_ptr(), w.shape[0])
+        # (weight, bias, out, N, rows4 copy): the copy is the decode graph's (pack_rows4), none here.
+        return (w.data_ptr(), 0 if bias is None else bias.data_ptr(), 0 if out is None else out.data_ptr(), w.shape[0],
+                0)
 
 
 def _weights_kind(*weights):
@@ -352,3 +354,34 @@ def linear_auto(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if not _q.is_quantized(weight) and not native_linear_wins(x2.shape[0], x.dtype):
         return torch.nn.functional.linear(x, weight, bias)
     return linear(x2, weight, bias, soc_type=soc_type).reshape(*lead, weight.shape[0])
+
+
+def rows4_supported(dtype: torch.dtype) -> bool:
+    """Whether the active SIMD table has the decode GEMV over ``pack_rows4`` copies for ``dtype`` (bf16 and
+    fp32 on the AVX-512 tables)."""
+    return dtype in DTYPE_CODES and _C.rows4_supported(DTYPE_CODES[dtype])
+
+
+def pack_rows4(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The rows4 copy of a float weight ``[N, K]`` (bf16 or fp32): its rows 4 at a time, each 8 k of the 4 rows in
+    one 64-byte line (bf16; fp32 two), zero-padded to whole groups and chunks (``csrc/kernels/linear/
+    linear_rows4.h``). The decode graph keeps one per projection: its GEMV at up to 4 rows of x then reads a
+    core's rows as one front-to-back stream, with the same sums as over the weight as it lies. Returns a 1-D
+    tensor of ``_C.rows4_numel(N, K)`` elements of the weight's dtype (``out`` if given)."""
+    if not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.float32, torch.bfloat16):
+        got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise TypeError(f"pack_rows4: weight must be a float32 or bfloat16 tensor, got {got}")
+    if weight.dim() != 2 or weight.shape[0] == 0 or weight.shape[1] == 0:
+        raise ValueError(f"pack_rows4: weight must be a non-empty [N, K] matrix, got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    numel = _C.rows4_numel(n, k)
+    if out is None:
+        out = torch.empty(numel, dtype=weight.dtype)
+    elif (not isinstance(out, torch.Tensor) or out.dtype != weight.dtype or out.numel() != numel
+          or not out.is_contiguous()):
+        desc = (f"{out.dtype} tensor of {out.numel()} elements" if isinstance(out, torch.Tensor)
+                else type(out).__name__)
+        raise ValueError(f"pack_rows4: out must be a contiguous {weight.dtype} tensor of {numel} elements, got {desc}")
+    w = weight.contiguous()
+    _C.pack_rows4(out.data_ptr(), w.data_ptr(), k, n, k, DTYPE_CODES[weight.dtype])
+    return out

@@ -323,7 +323,7 @@ void DecodeGraph::Run(const int32_t* tokenIds, const int32_t* positions, const i
     }
     {
       auto t = timer(NODE_QKV);
-      LinearSegment segs[3] = {{L.q, L.qBias, q, qSize}, {L.k, L.kBias, k, kvSize}, {L.v, L.vBias, v, kvSize}};
+      LinearSegment segs[3] = {{L.q, L.qBias, q, qSize, L.qRows4}, {L.k, L.kBias, k, kvSize, L.kRows4}, {L.v, L.vBias, v, kvSize, L.vRows4}};
       const QuantRef* qs[3] = {&L.qQ, &L.kQ, &L.vQ};
       LinearOrQuant(h, B, c.hidden, segs, qs, 3, nullptr, LINEAR_PLAIN, dt, soc_);
       if (L.qNorm) {
@@ -347,7 +347,7 @@ void DecodeGraph::Run(const int32_t* tokenIds, const int32_t* positions, const i
     }
     {
       auto t = timer(NODE_O_PROJ);
-      LinearSegment seg{L.o, L.oBias, x, c.hidden};
+      LinearSegment seg{L.o, L.oBias, x, c.hidden, L.oRows4};
       const QuantRef* qs[1] = {&L.oQ};
       LinearOrQuant(attn, B, qSize, &seg, qs, 1, x, rowMode, dt, soc_);  // x (+)= o_proj(attn), in place
     }
@@ -355,10 +355,11 @@ void DecodeGraph::Run(const int32_t* tokenIds, const int32_t* positions, const i
     {
       auto t = timer(NODE_MLP);
       RmsNorm(h, nullptr, x, nullptr, L.postNorm, B, c.hidden, dt, c.eps, soc_);
-      LinearSegment gu[2] = {{L.gate, L.gateBias, act, c.intermediate}, {L.up, L.upBias, nullptr, c.intermediate}};
+      LinearSegment gu[2] = {{L.gate, L.gateBias, act, c.intermediate, L.gateRows4},
+                              {L.up, L.upBias, nullptr, c.intermediate, L.upRows4}};
       const QuantRef* guq[2] = {&L.gateQ, &L.upQ};
       LinearOrQuant(h, B, c.hidden, gu, guq, 2, nullptr, LINEAR_SWIGLU, dt, soc_);
-      LinearSegment down{L.down, L.downBias, x, c.hidden};
+      LinearSegment down{L.down, L.downBias, x, c.hidden, L.downRows4};
       const QuantRef* dq[1] = {&L.downQ};
       LinearOrQuant(act, B, c.intermediate, &down, dq, 1, x, rowMode, dt, soc_);
     }
@@ -368,7 +369,7 @@ void DecodeGraph::Run(const int32_t* tokenIds, const int32_t* positions, const i
   {
     auto t = timer(NODE_LM_HEAD);
     RmsNorm(h, nullptr, x, nullptr, finalNorm_, B, c.hidden, dt, c.eps, soc_);
-    LinearSegment head{lmHead_, nullptr, logits, c.vocab};
+    LinearSegment head{lmHead_, nullptr, logits, c.vocab, lmHeadRows4_};
     const QuantRef* hq[1] = {&headQ_};
     LinearOrQuant(h, B, c.hidden, &head, hq, 1, nullptr, LINEAR_PLAIN, dt, soc_);
     if (argmaxOut) {

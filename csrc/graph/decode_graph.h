@@ -71,6 +71,15 @@ struct DecodeLayer {
   // Quantized projections (W8A16 / W4A16): storage of each weight; data == nullptr keeps it float.
   // gate and up are both quantized or both float (they share one fused launch).
   QuantRef qQ, kQ, vQ, oQ, gateQ, upQ, downQ;
+  // Float projections' rows4 copies (kernels/linear/linear_rows4.h), which steps of a few rows read instead of
+  // the weights as they lie (the same bits); null: none.
+  const void* qRows4 = nullptr;
+  const void* kRows4 = nullptr;
+  const void* vRows4 = nullptr;
+  const void* oRows4 = nullptr;
+  const void* gateRows4 = nullptr;
+  const void* upRows4 = nullptr;
+  const void* downRows4 = nullptr;
 };
 
 // Profiled nodes, in execution order. "embed" also covers the per-step work
@@ -116,6 +125,8 @@ class DecodeGraph {
     embedQ_ = embed;
     headQ_ = head;
   }
+  // The float LM head's rows4 copy (see DecodeLayer::qRows4); null: none.
+  void SetLmHeadRows4(const void* rows4) { lmHeadRows4_ = rows4; }
   // Tensor parallelism: called on the residual stream after the embedding and after the row-parallel
   // o and down projections (2 * numLayers + 1 times per step); logits stay this rank's vocab slice.
   void SetAllReduce(AllReduceFn fn) { allReduce_ = std::move(fn); }
@@ -149,6 +160,7 @@ class DecodeGraph {
   const void* embed_;
   const void* finalNorm_;
   const void* lmHead_;
+  const void* lmHeadRows4_ = nullptr;
   QuantRef embedQ_, headQ_;
   const void* cos_;
   const void* sin_;

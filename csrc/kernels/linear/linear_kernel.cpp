@@ -10,6 +10,7 @@
 
 #include "ascendc/kernel_operator.h"
 #include "linear_io.h"
+#include "linear_rows4.h"
 #include "linear_tiling.h"
 
 using namespace AscendC;
@@ -26,6 +27,8 @@ class KernelLinear : public LinearStreamIo<T, KernelLinear<T>> {
  public:
   void Init(GM_ADDR x, const LinearSegment* segs, GM_ADDR residual, const LinearTilingData& t) {
     Stream::InitStream(x, segs, residual, t, t.k);
+    if (t.m <= kRows4MaxRows && Rows4Supported(DataTypeOf<T>::value))
+      for (int64_t s = 0; s < t.numSegments; ++s) rows4_[s] = static_cast<const T*>(segs[s].rows4);
     int64_t mt = t.mTile, nt = t.nTile;
     pipe_.InitBuffer(xBuf_, mt * t.kTile * sizeof(float));
     for (int s = 0; s < streams_; ++s) {
@@ -58,9 +61,25 @@ class KernelLinear : public LinearStreamIo<T, KernelLinear<T>> {
   void Compute(int s, int64_t row, int64_t mt, int64_t nt, int64_t k0, int64_t k8len) {
     const float* x = xBuf_.Get<float>().GetPhyAddr();
     for (int st = 0; st < streams_; ++st) {
-      const T* w = wGm_[st == 1 ? 1 : s].GetPhyAddr(row * t_.k + k0);
-      MmadTableLanes(lanes_[st].Get<float>().GetPhyAddr(), x, t_.kTile, w, t_.k, mt, nt, k8len, k0 > 0);
+      const int seg = st == 1 ? 1 : s;
+      float* lanes = lanes_[st].Get<float>().GetPhyAddr();
+      if (rows4_[seg] && row % kRows4GroupRows == 0) {
+        const int64_t ldg = Rows4Ld(t_.k);
+        MmadRows4Lanes(lanes, x, t_.kTile, rows4_[seg] + row / kRows4GroupRows * ldg + k0 * kRows4GroupRows, ldg,
+                       mt, nt, k8len, k0 > 0);
+      } else {
+        MmadTableLanes(lanes, x, t_.kTile, wGm_[seg].GetPhyAddr(row * t_.k + k0), t_.k, mt, nt, k8len, k0 > 0);
+      }
     }
+  }
+
+  // The same lanes over the rows4 copy (b: the group of the tile's first row, at k0's chunk).
+  static void MmadRows4Lanes(float* lanes, const float* a, int64_t lda, const T* b, int64_t ldg, int64_t m, int64_t n,
+                             int64_t k, bool acc) {
+    if constexpr (std::is_same<T, float>::value)
+      Simd().mmad_nt_lanes_rows4_f32(lanes, a, lda, b, ldg, m, n, k, acc);
+    else if constexpr (std::is_same<T, bfloat16_t>::value)  // fp16 has no rows4 kernel (Rows4Supported)
+      Simd().mmad_nt_lanes_rows4_bf16(lanes, a, lda, StorageBits(b), ldg, m, n, k, acc);
   }
 
   static void MmadTableLanes(float* lanes, const float* a, int64_t lda, const T* b, int64_t ldb, int64_t m, int64_t n,
@@ -92,6 +111,8 @@ class KernelLinear : public LinearStreamIo<T, KernelLinear<T>> {
   }
 
   TBuf<TPosition::VECCALC> xBuf_, lanes_[2];
+  // Per segment: its rows4 copy where this launch reads one (bf16 / fp32, few rows of x), else null.
+  const T* rows4_[kLinearMaxSegments] = {nullptr, nullptr, nullptr};
 };
 
 }  // namespace

@@ -1,0 +1,48 @@
+// The decode weights' repacked layout ("rows4"): a weight W [N, K] laid out 4 rows at a time so that the
+// decode GEMV (SimdOps::mmad_nt_lanes_rows4_*) reads a core's rows as one front-to-back stream, each 64-byte
+// line feeding 16 of mmad_nt_lanes' fp32 lanes (4 rows x 4 lanes) with the same sums.
+//
+// Why: mmad_nt_lanes reads a call's weight rows as they lie, 4 rows per block, each from its own run of the
+// rows, 16 bytes of each row per step: 4 interleaved streams per core. The linear at M = 1 over 256 MiB from DRAM
+// on Zen 4 (2 threads; fraction of the streaming-read probe in the same round, medians over 900-1700
+// interleaved rounds bucketed by the probe's rate), rows as they lie -> rows4:
+//   bf16 K = 576: 0.77 -> 0.89 of a 42+ GB/s probe, 0.92 -> 0.97 of a 30-42 GB/s one; K = 1536 0.915 -> 0.923
+//   fp32 K = 576: 0.72 -> 0.94 and 0.90 -> 0.99
+// Reading the rows as they lie with whole-line loads (4 runs' lines transposed in registers; a C model of the
+// kernel) made 0.78 where this layout made 0.88 at 42+ GB/s: the pattern of addresses, not the load width, sets
+// the rate. At M = 2 it gains less (bf16 0.78 -> 0.80 and 0.91 -> 0.93, fp32 0.69 -> 0.87 at 42+ GB/s); from 3
+// rows of x on it loses (bf16 M = 3 0.62 -> 0.57, M = 4 0.53 -> 0.43 at 42+ GB/s): each row of x costs two
+// broadcasts per 8 k where the runs form broadcasts once, and the vector work bounds those calls. So the STREAM
+// kernel reads rows4 copies up to kRows4MaxRows rows of x.
+//
+// Layout: groups of 4 rows (the last one padded with zero rows), group g at g * Rows4Ld(K) elements; within a
+// group, chunk c (k in [8c, 8c + 8), K padded with zeros to a multiple of 8) at 32c, row r's values
+//   2-byte (bf16): r * 8 + k % 8                  (a row's 8 values in one 16-byte lane of the line)
+//   4-byte (fp32): (k % 8 / 4) * 16 + r * 4 + k % 4 (two lines: k % 8 in 0-3 of the 4 rows, then 4-7)
+// The engine keeps it beside the weights as they lie (prefill, batch decode and torch read those) for the
+// projections and LM head of its decode graph (atb.graph).
+#pragma once
+#include <cstdint>
+
+#include "ascendc/dtype.h"
+#include "ascendc/tensor.h"
+
+namespace atb {
+
+constexpr int64_t kRows4GroupRows = 4;
+constexpr int64_t kRows4MaxRows = 2;
+
+// Elements from one group of 4 rows to the next.
+inline int64_t Rows4Ld(int64_t k) { return kRows4GroupRows * AscendC::AlignUp(k, 8); }
+inline int64_t Rows4Elems(int64_t n, int64_t k) { return AscendC::CeilDiv(n, kRows4GroupRows) * Rows4Ld(k); }
+// Where element (n, k) lies, for elements of `eltBytes` (2 or 4) bytes.
+inline int64_t Rows4Index(int64_t n, int64_t k, int64_t K, int64_t eltBytes) {
+  const int64_t r = n % kRows4GroupRows, in = eltBytes == 2 ? r * 8 + k % 8 : (k % 8 / 4) * 16 + r * 4 + k % 4;
+  return n / kRows4GroupRows * Rows4Ld(K) + k / 8 * 32 + in;
+}
+// Whether the active SIMD table reads dtype's rows4 weights (bf16 and fp32 on the AVX-512 tables).
+bool Rows4Supported(AscendC::DataType dtype);
+// dst [Rows4Elems(N, K)] = W [N, K] (rows ldw elements apart) in the layout above; bf16 or fp32.
+void PackRows4(void* dst, const void* W, int64_t ldw, int64_t N, int64_t K, AscendC::DataType dtype);
+
+}  // namespace atb
