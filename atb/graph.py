@@ -39,7 +39,7 @@ import torch
 from atb import _C
 from atb.hugepages import HugePageArena, huge_pages_enabled
 from atb.kernels._common import DTYPE_CODES, ROPE_STYLES, float_code, int_tensor, resolve_soc
-from atb.kernels.linear import pack_rows4, rows4_supported
+from atb.kernels.linear import pack_rows4, rows4_pays, rows4_supported
 from atb.models.base import LayerWeights
 from atb.quant.formats import QuantizedWeight
 
@@ -69,9 +69,10 @@ def decode_repack_default(dtype: torch.dtype) -> bool:
 
 
 def _rows4_copies(weights: list) -> dict[int, torch.Tensor]:
-    """The rows4 copy of each distinct float weight (by id; quantized ones have none), carved from one huge-page
-    arena where huge pages are on: the decode step streams them."""
-    floats = list({id(t): t for t in weights if isinstance(t, torch.Tensor)}.values())
+    """The rows4 copy of each distinct float weight whose rows are short enough to gain (`rows4_pays`; by id;
+    quantized ones have none), carved from one huge-page arena where huge pages are on: the decode step streams
+    them."""
+    floats = list({id(t): t for t in weights if rows4_pays(t)}.values())
     shapes = [torch.empty(_C.rows4_numel(*t.shape), dtype=t.dtype, device="meta") for t in floats]
     arena = HugePageArena(HugePageArena.bytes_for(shapes)) if floats and huge_pages_enabled() else None
     return {id(t): pack_rows4(t, arena.empty(m.shape, m.dtype) if arena else None) for t, m in zip(floats, shapes)}
@@ -108,9 +109,10 @@ class DecodeGraph:
             (the embedding lookup then dequantizes each token's row); the graph's dtype is then final_norm's.
         cos/sin: ``[max_seq_len, rotary_dim]`` rope tables (HF layout), the graph's dtype or float32.
         key_caches/value_caches: per layer ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-        repack: keep a rows4 copy (``atb.kernels.linear.pack_rows4``) of every float projection and of the LM head,
-            which steps of up to 4 rows read instead (the same bits, one front-to-back stream per core), at the
-            cost of a second copy of those weights. None (default): where `decode_repack_default` says so.
+        repack: keep a rows4 copy (``atb.kernels.linear.pack_rows4``) of the float projections and LM head with
+            rows of at most 3 KiB (`rows4_pays`), which steps of 1 or 2 rows read instead (the same bits, one
+            front-to-back stream per core), at the cost of a second copy of those weights. None (default): where
+            `decode_repack_default` says so.
         """
         layers = list(layers)
         if not layers:

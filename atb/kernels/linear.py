@@ -362,6 +362,13 @@ def rows4_supported(dtype: torch.dtype) -> bool:
     return dtype in DTYPE_CODES and _C.rows4_supported(DTYPE_CODES[dtype])
 
 
+def rows4_pays(weight: torch.Tensor) -> bool:
+    """Whether a ``pack_rows4`` copy of ``weight`` ``[N, K]`` makes its decode faster: supported, and rows of at
+    most 3 KiB (longer rows stream as fast as they lie; ``csrc/kernels/linear/linear_rows4.h``)."""
+    return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in DTYPE_CODES
+            and _C.rows4_pays(weight.shape[1], DTYPE_CODES[weight.dtype]))
+
+
 def pack_rows4(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The rows4 copy of a float weight ``[N, K]`` (bf16 or fp32): its rows 4 at a time, each 8 k of the 4 rows in
     one 64-byte line (bf16; fp32 two), zero-padded to whole groups and chunks (``csrc/kernels/linear/
