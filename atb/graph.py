@@ -82,9 +82,10 @@ class DecodeGraph:
     """A built decode graph. Use :meth:`from_weights` (or :meth:`from_runner` for an engine's ModelRunner)."""
 
     def __init__(self, native, keep: list, *, vocab: int, dtype: torch.dtype, max_batch: int, max_seq_len: int,
-                 hidden: int):
+                 hidden: int, repacked_bytes: int = 0):
         self._g = native
         self._keep = keep  # every tensor whose pointer the native graph holds
+        self.repacked_bytes = repacked_bytes  # the rows4 copies it holds (from_weights' repack)
         self.vocab = vocab
         self.hidden = hidden
         self._tp = False   # an all-reduce callback is set
@@ -198,6 +199,9 @@ class DecodeGraph:
         cfg.owns_residual = bool(config.get("owns_residual", True))
         native = _C.DecodeGraph(cfg, native_layers, embed_p, final_p, head_p, cos.data_ptr(), sin.data_ptr(),
                                 resolve_soc(soc_type))
+        if repack is not None and not isinstance(repack, bool):
+            raise TypeError(f"DecodeGraph: repack must be None, True or False, got {repack!r}")
+        copies = {}
         if decode_repack_default(dtype) if repack is None else repack:
             if not rows4_supported(dtype):
                 raise ValueError(f"DecodeGraph: repack=True needs the rows4 kernel for {dtype}, which the "
@@ -215,7 +219,7 @@ class DecodeGraph:
             native.set_quant_tables(embed.storage() if isinstance(embed, QuantizedWeight) else None,
                                     lm_head.storage() if isinstance(lm_head, QuantizedWeight) else None)
         return cls(native, keep, vocab=vocab, dtype=dtype, max_batch=max_batch, max_seq_len=cos.shape[0],
-                   hidden=hidden)
+                   hidden=hidden, repacked_bytes=sum(c.nbytes for c in copies.values()))
 
     @classmethod
     def from_runner(cls, runner) -> DecodeGraph:

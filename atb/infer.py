@@ -290,10 +290,12 @@ class TransformerInfer(Engine):
 
     # ---- introspection ------------------------------------------------------
     def memory_summary(self) -> dict:
-        """Bytes held by the engine: weights (shared with the model unless converted), KV pool, scratch; and the
-        pool's blocks: used (held by requests), cached (prefix caching: unheld, kept for reuse), free."""
+        """Bytes held by the engine: weights (shared with the model unless converted), KV pool, scratch, the
+        decode graph's repacked weight copies; and the pool's blocks: used (held by requests), cached (prefix
+        caching: unheld, kept for reuse), free."""
         weights = self.runner.weight_bytes()
         scratch = self.runner.scratch_bytes(self._block_tables)
+        repacked = self.runner.graph.repacked_bytes if self.runner.graph is not None else 0
         quant = {}
         if self.quantize is not None:
             full = self.runner.unquantized_weight_bytes()
@@ -311,7 +313,8 @@ class TransformerInfer(Engine):
             "kv_blocks": self.cache.num_blocks,
             **blocks,
             "scratch_bytes": scratch,
-            "total_bytes": weights + self.cache.nbytes + scratch,
+            "decode_repacked_bytes": repacked,
+            "total_bytes": weights + self.cache.nbytes + scratch + repacked,
             **quant,
         }
 

@@ -151,6 +151,9 @@ def test_repack_needs_the_kernel():
     model = random_model("tiny", torch.float16)
     with pytest.raises(ValueError, match="DecodeGraph: repack=True needs the rows4 kernel for torch.float16"):
         _graph(model, max_batch=1, max_seq_len=32, repack=True)
+    with pytest.raises(TypeError, match="DecodeGraph: repack must be None, True or False, got 'yes'"):
+        _graph(model, max_batch=1, max_seq_len=32, repack="yes")
+    assert _graph(model, max_batch=1, max_seq_len=32)[0].repacked_bytes == 0  # fp16: no rows4 kernel
 
 
 def _graph_over_noise():

@@ -6,6 +6,7 @@ import torch
 
 import atb
 from atb.checkpoints import random_model
+from atb.kernels.linear import rows4_supported
 from conftest import ALL_SOCS, family_model, family_names
 from reference import assert_close
 
@@ -360,7 +361,12 @@ def test_weights_shared_and_memory_summary(tiny_llama):
     assert m["weights_shared_with_model"] and m["weights_bytes"] == params
     assert m["kv_blocks"] == 3 * 3 and m["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
     assert m["kv_cache_bytes"] == 9 * 16 * m["kv_bytes_per_token"]
-    assert m["total_bytes"] == m["weights_bytes"] + m["kv_cache_bytes"] + m["scratch_bytes"]
+    assert m["total_bytes"] == (m["weights_bytes"] + m["kv_cache_bytes"] + m["scratch_bytes"]
+                                + m["decode_repacked_bytes"])
+    # fp32 projections and LM head with rows of at most 3 KiB get a rows4 copy where the SIMD table has the kernel
+    repacked = sum(atb._C.rows4_numel(*t.shape) * 4 for t in [infer.lm_head] + [
+        w for lw in infer.layers for n, w in lw.tensors().items() if n in ("q", "k", "v", "o", "gate", "up", "down")])
+    assert m["decode_repacked_bytes"] == (repacked if rows4_supported(torch.float32) else 0)
     half = atb.TransformerInfer(tiny_llama, max_seq_len=40, dtype=torch.float16)
     assert half.memory_summary()["weights_bytes"] == params // 2 and half.embed.dtype == torch.float16
 
