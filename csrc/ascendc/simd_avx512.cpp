@@ -846,7 +846,7 @@ template <typename TB, class L, int R>
 __attribute__((noinline)) void LanesRows4Block(float* lanes, int64_t N, const float* A, int64_t lda, const TB* G,
                                                int64_t K, bool acc, int64_t rows) {
   V lo[R], hi[R];
-  alignas(64) float part[32] = {};
+  alignas(64) float part[32];  // a last group's rows (rows < 4), staged
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
     if (!acc) {
@@ -855,7 +855,10 @@ __attribute__((noinline)) void LanesRows4Block(float* lanes, int64_t N, const fl
     }
     // [row][8 lanes] x 4 rows -> lanes 0-3 of each row, then 4-7.
     const float* l = lanes + r * N * 8;
-    if (rows < 4) l = static_cast<const float*>(std::memcpy(part, l, size_t(rows * 8) * sizeof(float)));
+    if (rows < 4) {
+      std::fill(std::copy(l, l + rows * 8, part), part + 32, 0.0f);
+      l = part;
+    }
     const V v0 = _mm512_loadu_ps(l), v1 = _mm512_loadu_ps(l + 16);
     lo[r] = _mm512_shuffle_f32x4(v0, v1, 0x88);
     hi[r] = _mm512_shuffle_f32x4(v0, v1, 0xDD);

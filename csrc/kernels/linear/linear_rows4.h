@@ -40,11 +40,6 @@ constexpr int64_t kRows4MaxRowBytes = 3072;
 // Elements from one group of 4 rows to the next.
 inline int64_t Rows4Ld(int64_t k) { return kRows4GroupRows * AscendC::AlignUp(k, 8); }
 inline int64_t Rows4Elems(int64_t n, int64_t k) { return AscendC::CeilDiv(n, kRows4GroupRows) * Rows4Ld(k); }
-// Where element (n, k) lies, for elements of `eltBytes` (2 or 4) bytes.
-inline int64_t Rows4Index(int64_t n, int64_t k, int64_t K, int64_t eltBytes) {
-  const int64_t r = n % kRows4GroupRows, in = eltBytes == 2 ? r * 8 + k % 8 : (k % 8 / 4) * 16 + r * 4 + k % 4;
-  return n / kRows4GroupRows * Rows4Ld(K) + k / 8 * 32 + in;
-}
 // Whether the active SIMD table reads dtype's rows4 weights (bf16 and fp32 on the AVX-512 tables).
 bool Rows4Supported(AscendC::DataType dtype);
 // Whether a rows4 copy of a dtype weight with k columns is worth keeping: supported, rows of at most
