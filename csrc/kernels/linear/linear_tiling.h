@@ -68,6 +68,10 @@ constexpr int64_t kLinearDpPackedMinRows = 128;
 // 134, M = 64 gate 577-728 -> 519-523; 2 threads, 30 layers' gate+up and down+residual, ms: M = 8 4.6 -> 6.8,
 // 12 6.9 -> 7.3 (so not below 16). In the batch-16 decode graph, whose weights come from DRAM, the MLP's
 // time did not move beyond the run-to-run spread (7.2-8.3 -> 7.4-8.4 ms per step, four alternating runs).
+// Packed x costs the same at any M up to 16 (a panel's 16 lanes run whatever the rows), so the rows form wins
+// below: the same 30 MLPs from DRAM, in-process interleaved medians, ms, rows -> packed x: M = 8 9.6 -> 11.2,
+// 10 9.5 -> 11.3, 12 10.3 -> 11.3, 13 11.0 -> 11.4, 14 10.3-11.8 -> 10.7-11.6, 15 10.8-12.2 -> 10.8-11.6
+// (41 rounds at 14 and 15: 1.03-1.04 and 0.99-1.01), so the switch stays at 16.
 constexpr int64_t kLinearDpPackedXMinRows = 16;
 // fp32 x and weights where the table has mmad_packed_x_f32 (AVX-512): the same form with one vfmadd231ps per k,
 // the weight's value broadcast, from this many rows (the stream kernel's 8-lane chains below) up to
