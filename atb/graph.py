@@ -115,6 +115,8 @@ class DecodeGraph:
             front-to-back stream per core), at the cost of a second copy of those weights. None (default): where
             `decode_repack_default` says so.
         """
+        if repack is not None and not isinstance(repack, bool):
+            raise TypeError(f"DecodeGraph: repack must be None, True or False, got {repack!r}")
         layers = list(layers)
         if not layers:
             raise ValueError("DecodeGraph: layers is empty")
@@ -199,8 +201,6 @@ class DecodeGraph:
         cfg.owns_residual = bool(config.get("owns_residual", True))
         native = _C.DecodeGraph(cfg, native_layers, embed_p, final_p, head_p, cos.data_ptr(), sin.data_ptr(),
                                 resolve_soc(soc_type))
-        if repack is not None and not isinstance(repack, bool):
-            raise TypeError(f"DecodeGraph: repack must be None, True or False, got {repack!r}")
         copies = {}
         if decode_repack_default(dtype) if repack is None else repack:
             if not rows4_supported(dtype):

@@ -323,7 +323,9 @@ void DecodeGraph::Run(const int32_t* tokenIds, const int32_t* positions, const i
     }
     {
       auto t = timer(NODE_QKV);
-      LinearSegment segs[3] = {{L.q, L.qBias, q, qSize, L.qRows4}, {L.k, L.kBias, k, kvSize, L.kRows4}, {L.v, L.vBias, v, kvSize, L.vRows4}};
+      LinearSegment segs[3] = {{L.q, L.qBias, q, qSize, L.qRows4},
+                               {L.k, L.kBias, k, kvSize, L.kRows4},
+                               {L.v, L.vBias, v, kvSize, L.vRows4}};
       const QuantRef* qs[3] = {&L.qQ, &L.kQ, &L.vQ};
       LinearOrQuant(h, B, c.hidden, segs, qs, 3, nullptr, LINEAR_PLAIN, dt, soc_);
       if (L.qNorm) {
