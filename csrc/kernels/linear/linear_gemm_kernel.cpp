@@ -62,10 +62,8 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
   using Gemm::t_, Gemm::ep_, Gemm::streams_, Gemm::xGm_, Gemm::wGm_, Gemm::bBuf_, Gemm::cBuf_;
 
  public:
-  void Init(GM_ADDR x, const float* xPacked, const float* xPanels, const LinearSegment* segs, GM_ADDR residual,
-            const LinearTilingData& t) {
+  void Init(GM_ADDR x, const float* xPacked, const LinearSegment* segs, GM_ADDR residual, const LinearTilingData& t) {
     form_ = t.form;
-    xPanels_ = xPanels;
     Gemm::InitGemm(x, xPacked, segs, residual, t, t.k, form_ == kF32Tiles);
     if (form_ == kDpPacked) Gemm::InitDpPacked();
   }
@@ -96,20 +94,25 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
     }
   }
 
-  // kPackedX (bf16: mmad_dp_bf16_packed_x; fp32: mmad_packed_x_f32): the pass's rows of x in panels of 16
-  // (PackXPanels, once per call in LinearGemm), every stream's weight rows read once into all of the pass's
-  // sums, then the epilogue per mTile rows. A pass that starts inside a panel (only under a UB small enough to
-  // shrink mTile below 16) packs its own rows first.
+  // kPackedX (bf16: mmad_dp_bf16_packed_x; fp32: mmad_packed_x_f32): the pass's rows of x in panels of 16,
+  // packed by each block for itself at its first unit of the pass (PackXPanels into the thread's own buffer),
+  // then every stream's weight rows read once into all of the pass's sums, and the epilogue per mTile rows.
+  // Each core packs all of the pass's x (a few dozen KiB, read-only input) rather than the caller packing one
+  // shared copy before the launch: that serial copy ran 3x slower than on one thread, every store invalidating
+  // the line the other core had read in the previous call, and the helper then pulled all of it from the
+  // caller's cache in its first block. Zen 4, 2 threads, bf16, M = 16, 576 x 1536 hot, per call: the shared
+  // pack took 9 us of 107 (one thread alone: 2.7 us of 183); per call this is 74-76 us against 80-111. SmolLM2
+  // batch-16 decode graph, in-process interleaved rounds, shared / per-core step time: bf16 median 1.06 (40
+  // rounds), fp32 1.01 (12), the same tokens.
   void ProcessUnitPackedX(const GemmUnit& u) {
     if constexpr (!std::is_same<T, half>::value) {
-      const int64_t panel = XPanelFloats<T>(16, t_.k);
-      const float* xp = xPanels_ + (u.m0 / 16) * panel;
-      if (u.m0 % 16 != 0) {
-        thread_local std::vector<float> own;
+      thread_local std::vector<float> own;
+      if (u.m0 != packedM0_) {
         own.resize(size_t(XPanelFloats<T>(u.mp, t_.k)));
         PackXPanels<T>(own.data(), xGm_.GetPhyAddr(u.m0 * t_.k), u.mp, t_.k);
-        xp = own.data();
+        packedM0_ = u.m0;
       }
+      const float* xp = own.data();
       for (int st = 0; st < streams_; ++st) {
         const T* w = wGm_[st == 1 ? 1 : u.s].GetPhyAddr(u.row * t_.k);
         float* c = cBuf_[st].template Get<float>().GetPhyAddr();
@@ -143,7 +146,7 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
   }
 
   int64_t form_ = kF32Tiles;
-  const float* xPanels_ = nullptr;  // kPackedX: x in panels of 16 rows (LinearGemm), else null
+  int64_t packedM0_ = -1;  // kPackedX: the first x row of the pass this block's panels hold (-1: none yet)
 };
 
 // PackedX blocks [first, last) of x into dst: this core's share.
@@ -184,22 +187,10 @@ const float* PackedX(const void* x, int64_t m, int64_t k, DataType dtype, const 
   return dst;
 }
 
-// x in panels of 16 rows for the packed-x GEMMs, once per call on the calling thread: at most a few hundred KiB
-// (they run below kLinearDpPackedMinRows / kLinearGemmMinRows rows).
-const float* PackedXPanels(const void* x, int64_t m, int64_t k, DataType dtype) {
-  thread_local std::vector<float> workspace;
-  const bool f32 = dtype == DataType::FLOAT32;
-  workspace.resize(size_t(f32 ? XPanelFloats<float>(m, k) : XPanelFloats<bfloat16_t>(m, k)));
-  if (f32) PackXPanels<float>(workspace.data(), static_cast<const float*>(x), m, k);
-  else PackXPanels<bfloat16_t>(workspace.data(), static_cast<const bfloat16_t*>(x), m, k);
-  return workspace.data();
-}
-
 void LinearGemm(const void* x, const LinearSegment* segs, const void* residual, const LinearTilingData& t,
                 const SocInfo& soc) {
   const float* xPacked = t.form != kF32Tiles ? nullptr : PackedX(x, t.m, t.k, DataType(t.tilingKey / 10 % 10), soc);
-  const float* xPanels = t.form == kPackedX ? PackedXPanels(x, t.m, t.k, DataType(t.tilingKey / 10 % 10)) : nullptr;
-  LaunchLinearKernel<KernelLinearGemm>(t, soc, GmAddr(x), xPacked, xPanels, segs, GmAddr(residual), t);
+  LaunchLinearKernel<KernelLinearGemm>(t, soc, GmAddr(x), xPacked, segs, GmAddr(residual), t);
 }
 
 }  // namespace atb

@@ -99,7 +99,7 @@ enum LinearMode : int64_t { LINEAR_STREAM = 0, LINEAR_GEMM = 1 };
 //   kF32Tiles  weight tiles widened to fp32 in UB for MmadNN (fp32, fp16, bf16 without AVX512-BF16);
 //   kDpRows    bf16 x and W feed mmad_nt_dp_bf16 as they lie, all of K per call (kTile = K);
 //   kDpPacked  bf16 weight tiles packed in k pairs for mmad_dp_bf16_packed;
-//   kPackedX   the kDpRows tiles, with x packed once per call in panels of 16 rows: k pairs for
+//   kPackedX   the kDpRows tiles, with x packed in panels of 16 rows (by each core, once per pass): k pairs for
 //              mmad_dp_bf16_packed_x (bf16), k-major for mmad_packed_x_f32 (fp32).
 enum LinearGemmForm : int64_t { kF32Tiles = 0, kDpRows = 1, kDpPacked = 2, kPackedX = 3 };
 
