@@ -199,8 +199,8 @@ class DecodeGraph:
         cfg.vocab_start = int(config.get("vocab_start", 0))
         cfg.vocab_total = int(config.get("vocab_total", vocab))
         cfg.owns_residual = bool(config.get("owns_residual", True))
-        native = _C.DecodeGraph(cfg, native_layers, embed_p, final_p, head_p, cos.data_ptr(), sin.data_ptr(),
-                                resolve_soc(soc_type))
+        # The rows4 copies go into the layers before the native graph is built: it keeps its own copy of each
+        # layer, so a pointer set on `native_layers` afterwards never reaches it.
         copies = {}
         if decode_repack_default(dtype) if repack is None else repack:
             if not rows4_supported(dtype):
@@ -213,8 +213,10 @@ class DecodeGraph:
                 for n, t in lw.tensors().items():
                     if id(t) in copies:
                         setattr(nl, f"{n}_rows4", copies[id(t)].data_ptr())
-            if id(lm_head) in copies:
-                native.set_lm_head_rows4(copies[id(lm_head)].data_ptr())
+        native = _C.DecodeGraph(cfg, native_layers, embed_p, final_p, head_p, cos.data_ptr(), sin.data_ptr(),
+                                resolve_soc(soc_type))
+        if id(lm_head) in copies:
+            native.set_lm_head_rows4(copies[id(lm_head)].data_ptr())
         if isinstance(embed, QuantizedWeight) or isinstance(lm_head, QuantizedWeight):
             native.set_quant_tables(embed.storage() if isinstance(embed, QuantizedWeight) else None,
                                     lm_head.storage() if isinstance(lm_head, QuantizedWeight) else None)
