@@ -69,7 +69,7 @@ def decode_repack_default(dtype: torch.dtype) -> bool:
 
 
 def _rows4_copies(weights: list) -> dict[int, torch.Tensor]:
-    """The rows4 copy of each distinct float weight whose rows are short enough to gain (`rows4_pays`; by id;
+    """The rows4 copy of each distinct float weight the rows4 kernel reads (`rows4_pays`; by id;
     quantized ones have none), carved from one huge-page arena where huge pages are on: the decode step streams
     them."""
     floats = list({id(t): t for t in weights if rows4_pays(t)}.values())
@@ -110,8 +110,8 @@ class DecodeGraph:
             (the embedding lookup then dequantizes each token's row); the graph's dtype is then final_norm's.
         cos/sin: ``[max_seq_len, rotary_dim]`` rope tables (HF layout), the graph's dtype or float32.
         key_caches/value_caches: per layer ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-        repack: keep a rows4 copy (``atb.kernels.linear.pack_rows4``) of the float projections and LM head with
-            rows of at most 3 KiB (`rows4_pays`), which steps of 1 or 2 rows read instead (the same bits, one
+        repack: keep a rows4 copy (``atb.kernels.linear.pack_rows4``) of the float projections and LM head
+            (`rows4_pays`), which steps of 1 or 2 rows read instead (the same bits, one
             front-to-back stream per core), at the cost of a second copy of those weights. None (default): where
             `decode_repack_default` says so.
         """

@@ -215,7 +215,6 @@ PYBIND11_MODULE(_C, m) {
   // ---- rows4: the decode weights' repacked layout (kernels/linear/linear_rows4.h) ---------------------
   Def(m, "rows4_numel", [](int64_t n, int64_t k) { return atb::Rows4Elems(n, k); }, "n", "k");
   Def(m, "rows4_supported", [](int dtype) { return atb::Rows4Supported(Dt(dtype)); }, "dtype");
-  Def(m, "rows4_pays", [](int64_t k, int dtype) { return atb::Rows4Pays(k, Dt(dtype)); }, "k", "dtype");
   Def(
       m, "pack_rows4",
       [](uintptr_t dst, uintptr_t w, int64_t ldw, int64_t n, int64_t k, int dtype) {

@@ -363,7 +363,7 @@ def test_weights_shared_and_memory_summary(tiny_llama):
     assert m["kv_cache_bytes"] == 9 * 16 * m["kv_bytes_per_token"]
     assert m["total_bytes"] == (m["weights_bytes"] + m["kv_cache_bytes"] + m["scratch_bytes"]
                                 + m["decode_repacked_bytes"])
-    # fp32 projections and LM head with rows of at most 3 KiB get a rows4 copy where the SIMD table has the kernel
+    # fp32 projections and LM head get a rows4 copy where the SIMD table has the kernel
     repacked = sum(atb._C.rows4_numel(*t.shape) * 4 for t in [infer.lm_head] + [
         w for lw in infer.layers for n, w in lw.tensors().items() if n in ("q", "k", "v", "o", "gate", "up", "down")])
     assert m["decode_repacked_bytes"] == (repacked if rows4_supported(torch.float32) else 0)

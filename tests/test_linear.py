@@ -482,9 +482,10 @@ def test_pack_rows4_rejects_bad_input():
     assert torch.equal(out, torch.full((10,), 3.0))  # a rejected call writes nothing
 
 
-def test_rows4_copies_only_pay_for_short_rows():
-    # 1152-2304-byte rows (K = 576) stream faster repacked; 4-8 KiB ones (K = 2048) do not (linear_rows4.h).
+def test_rows4_copies_pay_for_float_matrices_the_kernel_reads():
+    # Short (K = 576) and long (K = 5632) rows both stream faster repacked (linear_rows4.h); fp16 has no kernel.
     for dtype in (torch.float32, torch.bfloat16):
-        assert rows4_pays(torch.empty(4, 576, dtype=dtype)) == rows4_supported(dtype)
-        assert not rows4_pays(torch.empty(4, 2048, dtype=dtype))
+        for k in (576, 5632):
+            assert rows4_pays(torch.empty(4, k, dtype=dtype)) == rows4_supported(dtype)
     assert not rows4_pays(torch.empty(4, 8, dtype=torch.float16)) and not rows4_pays(torch.empty(8))
+    assert not rows4_pays(torch.empty(4, 8, dtype=torch.int8))

@@ -363,10 +363,10 @@ def rows4_supported(dtype: torch.dtype) -> bool:
 
 
 def rows4_pays(weight: torch.Tensor) -> bool:
-    """Whether a ``pack_rows4`` copy of ``weight`` ``[N, K]`` makes its decode faster: supported, and rows of at
-    most 3 KiB (longer rows stream as fast as they lie; ``csrc/kernels/linear/linear_rows4.h``)."""
-    return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in DTYPE_CODES
-            and _C.rows4_pays(weight.shape[1], DTYPE_CODES[weight.dtype]))
+    """Whether a ``pack_rows4`` copy of ``weight`` ``[N, K]`` makes its decode faster: a matrix of a dtype the
+    active SIMD table has the rows4 kernel for (`rows4_supported`). Rows of any length gain (SmolLM2's 1-6 KiB,
+    TinyLlama's 4-22 KiB; ``csrc/kernels/linear/linear_rows4.h``)."""
+    return isinstance(weight, torch.Tensor) and weight.dim() == 2 and rows4_supported(weight.dtype)
 
 
 def pack_rows4(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,10 +18,6 @@ bool Rows4Supported(AscendC::DataType dtype) {
   return false;
 }
 
-bool Rows4Pays(int64_t k, AscendC::DataType dtype) {
-  return Rows4Supported(dtype) && k * AscendC::DataTypeSize(dtype) <= kRows4MaxRowBytes;
-}
-
 namespace {
 
 // The 8 values of row r's chunk c (fewer at the K tail, the rest zero) to their places in the group's chunk.
