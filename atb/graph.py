@@ -111,7 +111,7 @@ class DecodeGraph:
         cos/sin: ``[max_seq_len, rotary_dim]`` rope tables (HF layout), the graph's dtype or float32.
         key_caches/value_caches: per layer ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         repack: keep a rows4 copy (``atb.kernels.linear.pack_rows4``) of the float projections and LM head
-            (`rows4_pays`), which steps of 1 or 2 rows read instead (the same bits, one
+            (`rows4_pays`), which steps of 1 row (fp32: 1 or 2) read instead (the same bits, one
             front-to-back stream per core), at the cost of a second copy of those weights. None (default): where
             `decode_repack_default` says so.
         """

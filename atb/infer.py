@@ -118,7 +118,7 @@ class TransformerInfer(Engine):
         graph_mode: run each decode step as one native call (``atb.graph.DecodeGraph``,
             exposed as ``infer.decode_graph``); False runs the same kernels from Python. On AVX-512 the
             graph keeps a second, repacked copy of the bf16 / fp32 projections and LM head for its steps
-            of 1-2 rows (faster from memory, the same bits); ``ATB_DECODE_REPACK=0`` saves that memory.
+            of 1 row (fp32: 1-2; faster from memory, the same bits); ``ATB_DECODE_REPACK=0`` saves that memory.
         max_prefill_tokens: prompt tokens prefilled per step; a prompt that does not fit is split into
             chunks over the following steps (chunked prefill), so arrivals do not stall running decodes
             for long.

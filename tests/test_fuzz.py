@@ -570,7 +570,7 @@ def _fuzz_flash_attention(rng, g, bad, op):
 
 def _fuzz_pack_rows4(rng, g, bad, op):
     # The decode graph's repacked weights: valid copies must give the linear the same bits as the weight itself at
-    # the 1-2 rows of x that read them (where the table has the kernel; elsewhere the copy is ignored).
+    # 1 or 2 rows of x (where the table has the kernel and the row count reads it; elsewhere the copy is ignored).
     dtype = rng.choice([torch.float32, torch.bfloat16])
     n, k = _dim(rng, (1, 3, 5, 64, 130, 1030)), _dim(rng, (1, 7, 8, 64, 123, 576))
     w = _view(rng, g, (n, k), dtype, scale=k ** -0.5)

@@ -147,19 +147,20 @@ def test_repacked_weights_decode_the_same_bits(dtype):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_single_row_steps_read_the_repacked_copies(dtype):
-    # At 1 row every projection and the LM head are read from their rows4 copies alone: with the weights as
-    # they lie overwritten by NaN after the graph is built, a step still gives the same logits. (The layers'
-    # copies once went into the layer descriptions after the native graph had taken its own copy of them, so
-    # only the LM head's was read.) The tiny model's K (128, 344) are multiples of 8: no scalar tail reads
-    # the weights as they lie.
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, 1), (torch.float32, 2), (torch.bfloat16, 1)])
+def test_few_row_steps_read_the_repacked_copies(dtype, rows):
+    # At 1 row (fp32: 1 or 2) every projection and the LM head are read from their rows4 copies alone: with the
+    # weights as they lie overwritten by NaN after the graph is built, a step still gives the same logits. (The
+    # layers' copies once went into the layer descriptions after the native graph had taken its own copy of
+    # them, so only the LM head's was read.) The tiny model's K (128, 344) are multiples of 8: no scalar tail
+    # reads the weights as they lie.
     if not rows4_supported(dtype):
         pytest.skip(f"the {atb.build_info()['isa']} SIMD table has no rows4 kernel for {dtype}")
     model = random_model("tiny", dtype)
-    g, _, _ = _graph(model, max_batch=1, max_seq_len=32, repack=True)
-    args = (torch.tensor([17]), torch.tensor([0]), torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([1]),
-            torch.tensor([0]))
+    g, _, _ = _graph(model, max_batch=2, max_seq_len=32, repack=True)
+    args = (torch.tensor([17, 40][:rows]), torch.tensor([0, 0][:rows]),
+            torch.tensor([[0, 1], [2, 3]][:rows], dtype=torch.int32), torch.tensor([1, 1][:rows]),
+            torch.tensor([0, 2 * BLOCK][:rows]))
     before = g.step(*args).clone()
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -372,7 +372,7 @@ def rows4_pays(weight: torch.Tensor) -> bool:
 def pack_rows4(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The rows4 copy of a float weight ``[N, K]`` (bf16 or fp32): its rows 4 at a time, each 8 k of the 4 rows in
     one 64-byte line (bf16; fp32 two), zero-padded to whole groups and chunks (``csrc/kernels/linear/
-    linear_rows4.h``). The decode graph keeps one per projection: its GEMV at 1 or 2 rows of x then reads a
+    linear_rows4.h``). The decode graph keeps one per projection: its GEMV at 1 row of x (fp32: 1 or 2) reads a
     core's rows as one front-to-back stream, with the same sums as over the weight as it lies. Returns a 1-D
     tensor of ``_C.rows4_numel(N, K)`` elements of the weight's dtype (``out`` if given)."""
     if not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.float32, torch.bfloat16):

@@ -27,7 +27,7 @@ class KernelLinear : public LinearStreamIo<T, KernelLinear<T>> {
  public:
   void Init(GM_ADDR x, const LinearSegment* segs, GM_ADDR residual, const LinearTilingData& t) {
     Stream::InitStream(x, segs, residual, t, t.k);
-    if (t.m <= kRows4MaxRows && Rows4Supported(DataTypeOf<T>::value))
+    if (t.m <= Rows4MaxRows(DataTypeOf<T>::value) && Rows4Supported(DataTypeOf<T>::value))
       for (int64_t s = 0; s < t.numSegments; ++s) rows4_[s] = static_cast<const T*>(segs[s].rows4);
     int64_t mt = t.mTile, nt = t.nTile;
     pipe_.InitBuffer(xBuf_, mt * t.kTile * sizeof(float));

@@ -12,8 +12,10 @@
 // kernel) made 0.78 where this layout made 0.88 at 42+ GB/s: the pattern of addresses, not the load width, sets
 // the rate. At M = 2 it gains less (bf16 0.78 -> 0.80 and 0.91 -> 0.93, fp32 0.69 -> 0.87 at 42+ GB/s); from 3
 // rows of x on it loses (bf16 M = 3 0.62 -> 0.57, M = 4 0.53 -> 0.43 at 42+ GB/s): each row of x costs two
-// broadcasts per 8 k where the runs form broadcasts once, and the vector work bounds those calls. So the STREAM
-// kernel reads rows4 copies up to kRows4MaxRows rows of x. Long rows gain too: a TinyLlama-1.1B-shaped decode
+// broadcasts per 8 k where the runs form broadcasts once, and the vector work bounds those calls. In the decode
+// graph bf16 lost at 2 rows too (SmolLM2 batch 2, LM-head copy only against every copy, per-process medians of
+// in-process rounds 0.87, 0.97, 0.97, 0.97, 0.98 and 1.06; fp32 1.01). So the STREAM kernel reads rows4 copies
+// up to Rows4MaxRows rows of x: fp32 2, bf16 1. Long rows gain too: a TinyLlama-1.1B-shaped decode
 // graph at batch 1 (rows of 4-11 KiB bf16, 8-22 KiB fp32), in-process interleaved rounds, no copies against a
 // copy of every projection and the LM head, ms per step: bf16 42.5 -> 38.7, fp32 79.4 -> 71.8 (every round
 // 1.05x or more). (A C model of 4 KiB bf16 rows had read them faster as they lie, and a graph measurement had
@@ -34,7 +36,8 @@
 namespace atb {
 
 constexpr int64_t kRows4GroupRows = 4;
-constexpr int64_t kRows4MaxRows = 2;
+// Rows of x up to which the STREAM kernel reads a dtype's rows4 copy (above).
+inline int64_t Rows4MaxRows(AscendC::DataType dtype) { return dtype == AscendC::DataType::BFLOAT16 ? 1 : 2; }
 
 // Elements from one group of 4 rows to the next.
 inline int64_t Rows4Ld(int64_t k) { return kRows4GroupRows * AscendC::AlignUp(k, 8); }

@@ -109,7 +109,7 @@ struct LinearSegment {
   void* out = nullptr;           // [M, n]
   int64_t n = 0;
   // Optional: the weight's rows4 copy (linear_rows4.h), which the STREAM kernel reads instead at up to
-  // kRows4MaxRows rows of x where the SIMD table has the kernel (the same bits).
+  // Rows4MaxRows(dtype) rows of x (bf16 1, fp32 2) where the SIMD table has the kernel (the same bits).
   const void* rows4 = nullptr;
 };
 
