@@ -37,9 +37,9 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from atb import _C
-from atb.hugepages import HugePageArena, huge_pages_enabled
+from atb import hugepages
 from atb.kernels._common import DTYPE_CODES, ROPE_STYLES, float_code, int_tensor, resolve_soc
-from atb.kernels.linear import pack_rows4, rows4_pays, rows4_supported
+from atb.kernels.linear import rows4_supported
 from atb.models.base import LayerWeights
 from atb.quant.formats import QuantizedWeight
 
@@ -59,23 +59,10 @@ def _need(name: str, t, dtype, shape) -> torch.Tensor:
     return t
 
 
-_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
-
-
 def decode_repack_default(dtype: torch.dtype) -> bool:
     """Whether a decode graph keeps rows4 copies of its weights unless told (``DecodeGraph.from_weights``'s
     ``repack``): where the SIMD table has the kernel for ``dtype`` and ``ATB_DECODE_REPACK`` is not ``0``."""
     return os.environ.get("ATB_DECODE_REPACK", "1") != "0" and rows4_supported(dtype)
-
-
-def _rows4_copies(weights: list) -> dict[int, torch.Tensor]:
-    """The rows4 copy of each distinct float weight the rows4 kernel reads (`rows4_pays`; by id;
-    quantized ones have none), carved from one huge-page arena where huge pages are on: the decode step streams
-    them."""
-    floats = list({id(t): t for t in weights if rows4_pays(t)}.values())
-    shapes = [torch.empty(_C.rows4_numel(*t.shape), dtype=t.dtype, device="meta") for t in floats]
-    arena = HugePageArena(HugePageArena.bytes_for(shapes)) if floats and huge_pages_enabled() else None
-    return {id(t): pack_rows4(t, arena.empty(m.shape, m.dtype) if arena else None) for t, m in zip(floats, shapes)}
 
 
 class DecodeGraph:
@@ -110,9 +97,11 @@ class DecodeGraph:
             (the embedding lookup then dequantizes each token's row); the graph's dtype is then final_norm's.
         cos/sin: ``[max_seq_len, rotary_dim]`` rope tables (HF layout), the graph's dtype or float32.
         key_caches/value_caches: per layer ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-        repack: keep a rows4 copy (``atb.kernels.linear.pack_rows4``) of the float projections and LM head
-            (`rows4_pays`), which steps of 1 row (fp32: 1 or 2) read instead (the same bits, one
-            front-to-back stream per core), at the cost of a second copy of those weights. None (default): where
+        repack: keep a rows4 copy (the layout of ``atb.kernels.linear.pack_rows4``) of the float projections and
+            LM head, which steps of 1 row (fp32: 1 or 2) read instead (the same bits), at the cost of a second
+            copy of those weights. The native graph lays it out in pieces, one per core tile of each launch, each
+            core's pieces of the whole step back to back in the order it reads them: a core streams one
+            front-to-back run of memory from the first layer to the LM head. None (default): where
             `decode_repack_default` says so.
         """
         if repack is not None and not isinstance(repack, bool):
@@ -199,29 +188,24 @@ class DecodeGraph:
         cfg.vocab_start = int(config.get("vocab_start", 0))
         cfg.vocab_total = int(config.get("vocab_total", vocab))
         cfg.owns_residual = bool(config.get("owns_residual", True))
-        # The rows4 copies go into the layers before the native graph is built: it keeps its own copy of each
-        # layer, so a pointer set on `native_layers` afterwards never reaches it.
-        copies = {}
-        if decode_repack_default(dtype) if repack is None else repack:
-            if not rows4_supported(dtype):
-                raise ValueError(f"DecodeGraph: repack=True needs the rows4 kernel for {dtype}, which the "
-                                 f"'{_C.isa()}' SIMD table lacks (bf16 and fp32 on the AVX-512 tables)")
-            copies = _rows4_copies([t for lw in layers for n, t in lw.tensors().items() if n in _PROJECTIONS]
-                                   + [lm_head])
-            keep += copies.values()
-            for nl, lw in zip(native_layers, layers):
-                for n, t in lw.tensors().items():
-                    if id(t) in copies:
-                        setattr(nl, f"{n}_rows4", copies[id(t)].data_ptr())
+        repack = decode_repack_default(dtype) if repack is None else repack
+        if repack and not rows4_supported(dtype):
+            raise ValueError(f"DecodeGraph: repack=True needs the rows4 kernel for {dtype}, which the "
+                             f"'{_C.isa()}' SIMD table lacks (bf16 and fp32 on the AVX-512 tables)")
         native = _C.DecodeGraph(cfg, native_layers, embed_p, final_p, head_p, cos.data_ptr(), sin.data_ptr(),
                                 resolve_soc(soc_type))
-        if id(lm_head) in copies:
-            native.set_lm_head_rows4(copies[id(lm_head)].data_ptr())
         if isinstance(embed, QuantizedWeight) or isinstance(lm_head, QuantizedWeight):
             native.set_quant_tables(embed.storage() if isinstance(embed, QuantizedWeight) else None,
                                     lm_head.storage() if isinstance(lm_head, QuantizedWeight) else None)
+        # The rows4 copies, planned and packed by the native graph (its launches' tiles, core by core), after the
+        # quantized tables: a quantized weight has none.
+        repacked = native.plan_rows4_streams() if repack else 0
+        if repacked:
+            arena = hugepages.empty((repacked,), torch.uint8)
+            native.pack_rows4_streams(arena.data_ptr(), repacked)
+            keep.append(arena)
         return cls(native, keep, vocab=vocab, dtype=dtype, max_batch=max_batch, max_seq_len=cos.shape[0],
-                   hidden=hidden, repacked_bytes=sum(c.nbytes for c in copies.values()))
+                   hidden=hidden, repacked_bytes=repacked)
 
     @classmethod
     def from_runner(cls, runner) -> DecodeGraph:

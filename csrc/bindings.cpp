@@ -335,13 +335,6 @@ PYBIND11_MODULE(_C, m) {
   pointer("up_bias", &atb::DecodeLayer::upBias);
   pointer("down", &atb::DecodeLayer::down);
   pointer("down_bias", &atb::DecodeLayer::downBias);
-  pointer("q_rows4", &atb::DecodeLayer::qRows4);
-  pointer("k_rows4", &atb::DecodeLayer::kRows4);
-  pointer("v_rows4", &atb::DecodeLayer::vRows4);
-  pointer("o_rows4", &atb::DecodeLayer::oRows4);
-  pointer("gate_rows4", &atb::DecodeLayer::gateRows4);
-  pointer("up_rows4", &atb::DecodeLayer::upRows4);
-  pointer("down_rows4", &atb::DecodeLayer::downRows4);
   pointer("key_cache", &atb::DecodeLayer::keyCache);
   pointer("value_cache", &atb::DecodeLayer::valueCache);
   // A quantized projection: its LayerWeights field name and (data, scale, min or 0, bits, group, scale dtype
@@ -395,8 +388,13 @@ PYBIND11_MODULE(_C, m) {
            py::arg("steps"), py::arg("token_ids"), py::arg("positions"), py::arg("block_tables"),
            py::arg("max_blocks"), py::arg("context_lens"), py::arg("slot_mapping"), py::arg("batch"),
            py::arg("logits"), py::arg("tokens_out"), py::arg("stop_tokens") = 0, py::arg("num_stop") = 0)
-      .def("set_lm_head_rows4", [](atb::DecodeGraph& g, uintptr_t rows4) { g.SetLmHeadRows4(Ptr(rows4)); },
-           py::arg("rows4"))
+      .def("plan_rows4_streams", &atb::DecodeGraph::PlanRows4Streams)
+      .def("pack_rows4_streams",
+           [](atb::DecodeGraph& g, uintptr_t dst, int64_t bytes) {
+             py::gil_scoped_release release;
+             g.PackRows4Streams(Ptr(dst), bytes);
+           },
+           py::arg("dst"), py::arg("bytes"))
       .def("set_quant_tables",
            [](atb::DecodeGraph& g, const std::optional<QuantTuple>& embed, const std::optional<QuantTuple>& head) {
              g.SetQuantTables(embed ? QuantRefOf(*embed) : atb::QuantRef{}, head ? QuantRefOf(*head) : atb::QuantRef{});

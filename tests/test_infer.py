@@ -363,10 +363,14 @@ def test_weights_shared_and_memory_summary(tiny_llama):
     assert m["kv_cache_bytes"] == 9 * 16 * m["kv_bytes_per_token"]
     assert m["total_bytes"] == (m["weights_bytes"] + m["kv_cache_bytes"] + m["scratch_bytes"]
                                 + m["decode_repacked_bytes"])
-    # fp32 projections and LM head get a rows4 copy where the SIMD table has the kernel
-    repacked = sum(atb._C.rows4_numel(*t.shape) * 4 for t in [infer.lm_head] + [
+    # fp32 projections and LM head get a rows4 copy where the SIMD table has the kernel, in pieces (one per core
+    # tile, each padded to whole groups of 4 rows and 64 bytes): at least one whole copy, little more.
+    whole = sum(atb._C.rows4_numel(*t.shape) * 4 for t in [infer.lm_head] + [
         w for lw in infer.layers for n, w in lw.tensors().items() if n in ("q", "k", "v", "o", "gate", "up", "down")])
-    assert m["decode_repacked_bytes"] == (repacked if rows4_supported(torch.float32) else 0)
+    if rows4_supported(torch.float32):
+        assert whole <= m["decode_repacked_bytes"] <= 1.25 * whole
+    else:
+        assert m["decode_repacked_bytes"] == 0
     half = atb.TransformerInfer(tiny_llama, max_seq_len=40, dtype=torch.float16)
     assert half.memory_summary()["weights_bytes"] == params // 2 and half.embed.dtype == torch.float16
 

@@ -5,7 +5,7 @@ import torch
 import atb
 from atb import _C
 from atb.kernels._common import DTYPE_CODES
-from atb.kernels.linear import pack_rows4, rows4_pays, rows4_supported
+from atb.kernels.linear import pack_rows4, rows4_supported
 from conftest import ALL_SOCS
 from reference import DTYPES, assert_close, linear_ref, linear_residual_ref, linear_swiglu_ref
 
@@ -480,12 +480,3 @@ def test_pack_rows4_rejects_bad_input():
                                          "got torch.float32 tensor of 10 elements"):
         pack_rows4(torch.randn(4, 8), out=out)
     assert torch.equal(out, torch.full((10,), 3.0))  # a rejected call writes nothing
-
-
-def test_rows4_copies_pay_for_float_matrices_the_kernel_reads():
-    # Short (K = 576) and long (K = 5632) rows both stream faster repacked (linear_rows4.h); fp16 has no kernel.
-    for dtype in (torch.float32, torch.bfloat16):
-        for k in (576, 5632):
-            assert rows4_pays(torch.empty(4, k, dtype=dtype)) == rows4_supported(dtype)
-    assert not rows4_pays(torch.empty(4, 8, dtype=torch.float16)) and not rows4_pays(torch.empty(8))
-    assert not rows4_pays(torch.empty(4, 8, dtype=torch.int8))

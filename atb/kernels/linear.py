@@ -362,18 +362,12 @@ def rows4_supported(dtype: torch.dtype) -> bool:
     return dtype in DTYPE_CODES and _C.rows4_supported(DTYPE_CODES[dtype])
 
 
-def rows4_pays(weight: torch.Tensor) -> bool:
-    """Whether a ``pack_rows4`` copy of ``weight`` ``[N, K]`` makes its decode faster: a matrix of a dtype the
-    active SIMD table has the rows4 kernel for (`rows4_supported`). Rows of any length gain (SmolLM2's 1-6 KiB,
-    TinyLlama's 4-22 KiB; ``csrc/kernels/linear/linear_rows4.h``)."""
-    return isinstance(weight, torch.Tensor) and weight.dim() == 2 and rows4_supported(weight.dtype)
-
-
 def pack_rows4(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The rows4 copy of a float weight ``[N, K]`` (bf16 or fp32): its rows 4 at a time, each 8 k of the 4 rows in
     one 64-byte line (bf16; fp32 two), zero-padded to whole groups and chunks (``csrc/kernels/linear/
-    linear_rows4.h``). The decode graph keeps one per projection: its GEMV at 1 row of x (fp32: 1 or 2) reads a
-    core's rows as one front-to-back stream, with the same sums as over the weight as it lies. Returns a 1-D
+    linear_rows4.h``). The GEMV at 1 row of x (fp32: 1 or 2) reads a core's rows of it as one front-to-back
+    stream, with the same sums as over the weight as it lies; the decode graph keeps its projections and LM head
+    in this layout, in pieces (``atb.graph.DecodeGraph.from_weights``' ``repack``). Returns a 1-D
     tensor of ``_C.rows4_numel(N, K)`` elements of the weight's dtype (``out`` if given)."""
     if not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.float32, torch.bfloat16):
         got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__

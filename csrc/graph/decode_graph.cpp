@@ -10,6 +10,7 @@
 #include "ascendc/error.h"
 #include "ascendc/tensor.h"
 #include "ascendc/vec.h"
+#include "kernels/linear/linear_rows4.h"
 #include "kernels/linear/linear_tiling.h"
 #include "kernels/rms_norm/rms_norm_tiling.h"
 
@@ -262,6 +263,111 @@ void DecodeGraph::Step(const int32_t* tokenIds, const int32_t* positions, const 
       numSeqs);
 }
 
+int64_t DecodeGraph::PlanRows4Streams() {
+  const auto& c = cfg_;
+  rows4Pieces_.clear();
+  rows4Sources_.clear();
+  layerRows4_.assign(layers_.size(), {});
+  headRows4_ = {};
+  rows4Bytes_ = 0;
+  if (!Rows4Supported(c.dtype)) return 0;
+  // The step's float launches in order, as Run makes them (a launch with a quantized segment has no copy).
+  struct Launch {
+    int64_t k;
+    LinearEpilogue ep;
+    int64_t numSegments;
+    std::array<const void*, 3> weights;
+    std::array<int64_t, 3> rows;
+    std::array<Rows4Span*, 3> spans;
+  };
+  const LinearEpilogue rowMode = c.ownsResidual ? LINEAR_RESIDUAL : LINEAR_PLAIN;
+  const int64_t qSize = c.numHeads * c.headDim, kvSize = c.numKvHeads * c.headDim, I = c.intermediate;
+  std::vector<Launch> launches;
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    const DecodeLayer& L = layers_[li];
+    auto& sp = layerRows4_[li];
+    if (!L.qQ.data && !L.kQ.data && !L.vQ.data)
+      launches.push_back(
+          {c.hidden, LINEAR_PLAIN, 3, {L.q, L.k, L.v}, {qSize, kvSize, kvSize}, {&sp[kQ], &sp[kK], &sp[kV]}});
+    if (!L.oQ.data) launches.push_back({qSize, rowMode, 1, {L.o}, {c.hidden}, {&sp[kO]}});
+    if (!L.gateQ.data)
+      launches.push_back({c.hidden, LINEAR_SWIGLU, 2, {L.gate, L.up}, {I, I}, {&sp[kGate], &sp[kUp]}});
+    if (!L.downQ.data) launches.push_back({I, rowMode, 1, {L.down}, {c.hidden}, {&sp[kDown]}});
+  }
+  if (!headQ_.data) launches.push_back({c.hidden, LINEAR_PLAIN, 1, {lmHead_}, {c.vocab}, {&headRows4_}});
+  // Each launch's tiles at 1 row of x, core by core, in the order the STREAM kernel walks them (linear_io.h:
+  // a core's rows segment by segment in nTile tiles; SWIGLU reads the gate's tile, then the up's).
+  struct Tile {
+    int64_t core;
+    size_t launch;
+    int64_t segment, row, rows;
+  };
+  std::vector<Tile> tiles;
+  for (size_t i = 0; i < launches.size(); ++i) {
+    const Launch& l = launches[i];
+    const LinearTilingData t = LinearTiling(1, l.k, l.rows.data(), l.numSegments, l.ep, c.dtype, soc_);
+    if (t.tilingKey / 100 != LINEAR_STREAM) continue;
+    for (int64_t b = 0; b < t.blockDim; ++b) {
+      const int64_t first = b * t.blockFactor, last = std::min(t.rows, first + t.blockFactor);
+      int64_t base = 0;
+      for (int64_t s = 0; s < (l.ep == LINEAR_SWIGLU ? 1 : l.numSegments); ++s) {
+        for (int64_t g = std::max(first, base); g < std::min(last, base + t.segRows[s]); g += t.nTile)
+          for (int64_t stream = 0; stream < (l.ep == LINEAR_SWIGLU ? 2 : 1); ++stream)
+            tiles.push_back(
+                {b, i, stream == 1 ? 1 : s, g - base, std::min({t.nTile, last - g, base + t.segRows[s] - g})});
+        base += t.segRows[s];
+      }
+    }
+  }
+  // Offsets core by core (stable: each core's tiles keep the step's order); each segment's pieces in row order.
+  std::vector<size_t> order(tiles.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return tiles[a].core < tiles[b].core; });
+  const int64_t elt = AscendC::DataTypeSize(c.dtype);
+  std::vector<int64_t> offset(tiles.size());
+  for (size_t i : order) {
+    offset[i] = rows4Bytes_;
+    rows4Bytes_ += AscendC::AlignUp(Rows4Elems(tiles[i].rows, launches[tiles[i].launch].k) * elt, 64);
+  }
+  for (size_t i = 0; i < launches.size(); ++i)
+    for (int64_t s = 0; s < launches[i].numSegments; ++s) {
+      Rows4Span& span = *launches[i].spans[s];
+      span.first = int64_t(rows4Pieces_.size());
+      for (size_t j = 0; j < tiles.size(); ++j)
+        if (tiles[j].launch == i && tiles[j].segment == s) {
+          rows4Pieces_.push_back({tiles[j].row, tiles[j].rows, nullptr});
+          rows4Sources_.push_back({launches[i].weights[s], launches[i].k, offset[j]});
+        }
+      span.count = int64_t(rows4Pieces_.size()) - span.first;
+    }
+  return rows4Bytes_;
+}
+
+void DecodeGraph::PackRows4Streams(void* dst, int64_t bytes) {
+  ATB_CHECK(bytes == rows4Bytes_ && rows4Bytes_ > 0, "DecodeGraph.pack_rows4_streams: the plan takes ", rows4Bytes_,
+            " bytes (plan_rows4_streams), got a buffer of ", bytes);
+  ATB_CHECK(reinterpret_cast<uintptr_t>(dst) % 64 == 0,
+            "DecodeGraph.pack_rows4_streams: the buffer must be 64-byte aligned");
+  const int64_t elt = AscendC::DataTypeSize(cfg_.dtype);
+  for (size_t i = 0; i < rows4Pieces_.size(); ++i) {
+    Rows4Piece& p = rows4Pieces_[i];
+    const Rows4Source& src = rows4Sources_[i];
+    void* out = static_cast<uint8_t*>(dst) + src.offset;
+    PackRows4(out, static_cast<const uint8_t*>(src.weight) + p.row * src.k * elt, src.k, p.rows, src.k, cfg_.dtype);
+    p.data = out;
+  }
+}
+
+LinearSegment DecodeGraph::Segment(const void* weight, const void* bias, void* out, int64_t n,
+                                   const Rows4Span& span) const {
+  LinearSegment s{weight, bias, out, n};
+  if (span.count > 0 && rows4Pieces_[size_t(span.first)].data) {
+    s.rows4Pieces = &rows4Pieces_[size_t(span.first)];
+    s.numRows4Pieces = span.count;
+  }
+  return s;
+}
+
 void DecodeGraph::Run(const int32_t* tokenIds, const int32_t* positions, const int32_t* blockTables,
                       int64_t maxBlocks, const int32_t* contextLens, const int32_t* slotMapping, int64_t batch,
                       void* logits, int32_t* argmaxOut, const int32_t* qLens, int64_t numSeqs) {
@@ -323,9 +429,10 @@ void DecodeGraph::Run(const int32_t* tokenIds, const int32_t* positions, const i
     }
     {
       auto t = timer(NODE_QKV);
-      LinearSegment segs[3] = {{L.q, L.qBias, q, qSize, L.qRows4},
-                               {L.k, L.kBias, k, kvSize, L.kRows4},
-                               {L.v, L.vBias, v, kvSize, L.vRows4}};
+      const auto& sp = LayerRows4(li);
+      LinearSegment segs[3] = {Segment(L.q, L.qBias, q, qSize, sp[kQ]),
+                               Segment(L.k, L.kBias, k, kvSize, sp[kK]),
+                               Segment(L.v, L.vBias, v, kvSize, sp[kV])};
       const QuantRef* qs[3] = {&L.qQ, &L.kQ, &L.vQ};
       LinearOrQuant(h, B, c.hidden, segs, qs, 3, nullptr, LINEAR_PLAIN, dt, soc_);
       if (L.qNorm) {
@@ -349,7 +456,7 @@ void DecodeGraph::Run(const int32_t* tokenIds, const int32_t* positions, const i
     }
     {
       auto t = timer(NODE_O_PROJ);
-      LinearSegment seg{L.o, L.oBias, x, c.hidden, L.oRows4};
+      LinearSegment seg = Segment(L.o, L.oBias, x, c.hidden, LayerRows4(li)[kO]);
       const QuantRef* qs[1] = {&L.oQ};
       LinearOrQuant(attn, B, qSize, &seg, qs, 1, x, rowMode, dt, soc_);  // x (+)= o_proj(attn), in place
     }
@@ -357,11 +464,12 @@ void DecodeGraph::Run(const int32_t* tokenIds, const int32_t* positions, const i
     {
       auto t = timer(NODE_MLP);
       RmsNorm(h, nullptr, x, nullptr, L.postNorm, B, c.hidden, dt, c.eps, soc_);
-      LinearSegment gu[2] = {{L.gate, L.gateBias, act, c.intermediate, L.gateRows4},
-                              {L.up, L.upBias, nullptr, c.intermediate, L.upRows4}};
+      const auto& sp = LayerRows4(li);
+      LinearSegment gu[2] = {Segment(L.gate, L.gateBias, act, c.intermediate, sp[kGate]),
+                             Segment(L.up, L.upBias, nullptr, c.intermediate, sp[kUp])};
       const QuantRef* guq[2] = {&L.gateQ, &L.upQ};
       LinearOrQuant(h, B, c.hidden, gu, guq, 2, nullptr, LINEAR_SWIGLU, dt, soc_);
-      LinearSegment down{L.down, L.downBias, x, c.hidden, L.downRows4};
+      LinearSegment down = Segment(L.down, L.downBias, x, c.hidden, sp[kDown]);
       const QuantRef* dq[1] = {&L.downQ};
       LinearOrQuant(act, B, c.intermediate, &down, dq, 1, x, rowMode, dt, soc_);
     }
@@ -371,7 +479,7 @@ void DecodeGraph::Run(const int32_t* tokenIds, const int32_t* positions, const i
   {
     auto t = timer(NODE_LM_HEAD);
     RmsNorm(h, nullptr, x, nullptr, finalNorm_, B, c.hidden, dt, c.eps, soc_);
-    LinearSegment head{lmHead_, nullptr, logits, c.vocab, lmHeadRows4_};
+    LinearSegment head = Segment(lmHead_, nullptr, logits, c.vocab, headRows4_);
     const QuantRef* hq[1] = {&headQ_};
     LinearOrQuant(h, B, c.hidden, &head, hq, 1, nullptr, LINEAR_PLAIN, dt, soc_);
     if (argmaxOut) {

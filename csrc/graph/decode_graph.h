@@ -16,6 +16,7 @@
 
 #include "ascendc/dtype.h"
 #include "ascendc/soc.h"
+#include "kernels/linear/linear_tiling.h"
 #include "kernels/paged_attention/paged_attention_tiling.h"
 #include "kernels/quant_linear/quant_linear_tiling.h"
 #include "kernels/reshape_and_cache/reshape_and_cache_tiling.h"
@@ -71,15 +72,6 @@ struct DecodeLayer {
   // Quantized projections (W8A16 / W4A16): storage of each weight; data == nullptr keeps it float.
   // gate and up are both quantized or both float (they share one fused launch).
   QuantRef qQ, kQ, vQ, oQ, gateQ, upQ, downQ;
-  // Float projections' rows4 copies (kernels/linear/linear_rows4.h), which steps of a few rows read instead of
-  // the weights as they lie (the same bits); null: none.
-  const void* qRows4 = nullptr;
-  const void* kRows4 = nullptr;
-  const void* vRows4 = nullptr;
-  const void* oRows4 = nullptr;
-  const void* gateRows4 = nullptr;
-  const void* upRows4 = nullptr;
-  const void* downRows4 = nullptr;
 };
 
 // Profiled nodes, in execution order. "embed" also covers the per-step work
@@ -125,8 +117,15 @@ class DecodeGraph {
     embedQ_ = embed;
     headQ_ = head;
   }
-  // The float LM head's rows4 copy (see DecodeLayer::qRows4); null: none.
-  void SetLmHeadRows4(const void* rows4) { lmHeadRows4_ = rows4; }
+  // The rows4 copies of the float projections and LM head (kernels/linear/linear_rows4.h), laid out for the
+  // steps that read them (1 row of x; fp32 1 or 2): one piece per core tile of each launch, each core's pieces
+  // of the whole step one after another in the order it reads them, so that a core streams one front-to-back
+  // run of memory from the first layer to the LM head. PlanRows4Streams (after SetQuantTables) returns the
+  // bytes they take (0: nothing to copy: no rows4 kernel for the dtype, or every weight quantized);
+  // PackRows4Streams packs them into dst (64-byte aligned, that many bytes, kept alive by the caller), and
+  // steps read them from then on (the same bits as the weights as they lie).
+  int64_t PlanRows4Streams();
+  void PackRows4Streams(void* dst, int64_t bytes);
   // Tensor parallelism: called on the residual stream after the embedding and after the row-parallel
   // o and down projections (2 * numLayers + 1 times per step); logits stay this rank's vocab slice.
   void SetAllReduce(AllReduceFn fn) { allReduce_ = std::move(fn); }
@@ -155,12 +154,22 @@ class DecodeGraph {
            const int32_t* contextLens, const int32_t* slotMapping, int64_t batch, void* logits, int32_t* argmaxOut,
            const int32_t* qLens = nullptr, int64_t numSeqs = 0);
 
+  // A launch's segment, with its rows4 pieces where there are some.
+  struct Rows4Span {
+    int64_t first = 0, count = 0;  // in rows4Pieces_
+  };
+  LinearSegment Segment(const void* weight, const void* bias, void* out, int64_t n, const Rows4Span& span) const;
+  enum { kQ, kK, kV, kO, kGate, kUp, kDown, kProjections };
+  const std::array<Rows4Span, kProjections>& LayerRows4(size_t layer) const {
+    static const std::array<Rows4Span, kProjections> none{};
+    return layer < layerRows4_.size() ? layerRows4_[layer] : none;
+  }
+
   DecodeGraphConfig cfg_;
   std::vector<DecodeLayer> layers_;
   const void* embed_;
   const void* finalNorm_;
   const void* lmHead_;
-  const void* lmHeadRows4_ = nullptr;
   QuantRef embedQ_, headQ_;
   const void* cos_;
   const void* sin_;
@@ -174,6 +183,16 @@ class DecodeGraph {
   std::vector<PagedAttentionTilingData> attnPlans_;
   ReshapeAndCacheTilingData cachePlan_;
   AllReduceFn allReduce_;
+  // The rows4 streams (PlanRows4Streams): every piece, each segment's in row order; where each is packed from.
+  std::vector<Rows4Piece> rows4Pieces_;
+  struct Rows4Source {
+    const void* weight;
+    int64_t k, offset;
+  };
+  std::vector<Rows4Source> rows4Sources_;
+  std::vector<std::array<Rows4Span, kProjections>> layerRows4_;
+  Rows4Span headRows4_;
+  int64_t rows4Bytes_ = 0;
   bool profiling_ = false;
   std::array<int64_t, NODE_COUNT> profNs_{}, profCalls_{};
   int64_t profSteps_ = 0;

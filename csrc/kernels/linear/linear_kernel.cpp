@@ -28,7 +28,11 @@ class KernelLinear : public LinearStreamIo<T, KernelLinear<T>> {
   void Init(GM_ADDR x, const LinearSegment* segs, GM_ADDR residual, const LinearTilingData& t) {
     Stream::InitStream(x, segs, residual, t, t.k);
     if (t.m <= Rows4MaxRows(DataTypeOf<T>::value) && Rows4Supported(DataTypeOf<T>::value))
-      for (int64_t s = 0; s < t.numSegments; ++s) rows4_[s] = static_cast<const T*>(segs[s].rows4);
+      for (int64_t s = 0; s < t.numSegments; ++s) {
+        rows4_[s] = static_cast<const T*>(segs[s].rows4);
+        pieces_[s] = segs[s].rows4Pieces;
+        numPieces_[s] = segs[s].numRows4Pieces;
+      }
     int64_t mt = t.mTile, nt = t.nTile;
     pipe_.InitBuffer(xBuf_, mt * t.kTile * sizeof(float));
     for (int s = 0; s < streams_; ++s) {
@@ -63,14 +67,25 @@ class KernelLinear : public LinearStreamIo<T, KernelLinear<T>> {
     for (int st = 0; st < streams_; ++st) {
       const int seg = st == 1 ? 1 : s;
       float* lanes = lanes_[st].Get<float>().GetPhyAddr();
-      if (rows4_[seg] && row % kRows4GroupRows == 0) {
-        const int64_t ldg = Rows4Ld(t_.k);
-        MmadRows4Lanes(lanes, x, t_.kTile, rows4_[seg] + row / kRows4GroupRows * ldg + k0 * kRows4GroupRows, ldg,
-                       mt, nt, k8len, k0 > 0);
+      if (const T* group = Rows4Group(seg, row, nt)) {
+        MmadRows4Lanes(lanes, x, t_.kTile, group + k0 * kRows4GroupRows, Rows4Ld(t_.k), mt, nt, k8len, k0 > 0);
       } else {
         MmadTableLanes(lanes, x, t_.kTile, wGm_[seg].GetPhyAddr(row * t_.k + k0), t_.k, mt, nt, k8len, k0 > 0);
       }
     }
+  }
+
+  // The rows4 group of the tile's first row, where the tile [row, row + nt) lies in segment seg's rows4 copy or in
+  // one of its pieces (each grouped from its own first row); else null (the weight is read as it lies).
+  const T* Rows4Group(int seg, int64_t row, int64_t nt) const {
+    const int64_t ldg = Rows4Ld(t_.k);
+    if (rows4_[seg] && row % kRows4GroupRows == 0) return rows4_[seg] + row / kRows4GroupRows * ldg;
+    for (int64_t i = 0; i < numPieces_[seg]; ++i) {
+      const Rows4Piece& p = pieces_[seg][i];
+      if (row >= p.row && row + nt <= p.row + p.rows && (row - p.row) % kRows4GroupRows == 0)
+        return static_cast<const T*>(p.data) + (row - p.row) / kRows4GroupRows * ldg;
+    }
+    return nullptr;
   }
 
   // The same lanes over the rows4 copy (b: the group of the tile's first row, at k0's chunk).
@@ -113,6 +128,8 @@ class KernelLinear : public LinearStreamIo<T, KernelLinear<T>> {
   TBuf<TPosition::VECCALC> xBuf_, lanes_[2];
   // Per segment: its rows4 copy where this launch reads one (bf16 / fp32, few rows of x), else null.
   const T* rows4_[kLinearMaxSegments] = {nullptr, nullptr, nullptr};
+  const Rows4Piece* pieces_[kLinearMaxSegments] = {nullptr, nullptr, nullptr};
+  int64_t numPieces_[kLinearMaxSegments] = {0, 0, 0};
 };
 
 }  // namespace

@@ -103,6 +103,12 @@ enum LinearMode : int64_t { LINEAR_STREAM = 0, LINEAR_GEMM = 1 };
 //              mmad_dp_bf16_packed_x (bf16), k-major for mmad_packed_x_f32 (fp32).
 enum LinearGemmForm : int64_t { kF32Tiles = 0, kDpRows = 1, kDpPacked = 2, kPackedX = 3 };
 
+// A piece of a weight's rows4 copy: rows [row, row + rows) packed on their own (linear_rows4.h), at data.
+struct Rows4Piece {
+  int64_t row = 0, rows = 0;
+  const void* data = nullptr;
+};
+
 struct LinearSegment {
   const void* weight = nullptr;  // [n, K]
   const void* bias = nullptr;    // [n] or null
@@ -111,6 +117,10 @@ struct LinearSegment {
   // Optional: the weight's rows4 copy (linear_rows4.h), which the STREAM kernel reads instead at up to
   // Rows4MaxRows(dtype) rows of x (bf16 1, fp32 2) where the SIMD table has the kernel (the same bits).
   const void* rows4 = nullptr;
+  // Or the copy in pieces (the decode graph's per-core streams), sorted by row: a tile that lies in one of them
+  // reads it, any other tile the weight as it lies.
+  const Rows4Piece* rows4Pieces = nullptr;
+  int64_t numRows4Pieces = 0;
 };
 
 struct LinearTilingData {
