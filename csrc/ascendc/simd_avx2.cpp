@@ -817,6 +817,60 @@ struct Line256 {
   }
 };
 
+// ---- mmad_nt_lanes over rows4 weights (kernels/linear/linear_rows4.h) ---------
+// Row r of a group's chunk of 8 k becomes one ymm of fp32 lanes 0-7 (bf16: its 16 bytes, widened as Load8B;
+// fp32: its k 0-3 and 4-7 from the chunk's two lines) against x's k..k+7: each lane the contract's one fma
+// chain over its k, LanesBlock's bits. A core's groups lie front to back, one stream the hardware prefetcher
+// follows, where MmadNTLanes reads 4 runs of rows.
+struct Rows4RowF {
+  static __m256 Row(const float* chunk, int r) { return _mm256_loadu2_m128(chunk + 16 + r * 4, chunk + r * 4); }
+};
+struct Rows4RowB {
+  static __m256 Row(const uint16_t* chunk, int r) { return Load8B(chunk + r * 8); }
+};
+
+// R rows of A against one group (`rows` of its 4 rows stored).
+template <typename TB, class L, int R>
+void LanesRows4Block(float* lanes, int64_t N, const float* A, int64_t lda, const TB* G, int64_t K, bool acc,
+                     int64_t rows) {
+  __m256 s[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c)
+      s[r][c] = acc && c < rows ? _mm256_loadu_ps(lanes + (r * N + c) * 8) : _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    const TB* chunk = G + 4 * k;  // chunk k / 8: 32 elements
+    __m256 b[4];
+    for (int c = 0; c < 4; ++c) b[c] = L::Row(chunk, c);
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_loadu_ps(A + r * lda + k);
+      for (int c = 0; c < 4; ++c) s[r][c] = _mm256_fmadd_ps(a, b[c], s[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < rows; ++c) _mm256_storeu_ps(lanes + (r * N + c) * 8, s[r][c]);
+}
+
+template <typename TB, class L>
+void MmadNTLanesRows4(float* lanes, const float* A, int64_t lda, const TB* B4, int64_t ldg, int64_t M, int64_t N,
+                      int64_t K, bool acc) {
+  if (K == 0) {
+    if (!acc) std::fill(lanes, lanes + M * N * 8, 0.0f);
+    return;
+  }
+  // 1 or 2 rows of x per pass: the linear reads rows4 copies only for such calls (linear_rows4.h).
+  for (int64_t m = 0; m < M;) {
+    const bool two = M - m >= 2;
+    for (int64_t n = 0; n < N; n += 4) {
+      float* l = lanes + (m * N + n) * 8;
+      const TB* g = B4 + n / 4 * ldg;
+      const int64_t rows = std::min<int64_t>(4, N - n);
+      if (two) LanesRows4Block<TB, L, 2>(l, N, A + m * lda, lda, g, K, acc, rows);
+      else LanesRows4Block<TB, L, 1>(l, N, A + m * lda, lda, g, K, acc, rows);
+    }
+    m += two ? 2 : 1;
+  }
+}
+
 const SimdOps kAvx2 = {
     "avx2", Add, Sub, Mul, Max, Muls, Adds, Axpy, Exp, Silu, SiluMul, Duplicate,
     ReduceSum, ReduceMax, SumSquares, Dot, F16ToF32, Bf16ToF32, F32ToF16, F32ToBf16,
@@ -835,7 +889,16 @@ const SimdOps kAvx2 = {
 }  // namespace
 #pragma GCC pop_options
 
-const SimdOps* Avx2SimdOps() { return &kAvx2; }
+// The positional entries, then those set by name.
+const SimdOps* Avx2SimdOps() {
+  static const SimdOps table = [] {
+    SimdOps t = kAvx2;
+    t.mmad_nt_lanes_rows4_f32 = MmadNTLanesRows4<float, Rows4RowF>;
+    t.mmad_nt_lanes_rows4_bf16 = MmadNTLanesRows4<uint16_t, Rows4RowB>;
+    return t;
+  }();
+  return &table;
+}
 
 }  // namespace AscendC
 
