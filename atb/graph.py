@@ -191,7 +191,7 @@ class DecodeGraph:
         repack = decode_repack_default(dtype) if repack is None else repack
         if repack and not rows4_supported(dtype):
             raise ValueError(f"DecodeGraph: repack=True needs the rows4 kernel for {dtype}, which the "
-                             f"'{_C.isa()}' SIMD table lacks (bf16 and fp32 on the AVX2 and AVX-512 tables)")
+                             f"'{_C.isa()}' SIMD table lacks (bf16 and fp32 on the AVX-512 tables, bf16 on AVX2)")
         native = _C.DecodeGraph(cfg, native_layers, embed_p, final_p, head_p, cos.data_ptr(), sin.data_ptr(),
                                 resolve_soc(soc_type))
         if isinstance(embed, QuantizedWeight) or isinstance(lm_head, QuantizedWeight):

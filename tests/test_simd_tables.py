@@ -224,7 +224,7 @@ def _launch_linear(x, segments, epilogue, residual=None, soc="host"):
 @pytest.mark.parametrize("m,k,n", [(1, 576, 1030), (2, 603, 517), (3, 64, 7), (4, 4104, 261), (1, 13, 5), (5, 96, 70)])
 def test_rows4_copies_give_the_lanes_bits(isa, dtype, m, k, n):
     # The decode graph's repacked weights (pack_rows4): the STREAM kernel reads them at 1 row of x (fp32: 1 or 2)
-    # where the table has the kernel (AVX2, AVX-512), with the lanes kernel's bits; elsewhere (other tables, more rows)
+    # where the table has the kernel (AVX-512; bf16 on AVX2), with the lanes kernel's bits; elsewhere (other tables, more rows)
     # it reads the weights as they lie. N % 4 != 0: a last group with padding rows; K % 8 != 0: the tail from the weight.
     from atb.kernels.linear import pack_rows4
 

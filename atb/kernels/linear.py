@@ -358,7 +358,7 @@ def linear_auto(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def rows4_supported(dtype: torch.dtype) -> bool:
     """Whether the active SIMD table has the decode GEMV over ``pack_rows4`` copies for ``dtype`` (bf16 and
-    fp32 on the AVX2 and AVX-512 tables)."""
+    fp32 on the AVX-512 tables, bf16 on the AVX2 one)."""
     return dtype in DTYPE_CODES and _C.rows4_supported(DTYPE_CODES[dtype])
 
 

@@ -222,7 +222,7 @@ struct SimdOps {
   // per 16 x 16 block as in mmad_dp_bf16_packed_x.
   void (*mmad_packed_x_f32)(float* C, int64_t ldc, const float* Xt, const float* W, int64_t ldw, int64_t M,
                             int64_t N, int64_t K, bool accumulate);
-  // mmad_nt_lanes over weights repacked 4 rows at a time (AVX2 and AVX-512 tables), decode's GEMV: the
+  // mmad_nt_lanes over weights repacked 4 rows at a time (AVX-512 tables; bf16 on the AVX2 one), decode's GEMV: the
   // rows4 layout of kernels/linear/linear_rows4.h, B4 at the group of the call's first weight row (a multiple
   // of 4) and its chunk of k = 0, ldg elements from one group to the next. The same lanes and bits as
   // mmad_nt_lanes_* (K a multiple of 8; rows past N in the last group are read but not stored).

@@ -32,9 +32,12 @@
 // Per decode step, interleaved with one copy per weight (SmolLM2, Zen 4, 2 threads, medians of per-pair
 // ratios over 1000-1500 pairs): bf16 1.018x (1.02-1.035x in the faster half of the steps), fp32 1.014x;
 // TinyLlama-1.1B-shaped bf16 0.998x (300 pairs): its tiles of 1024 rows were long runs already.
-// The AVX2 table has the kernel too (simd_avx2.cpp): its batch-1 graph step with the copy against without, per
-// step interleaved on the same Zen 4 under ATB_ISA=avx2: SmolLM2 bf16 1.19x (1000 pairs), fp32 1.04x (600),
-// TinyLlama-shaped bf16 1.25x (200).
+// Read in pieces, bf16 at 2 rows of x still does not pay: per step interleaved, SmolLM2 batch 2 1.03x, but
+// TinyLlama-shaped 0.91x; fp32 at 3 rows 0.95x (SmolLM2).
+// The AVX2 table has the bf16 kernel too (simd_avx2.cpp): batch-1 graph steps with the copy against without,
+// per step interleaved on the same Zen 4 under ATB_ISA=avx2: SmolLM2 1.19x (1000 pairs), TinyLlama-shaped
+// 1.25x (200). Its fp32 form measured 1.04x and 0.975x and is not kept; at 2 rows bf16 ran 1.13x (SmolLM2)
+// and 0.87x (TinyLlama-shaped), so it reads the copy at 1 row, as the AVX-512 tables do.
 #pragma once
 #include <cstdint>
 
@@ -50,7 +53,7 @@ inline int64_t Rows4MaxRows(AscendC::DataType dtype) { return dtype == AscendC::
 // Elements from one group of 4 rows to the next.
 inline int64_t Rows4Ld(int64_t k) { return kRows4GroupRows * AscendC::AlignUp(k, 8); }
 inline int64_t Rows4Elems(int64_t n, int64_t k) { return AscendC::CeilDiv(n, kRows4GroupRows) * Rows4Ld(k); }
-// Whether the active SIMD table reads dtype's rows4 weights (bf16 and fp32 on the AVX2 and AVX-512 tables).
+// Whether the active SIMD table reads dtype's rows4 weights (bf16 and fp32 on the AVX-512 tables, bf16 on AVX2).
 bool Rows4Supported(AscendC::DataType dtype);
 // dst [Rows4Elems(N, K)] = W [N, K] (rows ldw elements apart) in the layout above; bf16 or fp32.
 void PackRows4(void* dst, const void* W, int64_t ldw, int64_t N, int64_t K, AscendC::DataType dtype);
