@@ -171,6 +171,24 @@ def test_few_row_steps_read_the_repacked_copies(dtype, rows):
     assert torch.equal(before, after)
 
 
+def test_rows4_streams_reject_a_wrong_buffer():
+    # The native packing checks the buffer against its plan and writes nothing into a rejected one.
+    if not rows4_supported(torch.float32):
+        pytest.skip(f"the {atb.build_info()['isa']} SIMD table has no rows4 kernel for torch.float32")
+    g, _, _ = _graph(random_model("tiny", torch.float32), max_batch=1, max_seq_len=32, repack=True)
+    native = g._g
+    planned = native.plan_rows4_streams()
+    assert planned == g.repacked_bytes > 0
+    buf = torch.full((planned + 128,), 7, dtype=torch.uint8)
+    base = buf.data_ptr() + (-buf.data_ptr()) % 64
+    with pytest.raises(ValueError, match=f"DecodeGraph.pack_rows4_streams: the plan takes {planned} bytes "
+                                         rf"\(plan_rows4_streams\), got a buffer of {planned - 1}"):
+        native.pack_rows4_streams(base, planned - 1)
+    with pytest.raises(ValueError, match="DecodeGraph.pack_rows4_streams: the buffer must be 64-byte aligned"):
+        native.pack_rows4_streams(base + 8, planned)
+    assert torch.equal(buf, torch.full_like(buf, 7))
+
+
 def test_repack_needs_the_kernel():
     model = random_model("tiny", torch.float16)
     with pytest.raises(ValueError, match="DecodeGraph: repack=True needs the rows4 kernel for torch.float16"):
