@@ -848,26 +848,7 @@ void LanesRows4Block(float* lanes, int64_t N, const float* A, int64_t lda, const
     for (int c = 0; c < rows; ++c) _mm256_storeu_ps(lanes + (r * N + c) * 8, s[r][c]);
 }
 
-template <typename TB, class L>
-void MmadNTLanesRows4(float* lanes, const float* A, int64_t lda, const TB* B4, int64_t ldg, int64_t M, int64_t N,
-                      int64_t K, bool acc) {
-  if (K == 0) {
-    if (!acc) std::fill(lanes, lanes + M * N * 8, 0.0f);
-    return;
-  }
-  // 1 or 2 rows of x per pass: the linear reads rows4 copies only for such calls (linear_rows4.h).
-  for (int64_t m = 0; m < M;) {
-    const bool two = M - m >= 2;
-    for (int64_t n = 0; n < N; n += 4) {
-      float* l = lanes + (m * N + n) * 8;
-      const TB* g = B4 + n / 4 * ldg;
-      const int64_t rows = std::min<int64_t>(4, N - n);
-      if (two) LanesRows4Block<TB, L, 2>(l, N, A + m * lda, lda, g, K, acc, rows);
-      else LanesRows4Block<TB, L, 1>(l, N, A + m * lda, lda, g, K, acc, rows);
-    }
-    m += two ? 2 : 1;
-  }
-}
+#include "simd_rows4.h"  // MmadNTLanesRows4
 
 const SimdOps kAvx2 = {
     "avx2", Add, Sub, Mul, Max, Muls, Adds, Axpy, Exp, Silu, SiluMul, Duplicate,

@@ -883,21 +883,7 @@ __attribute__((noinline)) void LanesRows4Block(float* lanes, int64_t N, const fl
   }
 }
 
-template <typename TB, class L>
-void MmadNTLanesRows4(float* lanes, const float* A, int64_t lda, const TB* B4, int64_t ldg, int64_t M, int64_t N,
-                      int64_t K, bool acc) {
-  if (K == 0) {
-    if (!acc) std::fill(lanes, lanes + M * N * 8, 0.0f);
-    return;
-  }
-  // 1 or 2 rows of x per pass: the linear reads rows4 copies only for such calls (linear_rows4.h).
-  ForRowTiles<2>(M, [&](auto rows, int64_t m) {
-    constexpr int R = decltype(rows)::value;
-    for (int64_t n = 0; n < N; n += 4)
-      LanesRows4Block<TB, L, R>(lanes + (m * N + n) * 8, N, A + m * lda, lda, B4 + n / 4 * ldg, K, acc,
-                                std::min<int64_t>(4, N - n));
-  });
-}
+#include "simd_rows4.h"  // MmadNTLanesRows4
 
 // ---- Few-row NT Mmad (decode attention's Q K^T) ------------------------------
 // All R (<= 8) A rows against CN B rows per block: a B row is widened once.
