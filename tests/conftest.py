@@ -1,3 +1,4 @@
+import contextlib
 import os
 import zlib
 import time
@@ -75,12 +76,23 @@ def family_model(name: str, base: dict, dtype=torch.float32, seed: int = 0):
 ISAS = atb.available_isas()
 
 
+@contextlib.contextmanager
+def forced_isa(isa: str):
+    """The SIMD table forced to ``isa`` inside the block, then back to the table in use before: a run under
+    ``ATB_ISA`` keeps that table for its later tests (``set_isa("auto")`` would switch them to the fastest)."""
+    before = atb._C.isa()
+    atb.set_isa(isa)
+    try:
+        yield isa
+    finally:
+        atb.set_isa(before)
+
+
 @pytest.fixture(params=ISAS)
 def isa(request):
     """Runs the test with each SIMD table forced in turn."""
-    atb.set_isa(request.param)
-    yield request.param
-    atb.set_isa("auto")
+    with forced_isa(request.param):
+        yield request.param
 
 
 _MODELS = {}

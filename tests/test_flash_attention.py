@@ -6,7 +6,7 @@ import torch
 
 import atb
 from atb.kernels.flash_attention import flash_attention_tiling
-from conftest import ALL_SOCS
+from conftest import ALL_SOCS, forced_isa
 from reference import DTYPES, assert_close, flash_attention_ref
 
 fa = atb.kernels.flash_attention
@@ -102,11 +102,8 @@ def test_every_soc_gives_the_same_numbers(soc):
 def test_portable_isa_agrees():
     q, k, v, cu = make([3, 100, 64], 6, 2, 72, torch.float32)
     want = flash_attention_ref(q, k, v, cu)
-    try:
-        atb.set_isa("portable")
+    with forced_isa("portable"):
         assert_close(fa(q, k, v, cu), want)
-    finally:
-        atb.set_isa("auto")
     assert_close(fa(q, k, v, cu), want)
 
 

@@ -6,7 +6,7 @@ import atb
 from atb import _C
 from atb.kernels._common import DTYPE_CODES
 from atb.kernels.linear import pack_rows4, rows4_supported
-from conftest import ALL_SOCS
+from conftest import ALL_SOCS, forced_isa
 from reference import DTYPES, assert_close, linear_ref, linear_residual_ref, linear_swiglu_ref
 
 BF16_SOCS = [s for s in ALL_SOCS if atb.get_soc(s).supports_bf16]
@@ -336,11 +336,10 @@ def test_packed_x_leaves_weight_rows_4_kib_apart_to_the_other_kernels(isa):
 def test_gemm_bf16_packed_splits_k_when_the_ub_is_small():
     # A modelled SoC's smaller UB splits K into chunks of whole 32-value blocks; the chunks accumulate in fp32
     # in order, so the bits are the host's (where all of K fits).
-    if "avx512bf16" not in _C.cpu_features():
-        if "avx512-simde" not in atb.available_isas():
-            pytest.skip("no table with vdpbf16ps: neither AVX512-BF16 nor the SIMDe build")
-        atb.set_isa("avx512-simde")
-    try:
+    table = "avx512" if "avx512bf16" in _C.cpu_features() else "avx512-simde"
+    if table not in atb.available_isas():
+        pytest.skip("no table with vdpbf16ps: neither AVX512-BF16 nor the SIMDe build")
+    with forced_isa(table):
         code = DTYPE_CODES[torch.bfloat16]
         tilings = {s: _C.linear_tiling(256, 4099, [96], 0, code, atb.get_soc(s)) for s in BF16_SOCS + ["host"]}
         assert {t["form"] for t in tilings.values()} == {"packed"}
@@ -350,8 +349,6 @@ def test_gemm_bf16_packed_splits_k_when_the_ub_is_small():
         assert_close(host, linear_ref(x, w), scale=_scale(4099))
         for soc in BF16_SOCS:
             assert torch.equal(atb.kernels.linear(x, w, soc_type=soc), host), soc
-    finally:
-        atb.set_isa("auto")
 
 
 @pytest.mark.parametrize("soc", ALL_SOCS)
@@ -374,11 +371,8 @@ def test_portable_isa_agrees():
     x = torch.randn(3, 203).bfloat16()
     w = torch.randn(37, 203).bfloat16()
     fast = atb.kernels.linear(x, w)
-    atb.set_isa("portable")
-    try:
+    with forced_isa("portable"):
         slow = atb.kernels.linear(x, w)
-    finally:
-        atb.set_isa("auto")
     assert_close(slow, fast.double())
 
 

@@ -9,7 +9,7 @@ import atb.kernels as K
 from atb import _C
 from atb.kernels._common import DTYPE_CODES
 from atb.quant import QuantizedWeight, quantize_weight
-from conftest import ALL_SOCS
+from conftest import ALL_SOCS, forced_isa
 from reference import (DTYPES, assert_close, linear_ref, linear_residual_ref, linear_swiglu_ref,
                        quant_dequant_ref, quant_weight_ref)
 
@@ -19,9 +19,10 @@ FORMATS = [("w8a16", 0), ("w8a16", 16), ("w8a16", 32), ("w8a16", 128), ("w4a16",
 
 @pytest.fixture(params=ISAS)
 def isa(request):
+    before = atb.quant.isa()  # restored after, as conftest.forced_isa restores the float table
     atb.quant.set_isa(request.param)
     yield request.param
-    atb.quant.set_isa("auto")
+    atb.quant.set_isa(before)
 
 
 def _scale(k: int) -> float:
@@ -474,8 +475,7 @@ def test_gemm_bf16_x_on_vdpbf16ps(table, fmt, group, scale_dtype):
     # packed in k pairs, then the bf16 GEMM (quant_weight_ref: the weights rounded to bf16). Against float64 at odd
     # K (the last pair and group short), N off the 16-row panel, row tails of the 3-row tile, every epilogue;
     # a SoC whose UB splits K gives the host's bits.
-    atb.set_isa(table)
-    try:
+    with forced_isa(table):
         host = atb.get_soc("host")
         # K's last 32-value chunk holding 1, 21 (all of a K below 32) and 31 values: the packing reads only
         # the bytes of values below K (a W4 byte holds values j and j + 16).
@@ -496,16 +496,13 @@ def test_gemm_bf16_x_on_vdpbf16ps(table, fmt, group, scale_dtype):
             for soc in ALL_SOCS:
                 if atb.get_soc(soc).supports_bf16:
                     assert torch.equal(K.linear(x, q, b, soc_type=soc), y), soc
-    finally:
-        atb.set_isa("auto")
 
 
 @pytest.mark.parametrize("table", _dp_tables())
 def test_dp_starts_at_6_rows_for_w4_and_16_for_w8_8_on_amx(table):
     # Where the dp GEMM takes over from the stream GEMV: W4 from 6 rows, W8 (and any launch with a W8 segment)
     # from 16, or 8 on the AMX tables. Each side of both boundaries against float64, with the fused epilogues.
-    atb.set_isa(table)
-    try:
+    with forced_isa(table):
         host, bf16 = atb.get_soc("host"), DTYPE_CODES[torch.bfloat16]
         w4, w8 = _seg(96, 4, 32), _seg(96, 8, 0)
         w8_from = 8 if "amx" in table else 16
@@ -523,8 +520,6 @@ def test_dp_starts_at_6_rows_for_w4_and_16_for_w8_8_on_amx(table):
             assert_close(K.linear_swiglu(x, q, q2), linear_swiglu_ref(x, quant_weight_ref(q, x, [q, q2], 2),
                                                                       quant_weight_ref(q2, x, [q, q2], 2)),
                          scale=_scale(577))
-    finally:
-        atb.set_isa("auto")
 
 
 @pytest.mark.parametrize("soc", [s for s in ALL_SOCS if atb.get_soc(s).supports_bf16])

@@ -8,7 +8,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 import atb
 from atb import _C
 from atb.kernels._common import DTYPE_CODES
-from conftest import ALL_SOCS
+from conftest import ALL_SOCS, forced_isa
 from reference import DTYPES, assert_close, rope_ref
 
 
@@ -145,11 +145,8 @@ def test_portable_path_agrees():
     q, k = rand_qk(33, 5, 1, 72, torch.bfloat16)
     cos, sin = torch.randn(33, 72).bfloat16(), torch.randn(33, 72).bfloat16()
     fast = atb.kernels.rope(q, k, cos, sin, style="interleave")
-    atb.set_isa("portable")
-    try:
+    with forced_isa("portable"):
         port = atb.kernels.rope(q, k, cos, sin, style="interleave")
-    finally:
-        atb.set_isa("auto")
     assert torch.equal(fast[0], port[0]) and torch.equal(fast[1], port[1])
 
 

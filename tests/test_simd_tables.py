@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import atb
-from conftest import ISAS
+from conftest import ISAS, forced_isa
 from reference import (DTYPES, add_rms_norm_ref, assert_close, flash_attention_ref, linear_ref,
                        linear_swiglu_ref, paged_attention_ref, rms_norm_ref, rope_ref, silu_mul_ref)
 
@@ -13,12 +13,9 @@ K = atb.kernels
 
 
 def _run_on(isa: str, fn):
-    """fn() with the SIMD table forced to isa, then back to auto."""
-    atb.set_isa(isa)
-    try:
+    """fn() with the SIMD table forced to isa, then back to the one in use."""
+    with forced_isa(isa):
         return fn()
-    finally:
-        atb.set_isa("auto")
 
 
 def _scale(k: int) -> float:
@@ -173,22 +170,22 @@ def test_streaming_read_sums_every_word(isa, words):
 
 
 def test_isa_selection_and_errors():
-    isas = atb.available_isas()
-    assert "portable" in isas and atb.build_info()["isa"] == isas[0]
+    isas, active = atb.available_isas(), atb.build_info()["isa"]
+    with forced_isa("auto"):  # the fastest this CPU runs, whatever table the run forced
+        assert "portable" in isas and atb.build_info()["isa"] == isas[0]
     features = atb.build_info()["cpu_features"].split()
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= set(features):
         assert "avx512" in isas  # (unless the OS does not save zmm state; this machine does)
     if "amx-bf16" in features:  # (unless the kernel refuses the tile state; this one grants it)
         assert isas[0] == "avx512-amx"
     for name in isas:
-        atb.set_isa(name)
-        assert atb.build_info()["isa"] == name
-    atb.set_isa("auto")
+        with forced_isa(name):
+            assert atb.build_info()["isa"] == name
     with pytest.raises(ValueError, match="set_isa: unknown ISA 'avx1024'"):
         atb.set_isa("avx1024")
     with pytest.raises(TypeError, match="set_isa: isa must be a str"):
         atb.set_isa(512)
-    assert atb.build_info()["isa"] == isas[0]
+    assert atb.build_info()["isa"] == active  # a rejected call changes nothing
 
 
 def test_forcing_an_isa_the_cpu_lacks_fails_at_import():

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 import atb
 from atb import _C
 from atb.kernels._common import DTYPE_CODES
-from conftest import ALL_SOCS
+from conftest import ALL_SOCS, forced_isa
 from reference import DTYPES, assert_close, silu_mul_ref, swiglu_ref
 
 SHAPES = [(1, 1), (1, 576), (7, 7), (3, 123), (2, 4097), (5, 11008), (300, 64), (2, 3, 96)]
@@ -79,11 +79,8 @@ def test_portable_path_agrees():
     for dtype in DTYPES:
         g, u = torch.randn(17, 333).to(dtype), torch.randn(17, 333).to(dtype)
         fast = atb.kernels.silu_mul(g, u)
-        atb.set_isa("portable")
-        try:
+        with forced_isa("portable"):
             port = atb.kernels.silu_mul(g, u)
-        finally:
-            atb.set_isa("auto")
         assert_close(fast, port.double())
 
 
@@ -144,8 +141,7 @@ def test_non_finite_gate_matches_torch(isa):
     # silu(-inf) = -inf * sigmoid(-inf) = -inf * 0 = nan in torch; the AVX2 exp clamp once gave -inf.
     g = torch.tensor([-float("inf"), float("inf"), float("nan"), -1e30, 1e30, 0.0] * 3)
     u = torch.tensor([2.0, -3.0, 1.0, 1.0, 0.5, float("inf")] * 3)
-    atb.set_isa(isa)
-    try:
+    with forced_isa(isa):
         for dtype in DTYPES:
             gd, ud = g.to(dtype), u.to(dtype)
             out = atb.kernels.silu_mul(gd, ud)
@@ -154,8 +150,6 @@ def test_non_finite_gate_matches_torch(isa):
             finite = ~torch.isnan(expected)
             assert_close(out[finite], expected[finite])
             assert torch.isnan(atb.kernels.swiglu(torch.cat([gd, ud]))[0])
-    finally:
-        atb.set_isa("auto")
 
 
 def test_errors_name_the_op_called():
