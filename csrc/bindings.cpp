@@ -204,9 +204,15 @@ PYBIND11_MODULE(_C, m) {
         atb::bind::CheckSegmentCount("linear", segs.size());
         atb::LinearEpilogue ep = atb::bind::CheckedEpilogue("linear", epilogue);
         atb::LinearSegment s[atb::kLinearMaxSegments];
-        for (size_t i = 0; i < segs.size(); ++i)
-          s[i] = {Ptr(std::get<0>(segs[i])), Ptr(std::get<1>(segs[i])), Ptr(std::get<2>(segs[i])), std::get<3>(segs[i]),
-                  Ptr(std::get<4>(segs[i]))};
+        atb::Rows4Piece whole[atb::kLinearMaxSegments];  // a rows4 copy given: one piece of all its rows
+        for (size_t i = 0; i < segs.size(); ++i) {
+          s[i] = {Ptr(std::get<0>(segs[i])), Ptr(std::get<1>(segs[i])), Ptr(std::get<2>(segs[i])), std::get<3>(segs[i])};
+          if (std::get<4>(segs[i])) {
+            whole[i] = {0, std::get<3>(segs[i]), Ptr(std::get<4>(segs[i]))};
+            s[i].rows4Pieces = &whole[i];
+            s[i].numRows4Pieces = 1;
+          }
+        }
         py::gil_scoped_release nogil;
         atb::Linear(Ptr(x), rows, k, s, int64_t(segs.size()), Ptr(residual), ep, Dt(dtype), soc, row_invariant);
       },

@@ -29,7 +29,6 @@ class KernelLinear : public LinearStreamIo<T, KernelLinear<T>> {
     Stream::InitStream(x, segs, residual, t, t.k);
     if (t.m <= Rows4MaxRows(DataTypeOf<T>::value) && Rows4Supported(DataTypeOf<T>::value))
       for (int64_t s = 0; s < t.numSegments; ++s) {
-        rows4_[s] = static_cast<const T*>(segs[s].rows4);
         pieces_[s] = segs[s].rows4Pieces;
         numPieces_[s] = segs[s].numRows4Pieces;
       }
@@ -75,11 +74,10 @@ class KernelLinear : public LinearStreamIo<T, KernelLinear<T>> {
     }
   }
 
-  // The rows4 group of the tile's first row, where the tile [row, row + nt) lies in segment seg's rows4 copy or in
-  // one of its pieces (each grouped from its own first row); else null (the weight is read as it lies).
+  // The rows4 group of the tile's first row, where the tile [row, row + nt) lies in one of segment seg's rows4
+  // pieces (each grouped from its own first row); else null (the weight is read as it lies).
   const T* Rows4Group(int seg, int64_t row, int64_t nt) const {
     const int64_t ldg = Rows4Ld(t_.k);
-    if (rows4_[seg] && row % kRows4GroupRows == 0) return rows4_[seg] + row / kRows4GroupRows * ldg;
     for (int64_t i = 0; i < numPieces_[seg]; ++i) {
       const Rows4Piece& p = pieces_[seg][i];
       if (row >= p.row && row + nt <= p.row + p.rows && (row - p.row) % kRows4GroupRows == 0)
@@ -126,8 +124,7 @@ class KernelLinear : public LinearStreamIo<T, KernelLinear<T>> {
   }
 
   TBuf<TPosition::VECCALC> xBuf_, lanes_[2];
-  // Per segment: its rows4 copy where this launch reads one (bf16 / fp32, few rows of x), else null.
-  const T* rows4_[kLinearMaxSegments] = {nullptr, nullptr, nullptr};
+  // Per segment: its rows4 pieces where this launch reads them (bf16 / fp32, few rows of x), else none.
   const Rows4Piece* pieces_[kLinearMaxSegments] = {nullptr, nullptr, nullptr};
   int64_t numPieces_[kLinearMaxSegments] = {0, 0, 0};
 };
