@@ -191,11 +191,13 @@ PYBIND11_MODULE(_C, m) {
   Def(
       m, "linear_tiling",
       [](int64_t rows, int64_t k, std::vector<int64_t> seg_rows, int epilogue, int dtype, const SocInfo& soc,
-         bool row_invariant) {
+         bool row_invariant, bool rows4_copies) {
         return LinearTilingDict(atb::LinearTiling(rows, k, seg_rows.data(), int64_t(seg_rows.size()),
-                                                  atb::LinearEpilogue(epilogue), Dt(dtype), soc, row_invariant));
+                                                  atb::LinearEpilogue(epilogue), Dt(dtype), soc, row_invariant,
+                                                  rows4_copies));
       },
-      "m", "k", "seg_rows", "epilogue", "dtype", "soc", py::arg("row_invariant") = false);
+      "m", "k", "seg_rows", "epilogue", "dtype", "soc", py::arg("row_invariant") = false,
+      py::arg("rows4_copies") = false);
   Def(
       m, "linear",
       [](uintptr_t x, int64_t rows, int64_t k,
@@ -221,6 +223,7 @@ PYBIND11_MODULE(_C, m) {
   // ---- rows4: the decode weights' repacked layout (kernels/linear/linear_rows4.h) ---------------------
   Def(m, "rows4_numel", [](int64_t n, int64_t k) { return atb::Rows4Elems(n, k); }, "n", "k");
   Def(m, "rows4_supported", [](int dtype) { return atb::Rows4Supported(Dt(dtype)); }, "dtype");
+  Def(m, "rows4_packed_x", [](int dtype, int64_t k) { return atb::Rows4PackedX(Dt(dtype), k); }, "dtype", "k");
   Def(
       m, "pack_rows4",
       [](uintptr_t dst, uintptr_t w, int64_t ldw, int64_t n, int64_t k, int dtype) {

@@ -171,6 +171,32 @@ def test_few_row_steps_read_the_repacked_copies(dtype, rows):
     assert torch.equal(before, after)
 
 
+def test_batch_steps_read_the_repacked_copies():
+    # From 16 rows the batch GEMM reads the per-core rows4 pieces too where it can (bf16: _C.rows4_packed_x):
+    # a bf16 batch-16 step gives the same logits with the weights as they lie overwritten by NaN, and the same
+    # logits as a graph without copies.
+    from atb import _C
+    from atb.kernels._common import DTYPE_CODES
+
+    if not _C.rows4_packed_x(DTYPE_CODES[torch.bfloat16], 128):
+        pytest.skip(f"the {atb.build_info()['isa']} SIMD table's batch GEMM reads no rows4 copies")
+    model = random_model("tiny", torch.bfloat16)
+    n = 16
+    args = (torch.arange(17, 17 + n), torch.zeros(n, dtype=torch.int32),
+            torch.arange(2 * n, dtype=torch.int32).reshape(n, 2), torch.ones(n, dtype=torch.int32),
+            torch.arange(n, dtype=torch.int32) * 2 * BLOCK)
+    plain = _graph(model, max_batch=n, max_seq_len=32, repack=False)[0].step(*args).clone()
+    g = _graph(model, max_batch=n, max_seq_len=32, repack=True)[0]
+    before = g.step(*args).clone()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("proj.weight") or name == "lm_head.weight":
+                p.fill_(float("nan"))
+    after = g.step(*args)
+    assert torch.isfinite(after).all()
+    assert torch.equal(before, plain) and torch.equal(before, after)
+
+
 def test_rows4_streams_reject_a_wrong_buffer():
     # The native packing checks the buffer against its plan and writes nothing into a rejected one.
     if not rows4_supported(torch.float32):

@@ -331,6 +331,16 @@ def test_packed_x_leaves_weight_rows_4_kib_apart_to_the_other_kernels(isa):
     if _has_dp(isa) and "amx" not in isa:
         assert kind(16, 2048, torch.bfloat16)["form"] == "rows"
         assert kind(16, 2050, torch.bfloat16)["form"] == "packed_x"
+    # Unless the weights come with rows4 copies that the form reads (4 runs, not 16 rows apart): bf16 on the
+    # vector dp tables, fp32 on every AVX-512 table.
+    copies = lambda m, k, dtype: _C.linear_tiling(m, k, [64], 0, DTYPE_CODES[dtype], host,  # noqa: E731
+                                                   rows4_copies=True)
+    if isa.startswith("avx512"):
+        assert copies(16, 1024, torch.float32)["form"] == "packed_x"
+    else:
+        assert copies(16, 1024, torch.float32) == kind(16, 1024, torch.float32)
+    if _has_dp(isa):
+        assert copies(16, 2048, torch.bfloat16)["form"] == "packed_x"  # AMX: its tiles, copies or not
 
 
 def test_gemm_bf16_packed_splits_k_when_the_ub_is_small():

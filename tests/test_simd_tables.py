@@ -217,6 +217,56 @@ def _launch_linear(x, segments, epilogue, residual=None, soc="host"):
     return outs
 
 
+@pytest.mark.parametrize("dtype,m,k,n", [
+    (torch.bfloat16, 16, 576, 1030), (torch.bfloat16, 17, 2048, 70), (torch.bfloat16, 33, 13, 5),
+    (torch.bfloat16, 16, 1, 37), (torch.bfloat16, 31, 603, 16),
+    (torch.float32, 16, 1024, 261), (torch.float32, 20, 2048, 19), (torch.float32, 16, 576, 40)])
+def test_batch_rows_read_rows4_copies(isa, dtype, m, k, n):
+    # From 16 rows of x the GEMM's packed-x form reads a weight's rows4 copy where the table has the kernel
+    # (_C.rows4_packed_x: bf16; fp32 where rows as they lie alias in L1, K * 4 a multiple of 4 KiB): with the
+    # weights overwritten by NaN after packing, the output is unchanged (the copy alone was read). Where the copy
+    # leaves the form as it was, the bits are those of the weights as they lie; where it lifts the aliasing rule
+    # (K = 2048 bf16, 1024 and 2048 fp32), the launch takes the packed-x form instead of the row kernels, whose
+    # sums run in another order: within the dtype's bound of the float64 reference, as those are. N % 16 != 0:
+    # a short last block of rows; K odd (bf16): a last k pair whose partner is the copy's padding; a row tile
+    # that does not start a group of 4 (segments of fewer than 48 rows) reads the weights as they lie.
+    from atb import _C
+    from atb.kernels._common import DTYPE_CODES
+    from atb.kernels.linear import pack_rows4
+
+    def rand(*shape):
+        return (torch.randn(*shape) / k ** 0.5).to(dtype)
+
+    def tiling(rows, epilogue, copies):
+        return _C.linear_tiling(m, k, rows, epilogue, DTYPE_CODES[dtype], atb.get_soc("host"), rows4_copies=copies)
+
+    def form(copies):
+        return tiling([n], 0, copies)["form"]
+
+    x, r = torch.randn(m, k).to(dtype), torch.randn(m, n).to(dtype)
+    q, kk, gate, up = rand(n, k), rand(n // 4 + 1, k), rand(n, k), rand(n, k)
+    qb = torch.randn(n).to(dtype)
+    for epilogue, segments, residual in ((0, [(q, qb), (kk, None)], None), (1, [(q, qb)], r),
+                                         (2, [(gate, None), (up, None)], None)):
+        # Tiles of rows that start a group of 4 read the copy (n_tile below 48 only with a segment that short).
+        t = tiling([w.shape[0] for w, _ in segments], epilogue, True)
+        reads_copy = _C.rows4_packed_x(DTYPE_CODES[dtype], k) and t["form"] == "packed_x" and t["n_tile"] % 4 == 0
+        plain = _launch_linear(x, [(w, b, None) for w, b in segments], epilogue, residual)
+        copies = [pack_rows4(w) for w, _ in segments]
+        got = _launch_linear(x, [(w, b, c) for (w, b), c in zip(segments, copies)], epilogue, residual)
+        for a, b in zip(got, plain):
+            if form(True) == form(False):
+                assert torch.equal(a, b)
+            else:
+                assert_close(a, b, scale=2 * _scale(k))
+        if reads_copy:
+            nan = [torch.full_like(w, float("nan")) for w, _ in segments]
+            for a, b in zip(_launch_linear(x, [(w, b, c) for w, (_, b), c in zip(nan, segments, copies)], epilogue,
+                                           residual), got):
+                assert torch.equal(a, b)
+    assert_close(_launch_linear(x, [(q, qb, pack_rows4(q))], 0)[0], linear_ref(x, q, qb), scale=_scale(k))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,k,n", [(1, 576, 1030), (2, 603, 517), (3, 64, 7), (4, 4104, 261), (1, 13, 5), (5, 96, 70)])
 def test_rows4_copies_give_the_lanes_bits(isa, dtype, m, k, n):

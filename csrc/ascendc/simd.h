@@ -230,6 +230,14 @@ struct SimdOps {
                                   int64_t M, int64_t N, int64_t K, bool accumulate);
   void (*mmad_nt_lanes_rows4_bf16)(float* lanes, const float* A, int64_t lda, const uint16_t* B4, int64_t ldg,
                                    int64_t M, int64_t N, int64_t K, bool accumulate);
+  // mmad_dp_bf16_packed_x / mmad_packed_x_f32 (C = X W^T, no accumulate) over weights in the rows4 layout: B4 at
+  // the group of the first weight row, ldg elements from one group to the next (AVX-512 vector tables; null
+  // elsewhere, the AMX one included). The same chains, so the same bits; rows past N in the last group are not
+  // read beyond the groups that hold N's rows.
+  void (*mmad_dp_bf16_packed_x_rows4)(float* C, int64_t ldc, const uint16_t* Xp, const uint16_t* B4, int64_t ldg,
+                                      int64_t M, int64_t N, int64_t K);
+  void (*mmad_packed_x_rows4_f32)(float* C, int64_t ldc, const float* Xt, const float* B4, int64_t ldg, int64_t M,
+                                  int64_t N, int64_t K);
 };
 
 // mmad_nt_lanes_* with few A rows (decode) read the weight rows as 4 runs front to back, one per quarter of

@@ -1210,6 +1210,101 @@ void MmadPackedX(float* C, int64_t ldc, const float* Xp, const char* W, int64_t 
   }
 }
 
+// The packed-x GEMM over a rows4 copy (kernels/linear/linear_rows4.h): the same units, accumulators and chains
+// (so the same bits), but a block's 16 weight rows are 4 groups of 4 rows, each group one run in which every
+// 64-byte line holds 4 units of its 4 rows (row r's unit j at (j / 4) * 64 + r * 16 + (j % 4) * 4; bf16: a k
+// pair, fp32: one k), and a block's groups lie back to back: it streams as 4 runs front to back, where rows as
+// they lie are 16 rows' lines at a time. Units past K are the copy's zero padding (bf16 with an odd K: its
+// last unit's partner is such a zero, the lone weight's zero in BlockPackedX), but x holds only `units`.
+template <class Op>
+__attribute__((noinline)) void BlockPackedXRows4(float* C, int64_t ldc, const float* Xp, const char* G,
+                                                 int64_t ldgBytes, int64_t rows, int64_t cols, int64_t units,
+                                                 bool acc) {
+  const __mmask16 colMask = Tail(cols);
+  __m512i r[16], t[16];
+  if (acc) {
+#pragma GCC unroll 16
+    for (int m = 0; m < 16; ++m)
+      r[m] = m < rows ? _mm512_castps_si512(MaskLoad(colMask, C + m * ldc)) : _mm512_setzero_si512();
+    Transpose16x16(r, t);
+  } else {
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) t[i] = _mm512_setzero_si512();
+  }
+  V c0 = _mm512_castsi512_ps(t[0]), c1 = _mm512_castsi512_ps(t[1]), c2 = _mm512_castsi512_ps(t[2]),
+    c3 = _mm512_castsi512_ps(t[3]), c4 = _mm512_castsi512_ps(t[4]), c5 = _mm512_castsi512_ps(t[5]),
+    c6 = _mm512_castsi512_ps(t[6]), c7 = _mm512_castsi512_ps(t[7]), c8 = _mm512_castsi512_ps(t[8]),
+    c9 = _mm512_castsi512_ps(t[9]), c10 = _mm512_castsi512_ps(t[10]), c11 = _mm512_castsi512_ps(t[11]),
+    c12 = _mm512_castsi512_ps(t[12]), c13 = _mm512_castsi512_ps(t[13]), c14 = _mm512_castsi512_ps(t[14]),
+    c15 = _mm512_castsi512_ps(t[15]);
+  // Groups 0 and 2 through their own pointers, 1 and 3 at + L: one addressing mode per load.
+  const int64_t L = ldgBytes;
+  const char *g0 = G, *g2 = G + 2 * L;
+  auto unit = [&](V x, int64_t u) {  // unit u of the current line
+    Op::Acc(c0, x, g0 + u * 4), Op::Acc(c1, x, g0 + 16 + u * 4), Op::Acc(c2, x, g0 + 32 + u * 4),
+        Op::Acc(c3, x, g0 + 48 + u * 4);
+    Op::Acc(c4, x, g0 + L + u * 4), Op::Acc(c5, x, g0 + L + 16 + u * 4), Op::Acc(c6, x, g0 + L + 32 + u * 4),
+        Op::Acc(c7, x, g0 + L + 48 + u * 4);
+    Op::Acc(c8, x, g2 + u * 4), Op::Acc(c9, x, g2 + 16 + u * 4), Op::Acc(c10, x, g2 + 32 + u * 4),
+        Op::Acc(c11, x, g2 + 48 + u * 4);
+    Op::Acc(c12, x, g2 + L + u * 4), Op::Acc(c13, x, g2 + L + 16 + u * 4), Op::Acc(c14, x, g2 + L + 32 + u * 4),
+        Op::Acc(c15, x, g2 + L + 48 + u * 4);
+  };
+  // The next block (4 L on) into L2 as this one is read: one line of each group per line of this one's.
+  const int64_t lines = units / 4;
+  for (int64_t j = 0; j < lines; ++j, g0 += 64, g2 += 64) {
+    _mm_prefetch(g0 + 4 * L, _MM_HINT_T1);
+    _mm_prefetch(g0 + 5 * L, _MM_HINT_T1);
+    _mm_prefetch(g2 + 4 * L, _MM_HINT_T1);
+    _mm_prefetch(g2 + 5 * L, _MM_HINT_T1);
+    const float* x = Xp + j * 64;
+    unit(_mm512_loadu_ps(x), 0);
+    unit(_mm512_loadu_ps(x + 16), 1);
+    unit(_mm512_loadu_ps(x + 32), 2);
+    unit(_mm512_loadu_ps(x + 48), 3);
+  }
+  for (int64_t u = 0; u < units % 4; ++u) unit(_mm512_loadu_ps(Xp + (lines * 4 + u) * 16), u);
+  V c[16] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15};
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(c[i]);
+  Transpose16x16(r, t);
+#pragma GCC unroll 16
+  for (int m = 0; m < 16; ++m)
+    if (m < rows) MaskStore(C + m * ldc, colMask, _mm512_castsi512_ps(t[m]));
+}
+
+// MmadPackedX over a rows4 copy: N weight rows from the group at G (ldg elements of elt bytes from one group to
+// the next). A short last block reads a copy of its groups followed by zero groups, never past the rows' own.
+template <class Op>
+void MmadPackedXRows4(float* C, int64_t ldc, const float* Xp, const char* G, int64_t ldg, int64_t M, int64_t N,
+                      int64_t K, int64_t elt) {
+  const int64_t units = (K + Op::kUnitValues - 1) / Op::kUnitValues;
+  const int64_t panelFloats = 16 * units, L = ldg * elt;
+  const int64_t whole = N - N % kWBlockRows;
+  thread_local std::vector<char> pad;
+  if (whole < N) {
+    pad.assign(size_t(4 * L), 0);
+    std::memcpy(pad.data(), G + whole / 4 * L, size_t((N - whole + 3) / 4 * L));
+  }
+  for (int64_t m = 0; m < M; m += kXPanelRows) {
+    const int64_t rows = std::min<int64_t>(kXPanelRows, M - m);
+    const float* xp = Xp + (m / kXPanelRows) * panelFloats;
+    for (int64_t n = 0; n < whole; n += kWBlockRows)
+      BlockPackedXRows4<Op>(C + m * ldc + n, ldc, xp, G + n / 4 * L, L, rows, kWBlockRows, units, false);
+    if (whole < N) BlockPackedXRows4<Op>(C + m * ldc + whole, ldc, xp, pad.data(), L, rows, N - whole, units, false);
+  }
+}
+
+void MmadDpBf16PackedXRows4(float* C, int64_t ldc, const uint16_t* Xp, const uint16_t* B4, int64_t ldg, int64_t M,
+                            int64_t N, int64_t K) {
+  MmadPackedXRows4<PackedXDpBf16>(C, ldc, reinterpret_cast<const float*>(Xp), reinterpret_cast<const char*>(B4),
+                                  ldg, M, N, K, 2);
+}
+void MmadPackedXF32Rows4(float* C, int64_t ldc, const float* Xt, const float* B4, int64_t ldg, int64_t M, int64_t N,
+                         int64_t K) {
+  MmadPackedXRows4<PackedXFmaF32>(C, ldc, Xt, reinterpret_cast<const char*>(B4), ldg, M, N, K, 4);
+}
+
 // mmad_packed_x_f32 (contract: simd.h).
 void MmadPackedXF32(float* C, int64_t ldc, const float* Xt, const float* W, int64_t ldw, int64_t M, int64_t N,
                     int64_t K, bool acc) {
@@ -1743,6 +1838,7 @@ const SimdOps* Base() {
   static const SimdOps table = [] {
     SimdOps t = ATB_AVX512_TABLE;
     t.mmad_packed_x_f32 = MmadPackedXF32;
+    t.mmad_packed_x_rows4_f32 = MmadPackedXF32Rows4;
     t.mmad_nt_lanes_rows4_f32 = MmadNTLanesRows4<float, Rows4LoadF>;
     t.mmad_nt_lanes_rows4_bf16 = MmadNTLanesRows4<uint16_t, Rows4LoadB>;
     return t;
@@ -1764,6 +1860,7 @@ const SimdOps* WithBf16() {
     t.store_t_scaled_bf16 = StoreTScaledBf16;
     t.mul_cols = MulCols;
     t.mmad_dp_bf16_packed_x = MmadDpBf16PackedX;
+    t.mmad_dp_bf16_packed_x_rows4 = MmadDpBf16PackedXRows4;
     return t;
   }();
   return &table;
@@ -1776,6 +1873,7 @@ const SimdOps* WithAmx() {
     t.isa = ATB_AVX512_AMX_NAME;
     t.mmad_dp_bf16_packed = MmadAmxBf16Packed;
     t.mmad_dp_bf16_packed_x = MmadAmxBf16PackedX;
+    t.mmad_dp_bf16_packed_x_rows4 = nullptr;  // the tiles read weight rows as they lie
     t.amx_tiles = true;
     return t;
   }();

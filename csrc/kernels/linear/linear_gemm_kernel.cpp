@@ -27,6 +27,7 @@
 
 #include "ascendc/kernel_operator.h"
 #include "linear_io.h"
+#include "linear_rows4.h"
 #include "linear_tiling.h"
 
 using namespace AscendC;
@@ -65,6 +66,11 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
   void Init(GM_ADDR x, const float* xPacked, const LinearSegment* segs, GM_ADDR residual, const LinearTilingData& t) {
     form_ = t.form;
     Gemm::InitGemm(x, xPacked, segs, residual, t, t.k, form_ == kF32Tiles);
+    if (form_ == kPackedX && Rows4PackedX(DataTypeOf<T>::value, t.k))
+      for (int64_t s = 0; s < t.numSegments; ++s) {
+        pieces_[s] = segs[s].rows4Pieces;
+        numPieces_[s] = segs[s].numRows4Pieces;
+      }
     if (form_ == kDpPacked) Gemm::InitDpPacked();
   }
 
@@ -114,16 +120,47 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
       }
       const float* xp = own.data();
       for (int st = 0; st < streams_; ++st) {
-        const T* w = wGm_[st == 1 ? 1 : u.s].GetPhyAddr(u.row * t_.k);
+        const int seg = st == 1 ? 1 : u.s;
         float* c = cBuf_[st].template Get<float>().GetPhyAddr();
-        if constexpr (std::is_same<T, float>::value)
-          Simd().mmad_packed_x_f32(c, t_.nTile, xp, w, t_.k, u.mp, u.nt, t_.k, false);
-        else
-          Simd().mmad_dp_bf16_packed_x(c, t_.nTile, reinterpret_cast<const uint16_t*>(xp), StorageBits(w), t_.k,
-                                       u.mp, u.nt, t_.k, false);
+        // The unit's rows run by run: each run that lies in a rows4 piece from there, the rest as they lie.
+        for (int64_t row = u.row, end = u.row + u.nt; row < end;) {
+          int64_t n = end - row;
+          const T* group = Rows4Run(seg, row, n);
+          if (group) {
+            if constexpr (std::is_same<T, float>::value)
+              Simd().mmad_packed_x_rows4_f32(c + (row - u.row), t_.nTile, xp, group, Rows4Ld(t_.k), u.mp, n, t_.k);
+            else
+              Simd().mmad_dp_bf16_packed_x_rows4(c + (row - u.row), t_.nTile, reinterpret_cast<const uint16_t*>(xp),
+                                                 StorageBits(group), Rows4Ld(t_.k), u.mp, n, t_.k);
+          } else {
+            const T* w = wGm_[seg].GetPhyAddr(row * t_.k);
+            if constexpr (std::is_same<T, float>::value)
+              Simd().mmad_packed_x_f32(c + (row - u.row), t_.nTile, xp, w, t_.k, u.mp, n, t_.k, false);
+            else
+              Simd().mmad_dp_bf16_packed_x(c + (row - u.row), t_.nTile, reinterpret_cast<const uint16_t*>(xp),
+                                           StorageBits(w), t_.k, u.mp, n, t_.k, false);
+          }
+          row += n;
+        }
       }
       for (int64_t mt0 = 0; mt0 < u.mp; mt0 += t_.mTile) Gemm::OutputRows(u, mt0, std::min(t_.mTile, u.mp - mt0));
     }
+  }
+
+  // The rows4 group of row `row` of segment seg where a piece holds it at a group's start; n shrinks to the
+  // rows from there that the piece holds. Otherwise null, and n shrinks to the rows before the next piece.
+  const T* Rows4Run(int seg, int64_t row, int64_t& n) const {
+    int64_t next = row + n;
+    for (int64_t i = 0; i < numPieces_[seg]; ++i) {
+      const Rows4Piece& p = pieces_[seg][i];
+      if (row >= p.row && row < p.row + p.rows && (row - p.row) % kRows4GroupRows == 0) {
+        n = std::min(n, p.row + p.rows - row);
+        return static_cast<const T*>(p.data) + (row - p.row) / kRows4GroupRows * Rows4Ld(t_.k);
+      }
+      if (p.row > row) next = std::min(next, p.row);
+    }
+    n = next - row;
+    return nullptr;
   }
 
   // kDpPacked's B operand: the weight rows as they lie, packed in k pairs.
@@ -146,6 +183,9 @@ class KernelLinearGemm : public LinearGemmIo<T, KernelLinearGemm<T>> {
   }
 
   int64_t form_ = kF32Tiles;
+  // kPackedX: per segment, its rows4 pieces (none: the weights as they lie).
+  const Rows4Piece* pieces_[kLinearMaxSegments] = {nullptr, nullptr, nullptr};
+  int64_t numPieces_[kLinearMaxSegments] = {0, 0, 0};
   int64_t packedM0_ = -1;  // kPackedX: the first x row of the pass this block's panels hold (-1: none yet)
 };
 

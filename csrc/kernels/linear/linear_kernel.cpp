@@ -134,8 +134,12 @@ class KernelLinear : public LinearStreamIo<T, KernelLinear<T>> {
 void Linear(const void* x, int64_t m, int64_t k, const LinearSegment* segs, int64_t numSegments, const void* residual,
             LinearEpilogue ep, DataType dtype, const SocInfo& soc, bool rowInvariant) {
   int64_t rows[kLinearMaxSegments] = {0, 0, 0};
-  for (int64_t s = 0; s < numSegments && s < kLinearMaxSegments; ++s) rows[s] = segs[s].n;
-  LinearTilingData t = LinearTiling(m, k, rows, numSegments, ep, dtype, soc, rowInvariant);
+  bool rows4Copies = numSegments >= 1;
+  for (int64_t s = 0; s < numSegments && s < kLinearMaxSegments; ++s) {
+    rows[s] = segs[s].n;
+    rows4Copies = rows4Copies && segs[s].numRows4Pieces > 0;
+  }
+  LinearTilingData t = LinearTiling(m, k, rows, numSegments, ep, dtype, soc, rowInvariant, rows4Copies);
   if (t.tilingKey / 100 == LINEAR_GEMM) return LinearGemm(x, segs, residual, t, soc);
   LaunchLinearKernel<KernelLinear>(t, soc, GmAddr(x), segs, GmAddr(residual), t);
 }

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "ascendc/simd.h"
+#include "linear_tiling.h"
 
 namespace atb {
 
@@ -15,6 +16,14 @@ bool Rows4Supported(AscendC::DataType dtype) {
   const AscendC::SimdOps& simd = AscendC::Simd();
   if (dtype == AscendC::DataType::BFLOAT16) return simd.mmad_nt_lanes_rows4_bf16 != nullptr;
   if (dtype == AscendC::DataType::FLOAT32) return simd.mmad_nt_lanes_rows4_f32 != nullptr;
+  return false;
+}
+
+bool Rows4PackedX(AscendC::DataType dtype, int64_t k) {
+  const AscendC::SimdOps& simd = AscendC::Simd();
+  if (dtype == AscendC::DataType::BFLOAT16) return simd.mmad_dp_bf16_packed_x_rows4 != nullptr;
+  if (dtype == AscendC::DataType::FLOAT32)
+    return simd.mmad_packed_x_rows4_f32 != nullptr && (k * 4) % kPackedXAliasBytes == 0;
   return false;
 }
 

@@ -38,6 +38,15 @@
 // per step interleaved on the same Zen 4 under ATB_ISA=avx2: SmolLM2 1.19x (1000 pairs), TinyLlama-shaped
 // 1.25x (200). Its fp32 form measured 1.04x and 0.975x and is not kept; at 2 rows bf16 ran 1.13x (SmolLM2)
 // and 0.87x (TinyLlama-shaped), so it reads the copy at 1 row, as the AVX-512 tables do.
+// Batch decode (the GEMM kernel's packed-x form, from 16 rows of x) reads the copy too (Rows4PackedX): a block of
+// 16 weight rows is 4 groups back to back, read as 4 runs where rows as they lie are 16 rows read at once, with
+// the same chains (simd_avx512.cpp, BlockPackedXRows4). Rows 4 KiB apart share an L1 set, which had kept such
+// weights (TinyLlama's K = 2048 bf16, 1024 / 2048 fp32) out of the form; their copy lifts that rule. Batch-16
+// graph steps on Zen 4, 2 threads, per-step interleaved, the copy against the weights as they lie (a
+// switch read per launch): SmolLM2 bf16 0.982x the time (q/k/v 0.956, o 0.945, MLP 0.979), fp32 1.029x (MLP
+// 1.043, LM head 1.061: fp32 keeps rows as they lie where they do not alias); TinyLlama-1.1B-shaped bf16
+// 0.78-0.84x per projection, fp32 0.62-0.71x. (Prefetching the next block as the loop reads, as rows as they
+// lie do, is what pays: without it fp32 ran 1.14-1.20x slower, 1-2 KiB ahead in each run 1.08-1.14x.)
 #pragma once
 #include <cstdint>
 
@@ -55,6 +64,10 @@ inline int64_t Rows4Ld(int64_t k) { return kRows4GroupRows * AscendC::AlignUp(k,
 inline int64_t Rows4Elems(int64_t n, int64_t k) { return AscendC::CeilDiv(n, kRows4GroupRows) * Rows4Ld(k); }
 // Whether the active SIMD table reads dtype's rows4 weights (bf16 and fp32 on the AVX-512 tables, bf16 on AVX2).
 bool Rows4Supported(AscendC::DataType dtype);
+// Whether the GEMM kernel's packed-x form (batch decode) reads the rows4 copy of weights of this dtype and K
+// where it is given (the table has the kernel: the AVX-512 vector tables): bf16 always, fp32 where rows as
+// they lie alias in L1 (kPackedXAliasBytes). See the measurements above.
+bool Rows4PackedX(AscendC::DataType dtype, int64_t k);
 // dst [Rows4Elems(N, K)] = W [N, K] (rows ldw elements apart) in the layout above; bf16 or fp32.
 void PackRows4(void* dst, const void* W, int64_t ldw, int64_t N, int64_t K, AscendC::DataType dtype);
 

@@ -5,6 +5,7 @@
 #include "ascendc/error.h"
 #include "ascendc/simd.h"
 #include "kernels/common/tiling_utils.h"
+#include "linear_rows4.h"
 #include "linear_tiling_steps.h"
 
 namespace atb {
@@ -154,14 +155,16 @@ void GemmUnitSplit(LinearTilingData& t, LinearEpilogue ep, const AscendC::SocInf
 }
 
 LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int64_t numSegments, LinearEpilogue ep,
-                              AscendC::DataType dtype, const AscendC::SocInfo& soc, bool rowInvariant) {
+                              AscendC::DataType dtype, const AscendC::SocInfo& soc, bool rowInvariant,
+                              bool rows4Copies) {
   LinearTilingData t = LinearShapeTiling("linear", m, k, segRows, numSegments, ep, dtype, soc);
   int64_t elt = AscendC::DataTypeSize(dtype);
   // The dot-product micro-kernel is the running CPU's (the SIMD table in use), whatever SoC is modelled.
   bool dp = dtype == AscendC::DataType::BFLOAT16 && AscendC::Simd().mmad_nt_dp_bf16 != nullptr;
   int64_t form = !dp ? kF32Tiles : (rowInvariant || m >= kLinearDpPackedMinRows) ? kDpPacked : kDpRows;
   const auto& simd = AscendC::Simd();
-  const bool aliasing = (k * elt) % kPackedXAliasBytes == 0;
+  // Rows that alias in L1 do not where the packed-x form reads their rows4 copy instead (4 runs, not 16 rows).
+  const bool aliasing = (k * elt) % kPackedXAliasBytes == 0 && !(rows4Copies && Rows4PackedX(dtype, k));
   if (form == kDpRows && simd.mmad_dp_bf16_packed_x &&
       (simd.amx_tiles || (m >= kLinearDpPackedXMinRows && !aliasing)))
     form = kPackedX;

@@ -87,7 +87,8 @@ constexpr int64_t kLinearPackedXF32MaxRows = 256;
 // The packed-x forms read the same k of 16 weight rows at once: rows a multiple of this many bytes apart fall
 // in one L1 set (the 4 KiB page offset picks it) and 16 lines evict each other from its 8 ways, so such weights
 // keep the row and stream kernels. Zen 4, bf16, M = 16, 2048 x 5632 (4 KiB rows): 1.12-1.33 -> 2.18-2.64 ms;
-// 1536-value fp32 rows (6 KiB: two sets of 8) ran 1.2x faster packed.
+// 1536-value fp32 rows (6 KiB: two sets of 8) ran 1.2x faster packed. Weights given with their rows4 copy
+// where the form reads it (Rows4PackedX: 4 runs, not 16 rows) are exempt.
 constexpr int64_t kPackedXAliasBytes = 4096;
 // STREAM tiles of at most this many rows of x hold up to kLinearRunsTileRows weight rows (else 64): the lanes
 // micro-kernel reads each call's rows in 4 runs front to back, and longer runs stream faster (a 64-row tile's
@@ -142,9 +143,12 @@ struct LinearTilingData {
   int64_t tilingKey = 0;     // mode * 100 + dtype * 10 + epilogue
 };
 
-// Pure host function of (shapes, dtype, epilogue, SoC, rowInvariant). segRows: n of each segment.
+// Pure host function of (shapes, dtype, epilogue, SoC, rowInvariant, rows4Copies). segRows: n of each segment.
+// rows4Copies: every segment comes with its rows4 copy (LinearSegment::rows4Pieces), which lifts the packed-x
+// forms' aliasing rule (kPackedXAliasBytes) where they read the copy (Rows4PackedX).
 LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int64_t numSegments, LinearEpilogue ep,
-                              AscendC::DataType dtype, const AscendC::SocInfo& soc, bool rowInvariant = false);
+                              AscendC::DataType dtype, const AscendC::SocInfo& soc, bool rowInvariant = false,
+                              bool rows4Copies = false);
 
 // Host entry: tiles (STREAM or GEMM by M; GEMM at every M if rowInvariant) and launches. x [m, k]
 // contiguous, every segment's weight [n, k] contiguous, out [m, n] contiguous, all of `dtype`; residual [m, n]
