@@ -337,6 +337,9 @@ def test_packed_x_leaves_weight_rows_4_kib_apart_to_the_other_kernels(isa):
                                                    rows4_copies=True)
     if isa.startswith("avx512"):
         assert copies(16, 1024, torch.float32)["form"] == "packed_x"
+        # fp32 read from the copy takes the form from 9 rows (kLinearPackedXRows4F32MinRows), not 16.
+        assert copies(9, 1024, torch.float32)["form"] == "packed_x" and kind(9, 1536, torch.float32)["form"] != "packed_x"
+        assert copies(8, 1024, torch.float32)["tiling_key"] // 100 == 0
     else:
         assert copies(16, 1024, torch.float32) == kind(16, 1024, torch.float32)
     if _has_dp(isa):

@@ -220,7 +220,8 @@ def _launch_linear(x, segments, epilogue, residual=None, soc="host"):
 @pytest.mark.parametrize("dtype,m,k,n", [
     (torch.bfloat16, 16, 576, 1030), (torch.bfloat16, 17, 2048, 70), (torch.bfloat16, 33, 13, 5),
     (torch.bfloat16, 16, 1, 37), (torch.bfloat16, 31, 603, 16),
-    (torch.float32, 16, 1024, 261), (torch.float32, 20, 2048, 19), (torch.float32, 16, 576, 40)])
+    (torch.float32, 16, 1024, 261), (torch.float32, 20, 2048, 19), (torch.float32, 16, 576, 40),
+    (torch.float32, 9, 1024, 100)])
 def test_batch_rows_read_rows4_copies(isa, dtype, m, k, n):
     # From 16 rows of x the GEMM's packed-x form reads a weight's rows4 copy where the table has the kernel
     # (_C.rows4_packed_x: bf16; fp32 where rows as they lie alias in L1, K * 4 a multiple of 4 KiB): with the

@@ -164,14 +164,16 @@ LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int6
   int64_t form = !dp ? kF32Tiles : (rowInvariant || m >= kLinearDpPackedMinRows) ? kDpPacked : kDpRows;
   const auto& simd = AscendC::Simd();
   // Rows that alias in L1 do not where the packed-x form reads their rows4 copy instead (4 runs, not 16 rows).
-  const bool aliasing = (k * elt) % kPackedXAliasBytes == 0 && !(rows4Copies && Rows4PackedX(dtype, k));
+  const bool readsCopy = rows4Copies && Rows4PackedX(dtype, k);
+  const bool aliasing = (k * elt) % kPackedXAliasBytes == 0 && !readsCopy;
   if (form == kDpRows && simd.mmad_dp_bf16_packed_x &&
       (simd.amx_tiles || (m >= kLinearDpPackedXMinRows && !aliasing)))
     form = kPackedX;
   // fp32 on x packed k-major: its elements are the packed GEMM kernel's MmadTN chains (the same bits), so the
   // form serves row-invariant calls (engine prefill) as well.
   const bool f32PackedX = dtype == AscendC::DataType::FLOAT32 && simd.mmad_packed_x_f32 && !aliasing &&
-                          m >= kLinearPackedXMinRows && m < kLinearPackedXF32MaxRows;
+                          m >= (readsCopy ? kLinearPackedXRows4F32MinRows : kLinearPackedXMinRows) &&
+                          m < kLinearPackedXF32MaxRows;
   if (f32PackedX) form = kPackedX;
   if (rowInvariant || m >= kLinearGemmMinRows || (dp && m >= kLinearDpMinRows) || f32PackedX) {
     GemmTiling(t, elt, ep, soc, form);
