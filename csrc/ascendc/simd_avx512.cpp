@@ -1115,6 +1115,31 @@ struct PackedXFmaF32 {
   }
 };
 
+// A packed-x block's accumulators, one per weight row (C's column) over the panel's rows: C's columns
+// transposed in (the chain goes on from C) or zero.
+inline void BlockAccIn(__m512i t[16], const float* C, int64_t ldc, int64_t rows, __mmask16 colMask, bool acc) {
+  if (!acc) {
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) t[i] = _mm512_setzero_si512();
+    return;
+  }
+  __m512i r[16];
+#pragma GCC unroll 16
+  for (int m = 0; m < 16; ++m)
+    r[m] = m < rows ? _mm512_castps_si512(MaskLoad(colMask, C + m * ldc)) : _mm512_setzero_si512();
+  Transpose16x16(r, t);
+}
+// ... and back out, transposed to C's rows.
+inline void BlockAccOut(const V c[16], float* C, int64_t ldc, int64_t rows, __mmask16 colMask) {
+  __m512i r[16], t[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(c[i]);
+  Transpose16x16(r, t);
+#pragma GCC unroll 16
+  for (int m = 0; m < 16; ++m)
+    if (m < rows) MaskStore(C + m * ldc, colMask, _mm512_castsi512_ps(t[m]));
+}
+
 // C[r][c] (+)= x row r . W row c for r < rows (<= 16, one panel at Xp) and c < cols (<= 16, W rows ldwBytes
 // apart; the caller pads a short block, so 16 rows are always there to read), over `units` 4-byte units of k.
 // bf16 with an odd K: the last unit is a lone value (loneLast), never read past.
@@ -1122,16 +1147,8 @@ template <class Op>
 __attribute__((noinline)) void BlockPackedX(float* C, int64_t ldc, const float* Xp, const char* W, int64_t ldwBytes,
                                             int64_t rows, int64_t cols, int64_t units, bool loneLast, bool acc) {
   const __mmask16 colMask = Tail(cols);
-  __m512i r[16], t[16];
-  if (acc) {  // the chain goes on from C: its columns in
-#pragma GCC unroll 16
-    for (int m = 0; m < 16; ++m)
-      r[m] = m < rows ? _mm512_castps_si512(MaskLoad(colMask, C + m * ldc)) : _mm512_setzero_si512();
-    Transpose16x16(r, t);
-  } else {
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) t[i] = _mm512_setzero_si512();
-  }
+  __m512i t[16];
+  BlockAccIn(t, C, ldc, rows, colMask, acc);
   // Sixteen named accumulators: as an array under the inline asm they went to the stack every unit.
   V c0 = _mm512_castsi512_ps(t[0]), c1 = _mm512_castsi512_ps(t[1]), c2 = _mm512_castsi512_ps(t[2]),
     c3 = _mm512_castsi512_ps(t[3]), c4 = _mm512_castsi512_ps(t[4]), c5 = _mm512_castsi512_ps(t[5]),
@@ -1176,12 +1193,7 @@ __attribute__((noinline)) void BlockPackedX(float* C, int64_t ldc, const float* 
       Op::Acc(c[i], x, reinterpret_cast<const char*>(lone));
     }
   }
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(c[i]);
-  Transpose16x16(r, t);
-#pragma GCC unroll 16
-  for (int m = 0; m < 16; ++m)
-    if (m < rows) MaskStore(C + m * ldc, colMask, _mm512_castsi512_ps(t[m]));
+  BlockAccOut(c, C, ldc, rows, colMask);
 }
 
 // Every panel of x against every block of W's N rows (elt-byte values, K per row): the packed-x GEMM both
@@ -1218,25 +1230,9 @@ void MmadPackedX(float* C, int64_t ldc, const float* Xp, const char* W, int64_t 
 // last unit's partner is such a zero, the lone weight's zero in BlockPackedX), but x holds only `units`.
 template <class Op>
 __attribute__((noinline)) void BlockPackedXRows4(float* C, int64_t ldc, const float* Xp, const char* G,
-                                                 int64_t ldgBytes, int64_t rows, int64_t cols, int64_t units,
-                                                 bool acc) {
-  const __mmask16 colMask = Tail(cols);
-  __m512i r[16], t[16];
-  if (acc) {
-#pragma GCC unroll 16
-    for (int m = 0; m < 16; ++m)
-      r[m] = m < rows ? _mm512_castps_si512(MaskLoad(colMask, C + m * ldc)) : _mm512_setzero_si512();
-    Transpose16x16(r, t);
-  } else {
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) t[i] = _mm512_setzero_si512();
-  }
-  V c0 = _mm512_castsi512_ps(t[0]), c1 = _mm512_castsi512_ps(t[1]), c2 = _mm512_castsi512_ps(t[2]),
-    c3 = _mm512_castsi512_ps(t[3]), c4 = _mm512_castsi512_ps(t[4]), c5 = _mm512_castsi512_ps(t[5]),
-    c6 = _mm512_castsi512_ps(t[6]), c7 = _mm512_castsi512_ps(t[7]), c8 = _mm512_castsi512_ps(t[8]),
-    c9 = _mm512_castsi512_ps(t[9]), c10 = _mm512_castsi512_ps(t[10]), c11 = _mm512_castsi512_ps(t[11]),
-    c12 = _mm512_castsi512_ps(t[12]), c13 = _mm512_castsi512_ps(t[13]), c14 = _mm512_castsi512_ps(t[14]),
-    c15 = _mm512_castsi512_ps(t[15]);
+                                                 int64_t ldgBytes, int64_t rows, int64_t cols, int64_t units) {
+  V c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0, c8 = c0, c9 = c0,
+    c10 = c0, c11 = c0, c12 = c0, c13 = c0, c14 = c0, c15 = c0;
   // Groups 0 and 2 through their own pointers, 1 and 3 at + L: one addressing mode per load.
   const int64_t L = ldgBytes;
   const char *g0 = G, *g2 = G + 2 * L;
@@ -1264,13 +1260,8 @@ __attribute__((noinline)) void BlockPackedXRows4(float* C, int64_t ldc, const fl
     unit(_mm512_loadu_ps(x + 48), 3);
   }
   for (int64_t u = 0; u < units % 4; ++u) unit(_mm512_loadu_ps(Xp + (lines * 4 + u) * 16), u);
-  V c[16] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15};
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(c[i]);
-  Transpose16x16(r, t);
-#pragma GCC unroll 16
-  for (int m = 0; m < 16; ++m)
-    if (m < rows) MaskStore(C + m * ldc, colMask, _mm512_castsi512_ps(t[m]));
+  const V c[16] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15};
+  BlockAccOut(c, C, ldc, rows, Tail(cols));
 }
 
 // MmadPackedX over a rows4 copy: N weight rows from the group at G (ldg elements of elt bytes from one group to
@@ -1290,8 +1281,8 @@ void MmadPackedXRows4(float* C, int64_t ldc, const float* Xp, const char* G, int
     const int64_t rows = std::min<int64_t>(kXPanelRows, M - m);
     const float* xp = Xp + (m / kXPanelRows) * panelFloats;
     for (int64_t n = 0; n < whole; n += kWBlockRows)
-      BlockPackedXRows4<Op>(C + m * ldc + n, ldc, xp, G + n / 4 * L, L, rows, kWBlockRows, units, false);
-    if (whole < N) BlockPackedXRows4<Op>(C + m * ldc + whole, ldc, xp, pad.data(), L, rows, N - whole, units, false);
+      BlockPackedXRows4<Op>(C + m * ldc + n, ldc, xp, G + n / 4 * L, L, rows, kWBlockRows, units);
+    if (whole < N) BlockPackedXRows4<Op>(C + m * ldc + whole, ldc, xp, pad.data(), L, rows, N - whole, units);
   }
 }
 
