@@ -147,6 +147,19 @@ def test_repacked_weights_decode_the_same_bits(dtype):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def _steps_before_and_after_nan_weights(g, model, args):
+    """The logits of a step, then of the same step after the projections' and LM head's weights as they lie
+    were overwritten by NaN (finite: whatever the graph read, it was not those)."""
+    before = g.step(*args).clone()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("proj.weight") or name == "lm_head.weight":
+                p.fill_(float("nan"))
+    after = g.step(*args)
+    assert torch.isfinite(after).all()
+    return before, after
+
+
 @pytest.mark.parametrize("dtype,rows", [(torch.float32, 1), (torch.float32, 2), (torch.bfloat16, 1)])
 def test_few_row_steps_read_the_repacked_copies(dtype, rows):
     # At 1 row (fp32: 1 or 2) every projection and the LM head are read from their rows4 copies alone: with the
@@ -161,13 +174,7 @@ def test_few_row_steps_read_the_repacked_copies(dtype, rows):
     args = (torch.tensor([17, 40][:rows]), torch.tensor([0, 0][:rows]),
             torch.tensor([[0, 1], [2, 3]][:rows], dtype=torch.int32), torch.tensor([1, 1][:rows]),
             torch.tensor([0, 2 * BLOCK][:rows]))
-    before = g.step(*args).clone()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("proj.weight") or name == "lm_head.weight":
-                p.fill_(float("nan"))
-    after = g.step(*args)
-    assert torch.isfinite(after).all()
+    before, after = _steps_before_and_after_nan_weights(g, model, args)
     assert torch.equal(before, after)
 
 
@@ -187,13 +194,7 @@ def test_batch_steps_read_the_repacked_copies():
             torch.arange(n, dtype=torch.int32) * 2 * BLOCK)
     plain = _graph(model, max_batch=n, max_seq_len=32, repack=False)[0].step(*args).clone()
     g = _graph(model, max_batch=n, max_seq_len=32, repack=True)[0]
-    before = g.step(*args).clone()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("proj.weight") or name == "lm_head.weight":
-                p.fill_(float("nan"))
-    after = g.step(*args)
-    assert torch.isfinite(after).all()
+    before, after = _steps_before_and_after_nan_weights(g, model, args)
     assert torch.equal(before, plain) and torch.equal(before, after)
 
 
