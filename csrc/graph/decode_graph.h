@@ -118,7 +118,8 @@ class DecodeGraph {
     headQ_ = head;
   }
   // The rows4 copies of the float projections and LM head (kernels/linear/linear_rows4.h), laid out for the
-  // steps that read them (1 row of x; fp32 1 or 2): one piece per core tile of each launch, each core's pieces
+  // steps that read them most (1 row of x; fp32 1 or 2; batch steps' packed-x GEMM reads them too, tile by
+  // tile, Rows4PackedX): one piece per core tile of each launch, each core's pieces
   // of the whole step one after another in the order it reads them, so that a core streams one front-to-back
   // run of memory from the first layer to the LM head. PlanRows4Streams (after SetQuantTables) returns the
   // bytes they take (0: nothing to copy: no rows4 kernel for the dtype, or every weight quantized);
