@@ -232,8 +232,8 @@ struct SimdOps {
                                    int64_t M, int64_t N, int64_t K, bool accumulate);
   // mmad_dp_bf16_packed_x / mmad_packed_x_f32 (C = X W^T, no accumulate) over weights in the rows4 layout: B4 at
   // the group of the first weight row, ldg elements from one group to the next (AVX-512 vector tables; null
-  // elsewhere, the AMX one included). The same chains, so the same bits; rows past N in the last group are not
-  // read beyond the groups that hold N's rows.
+  // elsewhere, the AMX one included). The same chains, so the same bits; a short last block of rows reads only
+  // the groups that hold its rows.
   void (*mmad_dp_bf16_packed_x_rows4)(float* C, int64_t ldc, const uint16_t* Xp, const uint16_t* B4, int64_t ldg,
                                       int64_t M, int64_t N, int64_t K);
   void (*mmad_packed_x_rows4_f32)(float* C, int64_t ldc, const float* Xt, const float* B4, int64_t ldg, int64_t M,

@@ -83,8 +83,8 @@ constexpr int64_t kLinearDpPackedXMinRows = 16;
 // 512 4831 -> 5150. (bf16's packed x measured mixed at 128-1023 rows: 5-8% faster over the 30 MLPs from DRAM,
 // but 1.2-1.3x slower on a hot 1024 x 1024, the routing policy's measured shape; it stays below 128 rows.)
 constexpr int64_t kLinearPackedXMinRows = 16;
-// fp32 weights whose rows4 copy the form reads (Rows4PackedX: rows a multiple of 4 KiB, which the stream kernel
-// reads from 9 rows of x in tiles of 64 rows) take it from this many rows. TinyLlama-1.1B-shaped graph steps,
+// fp32 weights whose rows4 copy the form reads (Rows4PackedX: rows a multiple of 4 KiB, left to the stream
+// kernel below 16 rows otherwise) take it from this many rows. TinyLlama-1.1B-shaped graph steps,
 // Zen 4, 2 threads, per-step interleaved, from 16 rows -> from 2: batch 8 1.13x the time, 9 0.955x, 10 0.89x,
 // 11 0.85x, 12 0.83x, 14 0.78x. bf16 keeps 16 (the row kernels below: batch 4 1.19x, 8 1.04x, 12 1.11x).
 constexpr int64_t kLinearPackedXRows4F32MinRows = 9;
