@@ -283,7 +283,7 @@ def test_gemm_bf16_packed_every_isa(isa, m, k, n):
                                    (31, 2, 33), (127, 95, 1), (33, 3, 16), (255, 131, 40), (300, 65, 19)])
 def test_batch_decode_rows_have_the_prefill_bits(isa, dtype, m, k, n):
     # Batch decode and short prefills on x packed in panels of 16 rows (bf16 from 16 to 127 rows on the vector
-    # dp tables: mmad_dp_bf16_packed_x; fp32 from 16 to 255 rows on every AVX-512 table, row-invariant calls
+    # dp tables: mmad_dp_bf16_packed_x; fp32 from 10 to 255 rows on every AVX-512 table, row-invariant calls
     # included: mmad_packed_x_f32): every element is the chain the packed GEMM computes (bf16: the
     # k-pair-packed kernel; fp32: MmadTN's fma chain), so those rows have the bits of a row-invariant call
     # (bf16: of any size; fp32: of fewer than 16 rows). Odd K (bf16: the lone last pair), N off the 16-row
@@ -337,9 +337,9 @@ def test_packed_x_leaves_weight_rows_4_kib_apart_to_the_other_kernels(isa):
                                                    rows4_copies=True)
     if isa.startswith("avx512"):
         assert copies(16, 1024, torch.float32)["form"] == "packed_x"
-        # fp32 read from the copy takes the form from 9 rows (kLinearPackedXRows4F32MinRows), not 16.
-        assert copies(9, 1024, torch.float32)["form"] == "packed_x" and kind(9, 1536, torch.float32)["form"] != "packed_x"
-        assert copies(8, 1024, torch.float32)["tiling_key"] // 100 == 0
+        # fp32 takes the form from 10 rows (kLinearPackedXMinRows), from the copy too.
+        assert copies(10, 1024, torch.float32)["form"] == "packed_x" == kind(10, 1536, torch.float32)["form"]
+        assert copies(9, 1024, torch.float32)["tiling_key"] // 100 == 0 == kind(9, 1536, torch.float32)["tiling_key"] // 100
     else:
         assert copies(16, 1024, torch.float32) == kind(16, 1024, torch.float32)
     if _has_dp(isa):

@@ -45,8 +45,7 @@
 // graph steps on Zen 4, 2 threads, per-step interleaved, the copy against the weights as they lie (a
 // switch read per launch): SmolLM2 bf16 0.982x the time (q/k/v 0.956, o 0.945, MLP 0.979), fp32 1.029x (MLP
 // 1.043, LM head 1.061: fp32 keeps rows as they lie where they do not alias); TinyLlama-1.1B-shaped bf16
-// 0.78-0.84x per projection, fp32 0.62-0.71x; fp32 takes the form from 9 rows where it reads the copy
-// (kLinearPackedXRows4F32MinRows). (Prefetching the next block as the loop reads, as rows as they
+// 0.78-0.84x per projection, fp32 0.62-0.71x. (Prefetching the next block as the loop reads, as rows as they
 // lie do, is what pays: without it fp32 ran 1.14-1.20x slower, 1 KiB ahead in each run 1.08-1.14x.)
 #pragma once
 #include <cstdint>

@@ -172,8 +172,7 @@ LinearTilingData LinearTiling(int64_t m, int64_t k, const int64_t* segRows, int6
   // fp32 on x packed k-major: its elements are the packed GEMM kernel's MmadTN chains (the same bits), so the
   // form serves row-invariant calls (engine prefill) as well.
   const bool f32PackedX = dtype == AscendC::DataType::FLOAT32 && simd.mmad_packed_x_f32 && !aliasing &&
-                          m >= (readsCopy ? kLinearPackedXRows4F32MinRows : kLinearPackedXMinRows) &&
-                          m < kLinearPackedXF32MaxRows;
+                          m >= kLinearPackedXMinRows && m < kLinearPackedXF32MaxRows;
   if (f32PackedX) form = kPackedX;
   if (rowInvariant || m >= kLinearGemmMinRows || (dp && m >= kLinearDpMinRows) || f32PackedX) {
     GemmTiling(t, elt, ep, soc, form);

@@ -23,7 +23,7 @@ namespace atb {
 //     packed k-major (mmad_packed_x_f32) instead of packed weight tiles.
 // Each kernel computes a row of y the same way whatever the other rows (M, the
 // row's place in a tile, the core split), but the kernels differ from each
-// other in the last bits. rowInvariant runs the GEMM kernel (bf16 dp: packed; fp32 from 16 to 255 rows on
+// other in the last bits. rowInvariant runs the GEMM kernel (bf16 dp: packed; fp32 from 10 to 255 rows on
 // packed x, with the packed kernel's bits) at every M, so a
 // row's bits do not depend on how many rows share the call: a prefill that
 // computes only a prompt's uncached suffix gets the rows a whole-prompt
@@ -82,12 +82,12 @@ constexpr int64_t kLinearDpPackedXMinRows = 16;
 // 469.6, 454.8 -> 420.6, 492.8; one call, hot weights, 576 -> 1536, us: M = 32 412 -> 278, 128 2160 -> 1284,
 // 512 4831 -> 5150. (bf16's packed x measured mixed at 128-1023 rows: 5-8% faster over the 30 MLPs from DRAM,
 // but 1.2-1.3x slower on a hot 1024 x 1024, the routing policy's measured shape; it stays below 128 rows.)
-constexpr int64_t kLinearPackedXMinRows = 16;
-// fp32 weights whose rows4 copy the form reads (Rows4PackedX: rows a multiple of 4 KiB, left to the stream
-// kernel below 16 rows otherwise) take it from this many rows. TinyLlama-1.1B-shaped graph steps,
-// Zen 4, 2 threads, per-step interleaved, from 16 rows -> from 2: batch 8 1.13x the time, 9 0.955x, 10 0.89x,
-// 11 0.85x, 12 0.83x, 14 0.78x. bf16 keeps 16 (the row kernels below: batch 4 1.19x, 8 1.04x, 12 1.11x).
-constexpr int64_t kLinearPackedXRows4F32MinRows = 9;
+// From 16 rows this measured down to 10: graph steps, Zen 4, 2 threads, per-step interleaved, packed x from 16
+// rows -> from 2, the step's time: SmolLM2 fp32 batch 9 1.015x, 10 0.976x, 11 0.927x, 12 0.884x, 14 0.808x;
+// TinyLlama-1.1B-shaped (its weights read from their rows4 copy, Rows4PackedX) 8 1.13x, 9 0.955x, 10 0.89x,
+// 11 0.85x, 12 0.83x, 14 0.78x. (bf16 keeps 16, the row kernels below: TinyLlama-shaped batch 4 1.19x, 8
+// 1.04x, 12 1.11x.)
+constexpr int64_t kLinearPackedXMinRows = 10;
 constexpr int64_t kLinearPackedXF32MaxRows = 256;
 // The packed-x forms read the same k of 16 weight rows at once: rows a multiple of this many bytes apart fall
 // in one L1 set (the 4 KiB page offset picks it) and 16 lines evict each other from its 8 ways, so such weights
