@@ -1196,10 +1196,23 @@ __attribute__((noinline)) void BlockPackedX(float* C, int64_t ldc, const float* 
   BlockAccOut(c, C, ldc, rows, colMask);
 }
 
+// The packed-x GEMMs' walk: per panel of x (16 rows, panelFloats apart), every block of 16 of the N weight
+// rows in order, block(c, xp, n, rows, cols) for the one at weight row n (cols < 16 only for the last one). Per
+// panel of x, every block: the caller's tile of weights (a few dozen rows) stays in L2 for the next panel.
+template <class Block>
+void ForPackedXBlocks(float* C, int64_t ldc, const float* Xp, int64_t panelFloats, int64_t M, int64_t N,
+                      Block&& block) {
+  for (int64_t m = 0; m < M; m += kXPanelRows) {
+    const int64_t rows = std::min<int64_t>(kXPanelRows, M - m);
+    const float* xp = Xp + (m / kXPanelRows) * panelFloats;
+    for (int64_t n = 0; n < N; n += kWBlockRows)
+      block(C + m * ldc + n, xp, n, rows, std::min<int64_t>(kWBlockRows, N - n));
+  }
+}
+
 // Every panel of x against every block of W's N rows (elt-byte values, K per row): the packed-x GEMM both
 // entries share. A short last block runs on a copy of its rows padded with zero rows (N a multiple of 16 never
-// takes it), so the block reads 16 rows at a fixed stride. Per panel of x, every block: the caller's tile of
-// weights (a few dozen rows) stays in L2 for the next panel.
+// takes it), so the block reads 16 rows at a fixed stride.
 template <class Op>
 void MmadPackedX(float* C, int64_t ldc, const float* Xp, const char* W, int64_t ldwBytes, int64_t M, int64_t N,
                  int64_t K, int64_t elt, bool acc) {
@@ -1212,14 +1225,13 @@ void MmadPackedX(float* C, int64_t ldc, const float* Xp, const char* W, int64_t 
     pad.assign(size_t(kWBlockRows * K * elt), 0);
     for (int64_t n = whole; n < N; ++n) std::memcpy(pad.data() + (n - whole) * K * elt, W + n * ldwBytes, size_t(K * elt));
   }
-  for (int64_t m = 0; m < M; m += kXPanelRows) {
-    const int64_t rows = std::min<int64_t>(kXPanelRows, M - m);
-    const float* xp = Xp + (m / kXPanelRows) * panelFloats;
-    for (int64_t n = 0; n < whole; n += kWBlockRows)
-      BlockPackedX<Op>(C + m * ldc + n, ldc, xp, W + n * ldwBytes, ldwBytes, rows, kWBlockRows, units, loneLast, acc);
-    if (whole < N)
-      BlockPackedX<Op>(C + m * ldc + whole, ldc, xp, pad.data(), K * elt, rows, N - whole, units, loneLast, acc);
-  }
+  ForPackedXBlocks(C, ldc, Xp, panelFloats, M, N,
+                   [&](float* c, const float* xp, int64_t n, int64_t rows, int64_t cols) {
+    if (cols == kWBlockRows)
+      BlockPackedX<Op>(c, ldc, xp, W + n * ldwBytes, ldwBytes, rows, cols, units, loneLast, acc);
+    else
+      BlockPackedX<Op>(c, ldc, xp, pad.data(), K * elt, rows, cols, units, loneLast, acc);
+  });
 }
 
 // The packed-x GEMM over a rows4 copy (kernels/linear/linear_rows4.h): the same units, accumulators and chains
@@ -1277,13 +1289,10 @@ void MmadPackedXRows4(float* C, int64_t ldc, const float* Xp, const char* G, int
     pad.assign(size_t(4 * L), 0);
     std::memcpy(pad.data(), G + whole / 4 * L, size_t((N - whole + 3) / 4 * L));
   }
-  for (int64_t m = 0; m < M; m += kXPanelRows) {
-    const int64_t rows = std::min<int64_t>(kXPanelRows, M - m);
-    const float* xp = Xp + (m / kXPanelRows) * panelFloats;
-    for (int64_t n = 0; n < whole; n += kWBlockRows)
-      BlockPackedXRows4<Op>(C + m * ldc + n, ldc, xp, G + n / 4 * L, L, rows, kWBlockRows, units);
-    if (whole < N) BlockPackedXRows4<Op>(C + m * ldc + whole, ldc, xp, pad.data(), L, rows, N - whole, units);
-  }
+  ForPackedXBlocks(C, ldc, Xp, panelFloats, M, N,
+                   [&](float* c, const float* xp, int64_t n, int64_t rows, int64_t cols) {
+    BlockPackedXRows4<Op>(c, ldc, xp, cols == kWBlockRows ? G + n / 4 * L : pad.data(), L, rows, cols, units);
+  });
 }
 
 void MmadDpBf16PackedXRows4(float* C, int64_t ldc, const uint16_t* Xp, const uint16_t* B4, int64_t ldg, int64_t M,
