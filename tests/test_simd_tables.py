@@ -1,6 +1,10 @@
 """Every kernel on every SIMD table this machine runs (the ``isa`` fixture: avx512 / avx2 / portable natively,
 plus avx512-simde, the AVX-512 source built against SIMDe) against the float64 references; and the bit-level
 promises simd.h makes across tables."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -189,16 +193,41 @@ def test_isa_selection_and_errors():
 
 
 def test_forcing_an_isa_the_cpu_lacks_fails_at_import():
-    import subprocess
-    import sys
     missing = [i for i in ("avx512", "avx2") if i not in atb.available_isas()]
     env_isa = missing[0] if missing else "avx9000"
     proc = subprocess.run([sys.executable, "-c", "import atb"], capture_output=True, text=True,
-                          env={**__import__("os").environ, "ATB_ISA": env_isa})
+                          env={**os.environ, "ATB_ISA": env_isa})
     assert proc.returncode != 0 and f"ATB_ISA={env_isa}" in proc.stderr
     proc = subprocess.run([sys.executable, "-c", "import atb; print(atb.build_info()['isa'])"], capture_output=True,
-                          text=True, env={**__import__("os").environ, "ATB_ISA": "portable"})
+                          text=True, env={**os.environ, "ATB_ISA": "portable"})
     assert proc.stdout.strip() == "portable"
+
+
+def test_stream_prefetch_setting():
+    # Default by CPU vendor, ATB_STREAM_PREFETCH_KB at import, set_stream_prefetch_kb at run time; bad values are
+    # rejected naming the setting, and a rejected call changes nothing.
+    default = atb.stream_prefetch_kb()
+    intel = "GenuineIntel" in open("/proc/cpuinfo").read() if sys.platform == "linux" else None
+    if intel is not None and "ATB_STREAM_PREFETCH_KB" not in os.environ:
+        assert default == (16 if intel else 0)
+    assert atb.build_info()["stream_prefetch_kb"] == default
+    try:
+        atb.set_stream_prefetch_kb(5)
+        assert atb.stream_prefetch_kb() == 5
+        for bad in (-1, 1.5, True, "4", (1 << 20) + 1):
+            with pytest.raises(ValueError, match="set_stream_prefetch_kb: kb must be an int in"):
+                atb.set_stream_prefetch_kb(bad)
+        assert atb.stream_prefetch_kb() == 5
+    finally:
+        atb.set_stream_prefetch_kb(None)
+    assert atb.stream_prefetch_kb() == default
+    env = dict(os.environ)
+    proc = subprocess.run([sys.executable, "-c", "import atb; print(atb.stream_prefetch_kb())"], capture_output=True,
+                          text=True, env={**env, "ATB_STREAM_PREFETCH_KB": "7"})
+    assert proc.stdout.strip() == "7"
+    proc = subprocess.run([sys.executable, "-c", "import atb"], capture_output=True, text=True,
+                          env={**env, "ATB_STREAM_PREFETCH_KB": "-3"})
+    assert proc.returncode != 0 and "ATB_STREAM_PREFETCH_KB='-3': expected an int in [0, 1048576]" in proc.stderr
 
 
 def _launch_linear(x, segments, epilogue, residual=None, soc="host"):
@@ -285,9 +314,15 @@ def test_rows4_copies_give_the_lanes_bits(isa, dtype, m, k, n):
     for epilogue, segments, residual in ((0, [(q, qb), (kk, kb), (v, vb)], None), (1, [(q, qb)], r),
                                          (2, [(gate, None), (up, None)], None)):
         plain = _launch_linear(x, [(w, b, None) for w, b in segments], epilogue, residual)
-        got = _launch_linear(x, [(w, b, pack_rows4(w)) for w, b in segments], epilogue, residual)
-        for a, b in zip(got, plain):
-            assert torch.equal(a, b)
+        # The copy's stream is prefetched ahead or not (atb.set_stream_prefetch_kb): the bits never change.
+        for ahead_kb in (0, 1, 16):
+            atb.set_stream_prefetch_kb(ahead_kb)
+            try:
+                got = _launch_linear(x, [(w, b, pack_rows4(w)) for w, b in segments], epilogue, residual)
+            finally:
+                atb.set_stream_prefetch_kb(None)
+            for a, b in zip(got, plain):
+                assert torch.equal(a, b)
     for a, (w, b) in zip(_launch_linear(x, [(w, b, pack_rows4(w)) for w, b in ((q, qb), (kk, kb))], 0),
                          ((q, qb), (kk, kb))):
         assert_close(a, linear_ref(x, w, b), scale=_scale(k))

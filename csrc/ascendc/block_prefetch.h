@@ -29,6 +29,15 @@ namespace AscendC {
 
 constexpr int64_t kLinearPrefetchMaxRowBytes = 2048;
 
+// One rows4 chunk (32 weights: one 64-byte line of bf16, two of fp32; kernels/linear/linear_rows4.h) at `p`
+// requested into L2: the rows4 GEMV's stream, StreamPrefetchBytes ahead (simd.h). A prefetch never faults, so a
+// stream's last chunks may request past its end.
+template <typename TB>
+ATB_PREFETCH_INLINE void PrefetchChunk(const TB* p) {
+  __builtin_prefetch(p, 0, 2);
+  if constexpr (sizeof(TB) * 32 > 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + 64, 0, 2);
+}
+
 template <int NR, int Locality = 3>
 class BlockPrefetch {
  public:

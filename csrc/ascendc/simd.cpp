@@ -1,4 +1,5 @@
 // Picks the SIMD table from CPUID (and XCR0) at first use.
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -172,6 +173,42 @@ const char* AvailableIsas() {
 const char* CpuFeatures() {
   static const std::string features = DetectFeatures();
   return features.c_str();
+}
+
+namespace {
+bool CpuIsIntel() {
+#if defined(__x86_64__) || defined(_M_X64)
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return false;
+  return ebx == 0x756e6547 && edx == 0x49656e69 && ecx == 0x6c65746e;  // "GenuineIntel"
+#else
+  return false;
+#endif
+}
+
+int64_t DefaultStreamPrefetchBytes() {
+  if (const char* kb = std::getenv("ATB_STREAM_PREFETCH_KB"); kb && *kb) {
+    char* end = nullptr;
+    const long long v = std::strtoll(kb, &end, 10);
+    if (end && *end == '\0' && v >= 0 && v <= (1 << 20)) return int64_t(v) * 1024;
+  }
+  return CpuIsIntel() ? int64_t(16) << 10 : 0;
+}
+
+std::atomic<int64_t> gStreamPrefetch{-1};
+}  // namespace
+
+int64_t StreamPrefetchBytes() {
+  int64_t v = gStreamPrefetch.load(std::memory_order_relaxed);
+  if (v < 0) {
+    v = DefaultStreamPrefetchBytes();
+    gStreamPrefetch.store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+void SetStreamPrefetchBytes(int64_t bytes) {
+  gStreamPrefetch.store(bytes < 0 ? DefaultStreamPrefetchBytes() : bytes, std::memory_order_relaxed);
 }
 
 }  // namespace AscendC

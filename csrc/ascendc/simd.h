@@ -271,4 +271,15 @@ const char* AvailableIsas();
 // CPU feature flags seen at start-up, e.g. "avx2 fma f16c avx512f".
 const char* CpuFeatures();
 
+// How far ahead (bytes) the rows4 decode GEMV (mmad_nt_lanes_rows4_*) requests its weight stream into L2;
+// 0 leaves the stream to the hardware prefetcher. That GEMV reads each core's weights as one front-to-back
+// stream (kernels/linear/linear_rows4.h), and the hardware prefetchers stop at every 4 KiB page. On an AMX
+// Xeon a software prefetch 4-32 KiB ahead made the bf16 batch-1 decode graph step 0.79-0.80x the time of
+// none (SmolLM2, per step interleaved; 1 KiB 0.95x, 8 and 32 KiB within 1.5% of 16), while Zen 4 had
+// measured 1-4% slower with one 0.5-2 KiB ahead. So the default is by vendor: 16 KiB on Intel CPUs, 0
+// elsewhere; ATB_STREAM_PREFETCH_KB overrides it at start-up, SetStreamPrefetchBytes at run time (< 0: back
+// to the default). Where the prefetch lands only decides speed, never a result.
+int64_t StreamPrefetchBytes();
+void SetStreamPrefetchBytes(int64_t bytes);
+
 }  // namespace AscendC

@@ -827,16 +827,17 @@ struct Rows4RowB {
   static __m256 Row(const uint16_t* chunk, int r) { return Load8B(chunk + r * 8); }
 };
 
-// R rows of A against one group (`rows` of its 4 rows stored).
+// R rows of A against one group (`rows` of its 4 rows stored); `ahead` as in simd_avx512.cpp's.
 template <typename TB, class L, int R>
 void LanesRows4Block(float* lanes, int64_t N, const float* A, int64_t lda, const TB* G, int64_t K, bool acc,
-                     int64_t rows) {
+                     int64_t rows, int64_t ahead) {
   __m256 s[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c)
       s[r][c] = acc && c < rows ? _mm256_loadu_ps(lanes + (r * N + c) * 8) : _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 8) {
     const TB* chunk = G + 4 * k;  // chunk k / 8: 32 elements
+    if (ahead) PrefetchChunk(chunk + ahead);
     __m256 b[4];
     for (int c = 0; c < 4; ++c) b[c] = L::Row(chunk, c);
     for (int r = 0; r < R; ++r) {

@@ -29,6 +29,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "block_prefetch.h"
 #include "dtype.h"
 #include "simd.h"
 
@@ -840,11 +841,11 @@ struct Rows4LoadB {
   }
 };
 
-// R rows of A against one group (`rows` of its 4 rows stored). No software prefetch: a core's groups lie front to
-// back, one stream the hardware prefetcher follows (a prefetch 8-32 lines ahead measured 1-4% slower).
+// R rows of A against one group (`rows` of its 4 rows stored). A core's groups lie front to back, one stream;
+// `ahead` elements past each chunk are requested into L2 (StreamPrefetchBytes in simd.h; 0: none).
 template <typename TB, class L, int R>
 __attribute__((noinline)) void LanesRows4Block(float* lanes, int64_t N, const float* A, int64_t lda, const TB* G,
-                                               int64_t K, bool acc, int64_t rows) {
+                                               int64_t K, bool acc, int64_t rows, int64_t ahead) {
   V lo[R], hi[R];
   alignas(64) float part[32];  // a last group's rows (rows < 4), staged
 #pragma GCC unroll 4
@@ -864,6 +865,7 @@ __attribute__((noinline)) void LanesRows4Block(float* lanes, int64_t N, const fl
     hi[r] = _mm512_shuffle_f32x4(v0, v1, 0xDD);
   }
   for (int64_t k = 0; k < K; k += 8) {
+    if (ahead) PrefetchChunk(G + 4 * k + ahead);
     V wl, wh;
     L::Chunk(G + 4 * k, wl, wh);  // chunk k / 8: 32 elements each
 #pragma GCC unroll 4
