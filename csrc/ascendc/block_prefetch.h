@@ -30,10 +30,10 @@ namespace AscendC {
 constexpr int64_t kLinearPrefetchMaxRowBytes = 2048;
 
 // One rows4 chunk (32 weights: one 64-byte line of bf16, two of fp32; kernels/linear/linear_rows4.h) at `p`
-// requested into L2: the rows4 GEMV's stream, StreamPrefetchBytes ahead (simd.h). Into L1 instead, AMX Xeon,
-// SmolLM2 batch-1 graph steps, 16 KiB ahead, per-step interleaved: bf16 1.13x the time; fp32 0.94-0.96x in
-// three runs and 1.00x in three runs half an hour later (into L2: 1.00x both times), so both go to L2. A prefetch never faults,
-// so a stream's last chunks may request past its end.
+// requested into L2: the rows4 GEMV's stream, StreamPrefetchBytes ahead (simd.h). Into L1 instead (AMX Xeon,
+// SmolLM2 batch-1 graph steps, 16 KiB ahead, per-step interleaved): bf16 1.13x the time; fp32 0.94-0.96x in
+// three runs and 1.00x in three runs half an hour later (into L2: 1.00x both times), so both go to L2.
+// A prefetch never faults, so a stream's last chunks may request past its end.
 template <typename TB>
 ATB_PREFETCH_INLINE void PrefetchChunk(const TB* p) {
   __builtin_prefetch(p, 0, 2);

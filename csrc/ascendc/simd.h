@@ -275,7 +275,8 @@ const char* CpuFeatures();
 // 0 leaves the stream to the hardware prefetcher. That GEMV reads each core's weights as one front-to-back
 // stream (kernels/linear/linear_rows4.h), and the hardware prefetchers stop at every 4 KiB page. On an AMX
 // Xeon a software prefetch 4-32 KiB ahead made the bf16 batch-1 decode graph step 0.79-0.80x the time of
-// none (SmolLM2, per step interleaved; 1 KiB 0.95x, 8 and 32 KiB within 1.5% of 16), while Zen 4 had
+// none (SmolLM2, per step interleaved; 1 KiB 0.95x, 8 and 32 KiB within 1.5% of 16; TinyLlama-1.1B-shaped
+// 0.81x; the AVX2 table's SmolLM2 step 0.71x; fp32 1.00x, its loop waits less on the stream), while Zen 4 had
 // measured 1-4% slower with one 0.5-2 KiB ahead. So the default is by vendor: 16 KiB on Intel CPUs, 0
 // elsewhere; ATB_STREAM_PREFETCH_KB overrides it at start-up, SetStreamPrefetchBytes at run time (< 0: back
 // to the default). Where the prefetch lands only decides speed, never a result.
