@@ -39,10 +39,13 @@ def available_isas() -> list[str]:
     return _C.available_isas().split()
 
 
+_MAX_STREAM_PREFETCH_KB = 1 << 20
+
+
 def stream_prefetch_kb() -> int:
     """KiB ahead that the batch-1 decode GEMV (the rows4 copies' one stream per core) prefetches its weights into
-    L2; 0: the hardware prefetcher alone. Default by CPU vendor (16 on Intel, where it measured 0.8x the bf16
-    decode step, 0 elsewhere), ``ATB_STREAM_PREFETCH_KB`` at import, or :func:`set_stream_prefetch_kb`."""
+    L2; 0: the hardware prefetcher alone. Default: ``ATB_STREAM_PREFETCH_KB`` if set, else by CPU vendor (16 on
+    Intel, where it measured 0.8x the bf16 decode step, 0 elsewhere); :func:`set_stream_prefetch_kb` changes it."""
     return int(_C.stream_prefetch_bytes()) // 1024
 
 
@@ -50,15 +53,12 @@ def set_stream_prefetch_kb(kb: int | None) -> None:
     """Sets :func:`stream_prefetch_kb` (0 to 1048576 KiB); ``None`` restores the default. Only speed changes,
     never a result."""
     if kb is None:
-        _C.set_stream_prefetch_bytes(-1)
+        _C.set_stream_prefetch_bytes(-1 if _env_prefetch_kb is None else _env_prefetch_kb * 1024)
         return
     if not isinstance(kb, int) or isinstance(kb, bool) or not 0 <= kb <= _MAX_STREAM_PREFETCH_KB:
         raise ValueError(f"set_stream_prefetch_kb: kb must be an int in [0, {_MAX_STREAM_PREFETCH_KB}] or None, "
                          f"got {kb!r}")
     _C.set_stream_prefetch_bytes(kb * 1024)
-
-
-_MAX_STREAM_PREFETCH_KB = 1 << 20
 
 
 def set_threading(backend: str) -> None:
@@ -113,12 +113,20 @@ if os.environ.get("ATB_ISA", "auto") not in ("", "auto"):
     except ValueError as e:
         raise ValueError(f"ATB_ISA={os.environ['ATB_ISA']}: {e}") from None
 
-# ATB_STREAM_PREFETCH_KB likewise: a value the native default would ignore fails here.
-_env_prefetch = os.environ.get("ATB_STREAM_PREFETCH_KB", "")
-if _env_prefetch:
-    if not (_env_prefetch.isdigit() and int(_env_prefetch) <= _MAX_STREAM_PREFETCH_KB):
-        raise ValueError(f"ATB_STREAM_PREFETCH_KB={_env_prefetch!r}: expected an int in [0, "
-                         f"{_MAX_STREAM_PREFETCH_KB}] (KiB the batch-1 decode GEMV prefetches ahead)")
+
+def _stream_prefetch_kb_from_env() -> int | None:
+    """ATB_STREAM_PREFETCH_KB, checked (None: unset); a bad value fails at import, as ATB_ISA's does."""
+    value = os.environ.get("ATB_STREAM_PREFETCH_KB", "")
+    if not value:
+        return None
+    if not (value.isdigit() and int(value) <= _MAX_STREAM_PREFETCH_KB):
+        raise ValueError(f"ATB_STREAM_PREFETCH_KB={value!r}: expected an int in [0, {_MAX_STREAM_PREFETCH_KB}] "
+                         "(KiB the batch-1 decode GEMV prefetches ahead)")
+    return int(value)
+
+
+_env_prefetch_kb = _stream_prefetch_kb_from_env()
+set_stream_prefetch_kb(None)
 
 
 @contextlib.contextmanager

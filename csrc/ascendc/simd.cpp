@@ -186,26 +186,13 @@ bool CpuIsIntel() {
 #endif
 }
 
-int64_t DefaultStreamPrefetchBytes() {
-  if (const char* kb = std::getenv("ATB_STREAM_PREFETCH_KB"); kb && *kb) {
-    char* end = nullptr;
-    const long long v = std::strtoll(kb, &end, 10);
-    if (end && *end == '\0' && v >= 0 && v <= (1 << 20)) return int64_t(v) * 1024;
-  }
-  return CpuIsIntel() ? int64_t(16) << 10 : 0;
-}
+// 16 KiB on Intel CPUs, 0 elsewhere (simd.h says why).
+int64_t DefaultStreamPrefetchBytes() { return CpuIsIntel() ? int64_t(16) << 10 : 0; }
 
-std::atomic<int64_t> gStreamPrefetch{-1};
+std::atomic<int64_t> gStreamPrefetch{DefaultStreamPrefetchBytes()};
 }  // namespace
 
-int64_t StreamPrefetchBytes() {
-  int64_t v = gStreamPrefetch.load(std::memory_order_relaxed);
-  if (v < 0) {
-    v = DefaultStreamPrefetchBytes();
-    gStreamPrefetch.store(v, std::memory_order_relaxed);
-  }
-  return v;
-}
+int64_t StreamPrefetchBytes() { return gStreamPrefetch.load(std::memory_order_relaxed); }
 
 void SetStreamPrefetchBytes(int64_t bytes) {
   gStreamPrefetch.store(bytes < 0 ? DefaultStreamPrefetchBytes() : bytes, std::memory_order_relaxed);

@@ -278,8 +278,8 @@ const char* CpuFeatures();
 // none (SmolLM2, per step interleaved; 1 KiB 0.95x, 8 and 32 KiB within 1.5% of 16; TinyLlama-1.1B-shaped
 // 0.81x; the AVX2 table's SmolLM2 step 0.71x; fp32 1.00x, its loop waits less on the stream), while Zen 4 had
 // measured 1-4% slower with one 0.5-2 KiB ahead. So the default is by vendor: 16 KiB on Intel CPUs, 0
-// elsewhere; ATB_STREAM_PREFETCH_KB overrides it at start-up, SetStreamPrefetchBytes at run time (< 0: back
-// to the default). Where the prefetch lands only decides speed, never a result.
+// elsewhere. SetStreamPrefetchBytes changes it (< 0: back to that default; the Python layer applies
+// ATB_STREAM_PREFETCH_KB through it at import). Where the prefetch lands only decides speed, never a result.
 int64_t StreamPrefetchBytes();
 void SetStreamPrefetchBytes(int64_t bytes);
 
