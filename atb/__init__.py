@@ -9,8 +9,8 @@ import torch  # noqa: F401  (first: kernel launches share the OpenMP runtime tor
 from atb import _C  # noqa: F401  (the native core)
 from atb import kernels
 from atb.patch import PatchReport, check_model, patch_hf_model, unpatch_hf_model
-from atb.runtime import (available_isas, build_info, get_num_threads, set_isa, set_num_threads,
-                         set_stream_prefetch_kb, set_threading, stream_prefetch_kb)
+from atb.runtime import (available_isas, build_info, fp32_decode_copy, get_num_threads, set_fp32_decode_copy, set_isa,
+                         set_num_threads, set_stream_prefetch_kb, set_threading, stream_prefetch_kb)
 from atb.soc import default_soc, get_soc, set_soc, soc_names
 from atb.infer import TransformerInfer
 from atb.engine import RequestOutput, SamplingParams
@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "kernels", "build_info", "get_num_threads", "set_num_threads", "set_isa", "available_isas", "set_threading",
-    "stream_prefetch_kb", "set_stream_prefetch_kb",
+    "stream_prefetch_kb", "set_stream_prefetch_kb", "fp32_decode_copy", "set_fp32_decode_copy",
     "get_soc", "set_soc", "soc_names", "default_soc", "TransformerInfer", "SamplingParams", "RequestOutput",
     "patch_hf_model", "unpatch_hf_model", "check_model", "PatchReport", "quantize", "dequantize",
 ]

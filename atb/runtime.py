@@ -61,6 +61,28 @@ def set_stream_prefetch_kb(kb: int | None) -> None:
     _C.set_stream_prefetch_bytes(kb * 1024)
 
 
+def fp32_decode_copy() -> bool:
+    """Whether the fp32 decode GEMV at 1 or 2 rows of x reads the decode graph's rows4 copy of the weights (one
+    front-to-back stream per core) rather than the weights as they lie (4 runs of rows per core, each run's next
+    rows requested into L1); a decode graph built while it is off keeps copies only of the weights its batch
+    steps read from one. Default: ``ATB_FP32_DECODE_COPY`` (``0`` or ``1``) if set, else by CPU vendor (off on
+    Intel, where reading as they lie measured 0.92x the SmolLM2 fp32 decode step, on elsewhere);
+    :func:`set_fp32_decode_copy` changes it."""
+    return bool(_C.fp32_decode_copy())
+
+
+def set_fp32_decode_copy(on: bool | None) -> None:
+    """Sets :func:`fp32_decode_copy`; ``None`` restores the default. Only speed (and, for graphs built after it,
+    the copies' memory) changes, never a result: a step reads a copy where its graph has one and the setting is
+    on, the weights as they lie otherwise."""
+    if on is None:
+        _C.set_fp32_decode_copy(-1 if _env_fp32_copy is None else int(_env_fp32_copy))
+        return
+    if not isinstance(on, bool):
+        raise ValueError(f"set_fp32_decode_copy: on must be True, False or None, got {on!r}")
+    _C.set_fp32_decode_copy(int(on))
+
+
 def set_threading(backend: str) -> None:
     """Where kernel launches get their threads.
 
@@ -87,6 +109,7 @@ def build_info() -> dict:
         "num_threads": get_num_threads(),
         "threading": _C.threading(),
         "stream_prefetch_kb": stream_prefetch_kb(),
+        "fp32_decode_copy": fp32_decode_copy(),
         "torch": torch.__version__,
         "default_soc": soc.default_soc(),
         "routing": {"mode": routing_mode(), "cache": routing_cache_path(), "measured": measured_decisions()},
@@ -144,3 +167,18 @@ def pool_launches_off_main_thread():
         yield
     finally:
         _C.set_thread_prefers_pool(saved)
+
+
+def _fp32_decode_copy_from_env() -> bool | None:
+    """ATB_FP32_DECODE_COPY, checked (None: unset); a bad value fails at import."""
+    value = os.environ.get("ATB_FP32_DECODE_COPY", "")
+    if not value:
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"ATB_FP32_DECODE_COPY={value!r}: expected 0 (the fp32 decode GEMV reads weights as they "
+                         "lie) or 1 (it reads the decode graph's rows4 copy)")
+    return value == "1"
+
+
+_env_fp32_copy = _fp32_decode_copy_from_env()
+set_fp32_decode_copy(None)

@@ -88,6 +88,16 @@ def forced_isa(isa: str):
         atb.set_isa(before)
 
 
+@contextlib.contextmanager
+def fp32_decode_copy(on: bool):
+    """atb.set_fp32_decode_copy(on) inside the block, then the default again."""
+    atb.set_fp32_decode_copy(on)
+    try:
+        yield on
+    finally:
+        atb.set_fp32_decode_copy(None)
+
+
 @pytest.fixture(params=ISAS)
 def isa(request):
     """Runs the test with each SIMD table forced in turn."""

@@ -28,6 +28,7 @@ from atb import kernels as K
 from atb.kernels._common import DTYPE_CODES
 from atb.kernels.linear import native_linear_wins, pack_rows4
 from atb.quant import quantize_weight
+from conftest import fp32_decode_copy
 from reference import (TOLERANCES, assert_close, flash_attention_ref, linear_ref, linear_residual_ref,
                        linear_swiglu_ref, paged_attention_ref, quant_weight_ref, reshape_and_cache_ref, rms_norm_ref,
                        add_rms_norm_ref, rope_ref, silu_mul_ref, swiglu_ref)
@@ -570,8 +571,14 @@ def _fuzz_flash_attention(rng, g, bad, op):
 
 def _fuzz_pack_rows4(rng, g, bad, op):
     # The decode graph's repacked weights: valid copies must give the linear the same bits as the weight itself at
-    # 1 or 2 rows of x (where the table has the kernel and the row count reads it; elsewhere the copy is ignored).
+    # 1 or 2 rows of x (where the table has the kernel and the row count reads it; elsewhere the copy is ignored),
+    # with fp32 set to read copies or the weights as they lie (atb.set_fp32_decode_copy) at random.
     dtype = rng.choice([torch.float32, torch.bfloat16])
+    with fp32_decode_copy(rng.random() < 0.5):
+        return _fuzz_pack_rows4_with(rng, g, bad, op, dtype)
+
+
+def _fuzz_pack_rows4_with(rng, g, bad, op, dtype):
     n, k = _dim(rng, (1, 3, 5, 64, 130, 1030)), _dim(rng, (1, 7, 8, 64, 123, 576))
     w = _view(rng, g, (n, k), dtype, scale=k ** -0.5)
     out = torch.full((_C.rows4_numel(n, k),), 5.0, dtype=dtype)

@@ -13,7 +13,7 @@ import atb
 from atb.checkpoints import random_model
 from atb.graph import DecodeGraph
 from atb.kernels.linear import rows4_supported
-from conftest import family_model, family_names
+from conftest import family_model, family_names, fp32_decode_copy
 
 BLOCK = 16
 
@@ -134,15 +134,17 @@ def test_every_soc_gives_the_same_logits(soc):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_repacked_weights_decode_the_same_bits(dtype):
-    # repack: the projections' and LM head's rows4 copies, read by steps of 1-4 rows (5 here until one finishes).
+@pytest.mark.parametrize("dtype,copy", [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True)])
+def test_repacked_weights_decode_the_same_bits(dtype, copy):
+    # repack: the projections' and LM head's rows4 copies, read by steps of 1-4 rows (5 here until one finishes);
+    # fp32 without the copy setting (atb.set_fp32_decode_copy) reads the weights as they lie in the AVX2 rows.
     if not rows4_supported(dtype):
         pytest.skip(f"the {atb.build_info()['isa']} SIMD table has no rows4 kernel for {dtype}")
     model = random_model("tiny", dtype)
     prompts = [[5, 17, 300, 2], [9], [7, 7, 7], [1, 2, 3, 4, 5, 6], [11, 12]]
     _, plain = _run(_graph(model, max_batch=5, max_seq_len=32, repack=False)[0], prompts, 5, 2)
-    _, packed = _run(_graph(model, max_batch=5, max_seq_len=32, repack=True)[0], prompts, 5, 2)
+    with fp32_decode_copy(copy):
+        _, packed = _run(_graph(model, max_batch=5, max_seq_len=32, repack=True)[0], prompts, 5, 2)
     for a, b in zip(plain, packed):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
@@ -170,12 +172,43 @@ def test_few_row_steps_read_the_repacked_copies(dtype, rows):
     if not rows4_supported(dtype):
         pytest.skip(f"the {atb.build_info()['isa']} SIMD table has no rows4 kernel for {dtype}")
     model = random_model("tiny", dtype)
-    g, _, _ = _graph(model, max_batch=2, max_seq_len=32, repack=True)
-    args = (torch.tensor([17, 40][:rows]), torch.tensor([0, 0][:rows]),
-            torch.tensor([[0, 1], [2, 3]][:rows], dtype=torch.int32), torch.tensor([1, 1][:rows]),
-            torch.tensor([0, 2 * BLOCK][:rows]))
-    before, after = _steps_before_and_after_nan_weights(g, model, args)
+    with fp32_decode_copy(True):
+        g, _, _ = _graph(model, max_batch=2, max_seq_len=32, repack=True)
+        args = (torch.tensor([17, 40][:rows]), torch.tensor([0, 0][:rows]),
+                torch.tensor([[0, 1], [2, 3]][:rows], dtype=torch.int32), torch.tensor([1, 1][:rows]),
+                torch.tensor([0, 2 * BLOCK][:rows]))
+        before, after = _steps_before_and_after_nan_weights(g, model, args)
     assert torch.equal(before, after)
+
+
+def test_fp32_copies_only_where_a_step_reads_them():
+    # With the fp32 copy setting off the few-row steps read the weights as they lie, so a graph keeps copies only
+    # of the weights its batch GEMM reads from one (_C.rows4_packed_x: K * 4 a multiple of 4 KiB, here the
+    # hidden size 1024's q/k/v, gate/up and LM head, not the down projection's K = 344), and its steps give the
+    # bits of a graph without copies. Turned on after the build, steps read the weights as they lie where there
+    # is no copy.
+    from atb import _C
+    from atb.kernels._common import DTYPE_CODES
+
+    if not rows4_supported(torch.float32):
+        pytest.skip(f"the {atb.build_info()['isa']} SIMD table has no rows4 kernel for torch.float32")
+    tiny = dict(hidden_size=1024, intermediate_size=344, num_hidden_layers=2, num_attention_heads=8,
+                num_key_value_heads=2, vocab_size=300, max_position_embeddings=64, tie_word_embeddings=False)
+    model = random_model(tiny, torch.float32)
+    prompts = [[5, 17, 200, 2], [9], [7, 7, 7]]
+    plain_graph = _graph(model, max_batch=3, max_seq_len=32, repack=False)[0]
+    _, plain = _run(plain_graph, prompts, 4, 2)
+    with fp32_decode_copy(True):
+        everything = _graph(model, max_batch=3, max_seq_len=32, repack=True)[0].repacked_bytes
+    with fp32_decode_copy(False):
+        g = _graph(model, max_batch=3, max_seq_len=32, repack=True)[0]
+        _, off = _run(g, prompts, 4, 2)
+    aliasing = _C.rows4_packed_x(DTYPE_CODES[torch.float32], 1024)
+    assert (0 < g.repacked_bytes < everything) if aliasing else g.repacked_bytes == 0
+    with fp32_decode_copy(True):
+        _, on = _run(g, prompts, 4, 2)
+    for a, b, c in zip(plain, off, on):
+        assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a, b, c))
 
 
 def test_batch_steps_read_the_repacked_copies():
@@ -202,9 +235,10 @@ def test_rows4_streams_reject_a_wrong_buffer():
     # The native packing checks the buffer against its plan and writes nothing into a rejected one.
     if not rows4_supported(torch.float32):
         pytest.skip(f"the {atb.build_info()['isa']} SIMD table has no rows4 kernel for torch.float32")
-    g, _, _ = _graph(random_model("tiny", torch.float32), max_batch=1, max_seq_len=32, repack=True)
-    native = g._g
-    planned = native.plan_rows4_streams()
+    with fp32_decode_copy(True):
+        g, _, _ = _graph(random_model("tiny", torch.float32), max_batch=1, max_seq_len=32, repack=True)
+        native = g._g
+        planned = native.plan_rows4_streams()
     assert planned == g.repacked_bytes > 0
     buf = torch.full((planned + 128,), 7, dtype=torch.uint8)
     base = buf.data_ptr() + (-buf.data_ptr()) % 64

@@ -7,7 +7,7 @@ import torch
 import atb
 from atb.checkpoints import random_model
 from atb.kernels.linear import rows4_supported
-from conftest import ALL_SOCS, family_model, family_names
+from conftest import ALL_SOCS, family_model, family_names, fp32_decode_copy
 from reference import assert_close
 
 CHATS = [
@@ -352,7 +352,8 @@ def test_dtype_rule_for_socs_without_bf16():
 
 
 def test_weights_shared_and_memory_summary(tiny_llama):
-    infer = atb.TransformerInfer(tiny_llama, max_seq_len=40, max_batch_size=3, block_size=16)
+    with fp32_decode_copy(True):
+        infer = atb.TransformerInfer(tiny_llama, max_seq_len=40, max_batch_size=3, block_size=16)
     layer = tiny_llama.model.layers[1]
     assert infer.layers[1].q.data_ptr() == layer.self_attn.q_proj.weight.data_ptr()
     assert infer.embed.data_ptr() == tiny_llama.model.embed_tokens.weight.data_ptr()
@@ -371,6 +372,11 @@ def test_weights_shared_and_memory_summary(tiny_llama):
         assert whole <= m["decode_repacked_bytes"] <= 1.25 * whole
     else:
         assert m["decode_repacked_bytes"] == 0
+    # Reading fp32 weights as they lie (atb.set_fp32_decode_copy(False)), the engine keeps no copy of weights
+    # whose K no batch step reads a copy of (the tiny model's K * 4 are not multiples of 4 KiB).
+    with fp32_decode_copy(False):
+        lean = atb.TransformerInfer(tiny_llama, max_seq_len=40, max_batch_size=3, block_size=16)
+    assert lean.memory_summary()["decode_repacked_bytes"] == 0
     half = atb.TransformerInfer(tiny_llama, max_seq_len=40, dtype=torch.float16)
     assert half.memory_summary()["weights_bytes"] == params // 2 and half.embed.dtype == torch.float16
 

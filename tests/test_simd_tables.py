@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import atb
-from conftest import ISAS, forced_isa
+from conftest import ISAS, forced_isa, fp32_decode_copy
 from reference import (DTYPES, add_rms_norm_ref, assert_close, flash_attention_ref, linear_ref,
                        linear_swiglu_ref, paged_attention_ref, rms_norm_ref, rope_ref, silu_mul_ref)
 
@@ -230,6 +230,34 @@ def test_stream_prefetch_setting():
     assert proc.returncode != 0 and "ATB_STREAM_PREFETCH_KB='-3': expected an int in [0, 1048576]" in proc.stderr
 
 
+def test_fp32_decode_copy_setting():
+    # Default by CPU vendor, ATB_FP32_DECODE_COPY at import, set_fp32_decode_copy at run time; bad values are
+    # rejected naming the setting, and a rejected call changes nothing.
+    default = atb.fp32_decode_copy()
+    intel = "GenuineIntel" in open("/proc/cpuinfo").read() if sys.platform == "linux" else None
+    if intel is not None and "ATB_FP32_DECODE_COPY" not in os.environ:
+        assert default is (not intel)
+    assert atb.build_info()["fp32_decode_copy"] is default
+    try:
+        atb.set_fp32_decode_copy(not default)
+        assert atb.fp32_decode_copy() is (not default)
+        for bad in (0, 1, "1", 1.0):
+            with pytest.raises(ValueError, match="set_fp32_decode_copy: on must be True, False or None"):
+                atb.set_fp32_decode_copy(bad)
+        assert atb.fp32_decode_copy() is (not default)
+    finally:
+        atb.set_fp32_decode_copy(None)
+    assert atb.fp32_decode_copy() is default
+    env = dict(os.environ)
+    for value in ("0", "1"):
+        proc = subprocess.run([sys.executable, "-c", "import atb; print(atb.fp32_decode_copy())"],
+                              capture_output=True, text=True, env={**env, "ATB_FP32_DECODE_COPY": value})
+        assert proc.stdout.strip() == str(value == "1")
+    proc = subprocess.run([sys.executable, "-c", "import atb"], capture_output=True, text=True,
+                          env={**env, "ATB_FP32_DECODE_COPY": "yes"})
+    assert proc.returncode != 0 and "ATB_FP32_DECODE_COPY='yes': expected 0" in proc.stderr
+
+
 def _launch_linear(x, segments, epilogue, residual=None, soc="host"):
     """atb._C.linear over (weight, bias, rows4 copy or None) segments; the outputs (SWIGLU: the one output)."""
     from atb import _C
@@ -314,15 +342,20 @@ def test_rows4_copies_give_the_lanes_bits(isa, dtype, m, k, n):
     for epilogue, segments, residual in ((0, [(q, qb), (kk, kb), (v, vb)], None), (1, [(q, qb)], r),
                                          (2, [(gate, None), (up, None)], None)):
         plain = _launch_linear(x, [(w, b, None) for w, b in segments], epilogue, residual)
-        # The copy's stream is prefetched ahead or not (atb.set_stream_prefetch_kb): the bits never change.
-        for ahead_kb in (0, 1, 16):
-            atb.set_stream_prefetch_kb(ahead_kb)
-            try:
-                got = _launch_linear(x, [(w, b, pack_rows4(w)) for w, b in segments], epilogue, residual)
-            finally:
-                atb.set_stream_prefetch_kb(None)
-            for a, b in zip(got, plain):
-                assert torch.equal(a, b)
+        # fp32 reads the copy, or the weights as they lie in the AVX2 table's rows (atb.set_fp32_decode_copy), and
+        # the copy's stream is prefetched ahead or not (atb.set_stream_prefetch_kb): the bits never change.
+        for copy in ((True, False) if dtype == torch.float32 else (True,)):
+            with fp32_decode_copy(copy):
+                for a, b in zip(_launch_linear(x, [(w, b, None) for w, b in segments], epilogue, residual), plain):
+                    assert torch.equal(a, b)
+                for ahead_kb in (0, 1, 16):
+                    atb.set_stream_prefetch_kb(ahead_kb)
+                    try:
+                        got = _launch_linear(x, [(w, b, pack_rows4(w)) for w, b in segments], epilogue, residual)
+                    finally:
+                        atb.set_stream_prefetch_kb(None)
+                    for a, b in zip(got, plain):
+                        assert torch.equal(a, b)
     for a, (w, b) in zip(_launch_linear(x, [(w, b, pack_rows4(w)) for w, b in ((q, qb), (kk, kb))], 0),
                          ((q, qb), (kk, kb))):
         assert_close(a, linear_ref(x, w, b), scale=_scale(k))

@@ -190,12 +190,23 @@ bool CpuIsIntel() {
 int64_t DefaultStreamPrefetchBytes() { return CpuIsIntel() ? int64_t(16) << 10 : 0; }
 
 std::atomic<int64_t> gStreamPrefetch{DefaultStreamPrefetchBytes()};
+
+// The weights as they lie on Intel CPUs, the copy elsewhere (simd.h says why).
+bool DefaultFp32DecodeReadsCopy() { return !CpuIsIntel(); }
+
+std::atomic<bool> gFp32DecodeCopy{DefaultFp32DecodeReadsCopy()};
 }  // namespace
 
 int64_t StreamPrefetchBytes() { return gStreamPrefetch.load(std::memory_order_relaxed); }
 
 void SetStreamPrefetchBytes(int64_t bytes) {
   gStreamPrefetch.store(bytes < 0 ? DefaultStreamPrefetchBytes() : bytes, std::memory_order_relaxed);
+}
+
+bool Fp32DecodeReadsCopy() { return gFp32DecodeCopy.load(std::memory_order_relaxed); }
+
+void SetFp32DecodeReadsCopy(int on) {
+  gFp32DecodeCopy.store(on < 0 ? DefaultFp32DecodeReadsCopy() : on != 0, std::memory_order_relaxed);
 }
 
 }  // namespace AscendC

@@ -766,6 +766,10 @@ inline void ForRowBlocks(int64_t M, Fn&& fn) { ForRowTiles<8>(M, fn); }
 // 10.43-10.87; fp32 M = 1 17.75-18.12 -> 16.76-16.92, M = 4 20.49-20.89 -> 19.17-19.34. One pair is slower
 // again (its single fma chain per row of A bounds it).
 
+#include "simd_lanes_block8.h"  // LanesBlock8
+
+inline __m256 Load8F(const float* p) { return _mm256_loadu_ps(p); }
+
 template <typename TB, class L>
 void MmadNTLanes(float* lanes, const float* A, int64_t lda, const TB* B, int64_t ldb, int64_t M, int64_t N, int64_t K,
                  bool acc) {
@@ -804,8 +808,17 @@ void MmadNTLanes(float* lanes, const float* A, int64_t lda, const TB* B, int64_t
   if (M <= 4 && N >= 4 * kLanesRunMinRows) {
     const int64_t run = N / 4;
     const LanesLayout runs = RunLanes(ldb, run);
-    for (int64_t i = 0; i < run; ++i)
-      ForRowBlocks(M, [&](auto rows, int64_t m) { block(rows, m, std::integral_constant<int, 2>{}, i, 0, runs); });
+    if (std::is_same_v<TB, float> && M <= 2 && !Fp32DecodeReadsCopy()) {
+      // fp32 decode weights read as they lie: the AVX2 table's rows, each run's row two ahead into L1 (simd.h).
+      const float* W = reinterpret_cast<const float*>(B);
+      for (int64_t i = 0; i < run; ++i) {
+        if (M == 2) LanesBlock8<float, Load8F, 2, 4>(lanes + i * 8, N, A, lda, W + i * ldb, ldb, K, acc, run);
+        else LanesBlock8<float, Load8F, 1, 4>(lanes + i * 8, N, A, lda, W + i * ldb, ldb, K, acc, run);
+      }
+    } else {
+      for (int64_t i = 0; i < run; ++i)
+        ForRowBlocks(M, [&](auto rows, int64_t m) { block(rows, m, std::integral_constant<int, 2>{}, i, 0, runs); });
+    }
     // The rows past 4 runs (N % 4 of them) in adjacent pairs and the odd row, below.
     n = 4 * run;
   }

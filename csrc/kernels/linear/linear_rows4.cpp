@@ -19,6 +19,11 @@ bool Rows4Supported(AscendC::DataType dtype) {
   return false;
 }
 
+int64_t Rows4MaxRows(AscendC::DataType dtype) {
+  if (dtype == AscendC::DataType::BFLOAT16) return 1;
+  return AscendC::Fp32DecodeReadsCopy() ? 2 : 0;
+}
+
 bool Rows4PackedX(AscendC::DataType dtype, int64_t k) {
   const AscendC::SimdOps& simd = AscendC::Simd();
   if (dtype == AscendC::DataType::BFLOAT16) return simd.mmad_dp_bf16_packed_x_rows4 != nullptr;

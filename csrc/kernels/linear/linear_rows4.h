@@ -57,7 +57,8 @@ namespace atb {
 
 constexpr int64_t kRows4GroupRows = 4;
 // Rows of x up to which the STREAM kernel reads a dtype's rows4 copy (above).
-inline int64_t Rows4MaxRows(AscendC::DataType dtype) { return dtype == AscendC::DataType::BFLOAT16 ? 1 : 2; }
+// fp32: 0 where its decode GEMV reads weights as they lie (AscendC::Fp32DecodeReadsCopy, simd.h).
+int64_t Rows4MaxRows(AscendC::DataType dtype);
 
 // Elements from one group of 4 rows to the next.
 inline int64_t Rows4Ld(int64_t k) { return kRows4GroupRows * AscendC::AlignUp(k, 8); }
