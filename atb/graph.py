@@ -98,11 +98,12 @@ class DecodeGraph:
         cos/sin: ``[max_seq_len, rotary_dim]`` rope tables (HF layout), the graph's dtype or float32.
         key_caches/value_caches: per layer ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         repack: keep a rows4 copy (the layout of ``atb.kernels.linear.pack_rows4``) of the float projections and
-            LM head, which steps of 1 row (fp32: 1 or 2) read instead (the same bits), at the cost of a second
-            copy of those weights. The native graph lays it out in pieces, one per core tile of each launch, each
-            core's pieces of the whole step back to back in the order it reads them: a core streams one
-            front-to-back run of memory from the first layer to the LM head. None (default): where
-            `decode_repack_default` says so.
+            LM head, which steps of 1 row (fp32: 1 or 2, where ``atb.fp32_decode_copy()``; else only the weights
+            the batch GEMM reads a copy of) read instead (the same bits), at the cost of a second copy of those
+            weights. The native graph lays it out in pieces, one per core tile of each launch, each core's
+            pieces of the whole step back to back in the order it reads them: a core streams one front-to-back
+            run of memory from the first layer to the LM head. None (default): where `decode_repack_default`
+            says so.
         """
         if repack is not None and not isinstance(repack, bool):
             raise TypeError(f"DecodeGraph: repack must be None, True or False, got {repack!r}")

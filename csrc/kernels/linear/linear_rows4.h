@@ -15,7 +15,8 @@
 // broadcasts per 8 k where the runs form broadcasts once, and the vector work bounds those calls. In the decode
 // graph bf16 lost at 2 rows too (SmolLM2 batch 2, LM-head copy only against every copy, per-process medians of
 // in-process rounds 0.87, 0.97, 0.97, 0.97, 0.98 and 1.06; fp32 1.01). So the STREAM kernel reads rows4 copies
-// up to Rows4MaxRows rows of x: fp32 2, bf16 1. Long rows gain too: a TinyLlama-1.1B-shaped decode
+// up to Rows4MaxRows rows of x: fp32 2 (0 where the fp32 GEMV reads weights as they lie, on Intel CPUs:
+// Fp32DecodeReadsCopy in simd.h), bf16 1. Long rows gain too: a TinyLlama-1.1B-shaped decode
 // graph at batch 1 (rows of 4-11 KiB bf16, 8-22 KiB fp32), in-process interleaved rounds, no copies against a
 // copy of every projection and the LM head, ms per step: bf16 42.5 -> 38.7, fp32 79.4 -> 71.8 (every round
 // 1.05x or more). (A C model of 4 KiB bf16 rows had read them faster as they lie, and a graph measurement had

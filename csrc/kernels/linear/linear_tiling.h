@@ -122,7 +122,7 @@ struct LinearSegment {
   int64_t n = 0;
   // Optional: the weight's rows4 copy (linear_rows4.h) in pieces sorted by row (one piece: the whole copy; the
   // decode graph's per-core streams: many), which the STREAM kernel reads instead at up to Rows4MaxRows(dtype)
-  // rows of x (bf16 1, fp32 2) where the SIMD table has the kernel (the same bits): a tile that lies in one
+  // rows of x (bf16 1, fp32 2 or 0) where the SIMD table has the kernel (the same bits): a tile that lies in one
   // piece reads it, any other tile the weight as it lies.
   const Rows4Piece* rows4Pieces = nullptr;
   int64_t numRows4Pieces = 0;
