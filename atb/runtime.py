@@ -66,7 +66,7 @@ def fp32_decode_copy() -> bool:
     front-to-back stream per core) rather than the weights as they lie (4 runs of rows per core, each run's next
     rows requested into L1); a decode graph built while it is off keeps copies only of the weights its batch
     steps read from one. Default: ``ATB_FP32_DECODE_COPY`` (``0`` or ``1``) if set, else by CPU vendor (off on
-    Intel, where reading as they lie measured 0.92x the SmolLM2 fp32 decode step, on elsewhere);
+    Intel, where reading as they lie measured 0.87x the SmolLM2 fp32 decode step, on elsewhere);
     :func:`set_fp32_decode_copy` changes it."""
     return bool(_C.fp32_decode_copy())
 
