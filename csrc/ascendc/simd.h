@@ -290,7 +290,7 @@ void SetStreamPrefetchBytes(int64_t bytes);
 // copy). AMX Xeon, 2 threads, fp32 graph steps, per step interleaved, the weights as they lie against the copy
 // at 16 KiB: SmolLM2 batch 1 0.869x the time (60 pairs; q/k/v 0.85, o 0.85, MLP 0.88, LM head 0.82), batch 2
 // 0.952x, TinyLlama-1.1B-shaped batch 1 0.950x; the 512-bit pairs with L2 requests over the weights as they lie
-// 0.92-0.98x. The copy at every distance from 1 to 64 KiB, into L2 or L1, or read in 256-bit rows stayed
+// 0.90-0.98x. The copy at every distance from 1 to 64 KiB, into L2 or L1, or read in 256-bit rows stayed
 // 0.93-1.07x of the copy at 16 KiB. Zen 4 had measured the copy ahead of the
 // runs (linear_rows4.h: fp32 K = 576 0.72 -> 0.94 of the read probe at 42+ GB/s; the graph step 1.014x), and an
 // L1 request there holds one of L1's few miss buffers until DRAM answers. So the default is by vendor: as they
