@@ -152,6 +152,21 @@ _env_prefetch_kb = _stream_prefetch_kb_from_env()
 set_stream_prefetch_kb(None)
 
 
+def _fp32_decode_copy_from_env() -> bool | None:
+    """ATB_FP32_DECODE_COPY, checked (None: unset); a bad value fails at import."""
+    value = os.environ.get("ATB_FP32_DECODE_COPY", "")
+    if not value:
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"ATB_FP32_DECODE_COPY={value!r}: expected 0 (the fp32 decode GEMV reads weights as they "
+                         "lie) or 1 (it reads the decode graph's rows4 copy)")
+    return value == "1"
+
+
+_env_fp32_copy = _fp32_decode_copy_from_env()
+set_fp32_decode_copy(None)
+
+
 @contextlib.contextmanager
 def pool_launches_off_main_thread():
     """Under ``"auto"`` threading, the calling thread's launches run on the private pool while inside, if it
@@ -168,17 +183,3 @@ def pool_launches_off_main_thread():
     finally:
         _C.set_thread_prefers_pool(saved)
 
-
-def _fp32_decode_copy_from_env() -> bool | None:
-    """ATB_FP32_DECODE_COPY, checked (None: unset); a bad value fails at import."""
-    value = os.environ.get("ATB_FP32_DECODE_COPY", "")
-    if not value:
-        return None
-    if value not in ("0", "1"):
-        raise ValueError(f"ATB_FP32_DECODE_COPY={value!r}: expected 0 (the fp32 decode GEMV reads weights as they "
-                         "lie) or 1 (it reads the decode graph's rows4 copy)")
-    return value == "1"
-
-
-_env_fp32_copy = _fp32_decode_copy_from_env()
-set_fp32_decode_copy(None)
