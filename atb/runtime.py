@@ -110,6 +110,9 @@ def build_info() -> dict:
         "threading": _C.threading(),
         "stream_prefetch_kb": stream_prefetch_kb(),
         "fp32_decode_copy": fp32_decode_copy(),
+        # Whether batch decode's packed-x GEMM reads fp32 weights' rows4 copy at every K (by CPU vendor: on for
+        # Intel; see Fp32BatchReadsCopy in csrc/ascendc/simd.h).
+        "fp32_batch_copy": bool(_C.fp32_batch_copy()),
         "torch": torch.__version__,
         "default_soc": soc.default_soc(),
         "routing": {"mode": routing_mode(), "cache": routing_cache_path(), "measured": measured_decisions()},

@@ -142,6 +142,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_stream_prefetch_bytes", [](int64_t bytes) { AscendC::SetStreamPrefetchBytes(bytes); }, py::arg("bytes"));
   m.def("fp32_decode_copy", [] { return AscendC::Fp32DecodeReadsCopy(); });
   m.def("set_fp32_decode_copy", [](int on) { AscendC::SetFp32DecodeReadsCopy(on); }, py::arg("on"));
+  m.def("fp32_batch_copy", [] { return AscendC::Fp32BatchReadsCopy(); });
+  m.def("set_fp32_batch_copy", [](int on) { AscendC::SetFp32BatchReadsCopy(on); }, py::arg("on"));
   m.def("available_isas", [] { return std::string(AscendC::AvailableIsas()); });
   // Test hook: one block carving `bytes` of UB on `soc` (ValueError past its UB size).
   m.def("_ub_carve_probe", &atb::UbCarveProbe, py::arg("bytes"), py::arg("soc"), py::arg("block_dim") = 1);

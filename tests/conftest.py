@@ -98,6 +98,19 @@ def fp32_decode_copy(on: bool):
         atb.set_fp32_decode_copy(None)
 
 
+@contextlib.contextmanager
+def fp32_batch_copy(on: bool):
+    """Batch decode's packed-x GEMM reading fp32 rows4 copies at every K (on) or only where rows alias (off)
+    inside the block (the native setting, by CPU vendor by default), then the default again."""
+    from atb import _C
+
+    _C.set_fp32_batch_copy(int(on))
+    try:
+        yield on
+    finally:
+        _C.set_fp32_batch_copy(-1)
+
+
 @pytest.fixture(params=ISAS)
 def isa(request):
     """Runs the test with each SIMD table forced in turn."""

@@ -13,7 +13,7 @@ import atb
 from atb.checkpoints import random_model
 from atb.graph import DecodeGraph
 from atb.kernels.linear import rows4_supported
-from conftest import family_model, family_names, fp32_decode_copy
+from conftest import family_model, family_names, fp32_batch_copy, fp32_decode_copy
 
 BLOCK = 16
 
@@ -181,12 +181,14 @@ def test_few_row_steps_read_the_repacked_copies(dtype, rows):
     assert torch.equal(before, after)
 
 
-def test_fp32_copies_only_where_a_step_reads_them():
+@pytest.mark.parametrize("batch_copy", [False, True])
+def test_fp32_copies_only_where_a_step_reads_them(batch_copy):
     # With the fp32 copy setting off the few-row steps read the weights as they lie, so a graph keeps copies only
-    # of the weights its batch GEMM reads from one (_C.rows4_packed_x: K * 4 a multiple of 4 KiB, here the
-    # hidden size 1024's q/k/v, gate/up and LM head, not the down projection's K = 344), and its steps give the
-    # bits of a graph without copies. Turned on after the build, steps read the weights as they lie where there
-    # is no copy.
+    # of the weights its batch GEMM reads from one: none where no step has its kLinearPackedXMinRows (10) rows,
+    # else those of _C.rows4_packed_x's K (every K with the batch copy setting on, Intel's default; otherwise K * 4
+    # a multiple of 4 KiB: here the hidden size 1024's q/k/v, gate/up and LM head, not the down projection's
+    # K = 344). Its steps give the bits of a graph without copies, and so they do with the setting turned on
+    # after the build (steps read the weights as they lie where there is no copy).
     from atb import _C
     from atb.kernels._common import DTYPE_CODES
 
@@ -200,34 +202,46 @@ def test_fp32_copies_only_where_a_step_reads_them():
     _, plain = _run(plain_graph, prompts, 4, 2)
     with fp32_decode_copy(True):
         everything = _graph(model, max_batch=3, max_seq_len=32, repack=True)[0].repacked_bytes
-    with fp32_decode_copy(False):
-        g = _graph(model, max_batch=3, max_seq_len=32, repack=True)[0]
+    with fp32_decode_copy(False), fp32_batch_copy(batch_copy):
+        assert _graph(model, max_batch=3, max_seq_len=32, repack=True)[0].repacked_bytes == 0
+        g = _graph(model, max_batch=16, max_seq_len=32, repack=True)[0]
         _, off = _run(g, prompts, 4, 2)
-    aliasing = _C.rows4_packed_x(DTYPE_CODES[torch.float32], 1024)
-    assert (0 < g.repacked_bytes < everything) if aliasing else g.repacked_bytes == 0
+        fp32 = DTYPE_CODES[torch.float32]
+        some, every = _C.rows4_packed_x(fp32, 1024), _C.rows4_packed_x(fp32, 344)
+    if every:
+        assert g.repacked_bytes == everything
+    elif some:
+        assert 0 < g.repacked_bytes < everything
+    else:
+        assert g.repacked_bytes == 0
     with fp32_decode_copy(True):
         _, on = _run(g, prompts, 4, 2)
     for a, b, c in zip(plain, off, on):
         assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a, b, c))
 
 
-def test_batch_steps_read_the_repacked_copies():
-    # From 16 rows the batch GEMM reads the per-core rows4 pieces too where it can (bf16: _C.rows4_packed_x):
-    # a bf16 batch-16 step gives the same logits with the weights as they lie overwritten by NaN, and the same
-    # logits as a graph without copies.
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_batch_steps_read_the_repacked_copies(dtype):
+    # From 16 rows the batch GEMM reads the per-core rows4 pieces too where it can (_C.rows4_packed_x: bf16, and
+    # fp32 at every K with the batch copy setting on): a batch-16 step gives the same logits with the weights as
+    # they lie overwritten by NaN, and the same logits as a graph without copies (fp32: with the few-row steps
+    # reading the weights as they lie, the copies are there for the batch steps alone).
     from atb import _C
     from atb.kernels._common import DTYPE_CODES
 
-    if not _C.rows4_packed_x(DTYPE_CODES[torch.bfloat16], 128):
-        pytest.skip(f"the {atb.build_info()['isa']} SIMD table's batch GEMM reads no rows4 copies")
-    model = random_model("tiny", torch.bfloat16)
-    n = 16
-    args = (torch.arange(17, 17 + n), torch.zeros(n, dtype=torch.int32),
-            torch.arange(2 * n, dtype=torch.int32).reshape(n, 2), torch.ones(n, dtype=torch.int32),
-            torch.arange(n, dtype=torch.int32) * 2 * BLOCK)
-    plain = _graph(model, max_batch=n, max_seq_len=32, repack=False)[0].step(*args).clone()
-    g = _graph(model, max_batch=n, max_seq_len=32, repack=True)[0]
-    before, after = _steps_before_and_after_nan_weights(g, model, args)
+    with fp32_batch_copy(True), fp32_decode_copy(False):
+        model = random_model("tiny", dtype)
+        if not all(_C.rows4_packed_x(DTYPE_CODES[dtype], k) for k in (model.config.hidden_size,
+                                                                       model.config.intermediate_size)):
+            pytest.skip(f"the {atb.build_info()['isa']} SIMD table's batch GEMM reads no {dtype} rows4 copies")
+        n = 16
+        args = (torch.arange(17, 17 + n), torch.zeros(n, dtype=torch.int32),
+                torch.arange(2 * n, dtype=torch.int32).reshape(n, 2), torch.ones(n, dtype=torch.int32),
+                torch.arange(n, dtype=torch.int32) * 2 * BLOCK)
+        plain = _graph(model, max_batch=n, max_seq_len=32, repack=False)[0].step(*args).clone()
+        g = _graph(model, max_batch=n, max_seq_len=32, repack=True)[0]
+        assert g.repacked_bytes > 0
+        before, after = _steps_before_and_after_nan_weights(g, model, args)
     assert torch.equal(before, plain) and torch.equal(before, after)
 
 

@@ -195,6 +195,11 @@ std::atomic<int64_t> gStreamPrefetch{DefaultStreamPrefetchBytes()};
 bool DefaultFp32DecodeReadsCopy() { return !CpuIsIntel(); }
 
 std::atomic<bool> gFp32DecodeCopy{DefaultFp32DecodeReadsCopy()};
+
+// The copy on Intel CPUs, the weights as they lie elsewhere (simd.h says why).
+bool DefaultFp32BatchReadsCopy() { return CpuIsIntel(); }
+
+std::atomic<bool> gFp32BatchCopy{DefaultFp32BatchReadsCopy()};
 }  // namespace
 
 int64_t StreamPrefetchBytes() { return gStreamPrefetch.load(std::memory_order_relaxed); }
@@ -207,6 +212,12 @@ bool Fp32DecodeReadsCopy() { return gFp32DecodeCopy.load(std::memory_order_relax
 
 void SetFp32DecodeReadsCopy(int on) {
   gFp32DecodeCopy.store(on < 0 ? DefaultFp32DecodeReadsCopy() : on != 0, std::memory_order_relaxed);
+}
+
+bool Fp32BatchReadsCopy() { return gFp32BatchCopy.load(std::memory_order_relaxed); }
+
+void SetFp32BatchReadsCopy(int on) {
+  gFp32BatchCopy.store(on < 0 ? DefaultFp32BatchReadsCopy() : on != 0, std::memory_order_relaxed);
 }
 
 }  // namespace AscendC

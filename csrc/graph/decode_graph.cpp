@@ -296,8 +296,12 @@ int64_t DecodeGraph::PlanRows4Streams() {
   }
   if (!headQ_.data) launches.push_back({c.hidden, LINEAR_PLAIN, 1, {lmHead_}, {c.vocab}, {&headRows4_}});
   // A copy only where a step reads it: the STREAM kernel at 1 row (fp32: unless it reads weights as they lie,
-  // Rows4MaxRows 0) or the batch GEMM's packed-x form (Rows4PackedX, by K).
-  const auto unread = [&](const Launch& l) { return Rows4MaxRows(c.dtype) == 0 && !Rows4PackedX(c.dtype, l.k); };
+  // Rows4MaxRows 0) or the batch GEMM's packed-x form (Rows4PackedX, by K), which only steps of
+  // kLinearPackedXMinRows rows or more run.
+  const bool batchSteps = c.maxBatch >= kLinearPackedXMinRows;
+  const auto unread = [&](const Launch& l) {
+    return Rows4MaxRows(c.dtype) == 0 && !(batchSteps && Rows4PackedX(c.dtype, l.k));
+  };
   launches.erase(std::remove_if(launches.begin(), launches.end(), unread), launches.end());
   // Each launch's tiles at 1 row of x, core by core, in the order the STREAM kernel walks them (linear_io.h:
   // a core's rows segment by segment in nTile tiles; SWIGLU reads the gate's tile, then the up's).

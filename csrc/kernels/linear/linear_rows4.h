@@ -46,7 +46,8 @@
 // graph steps on Zen 4, 2 threads, per-step interleaved, the copy against the weights as they lie (a
 // switch read per launch): SmolLM2 bf16 0.982x the time (q/k/v 0.956, o 0.945, MLP 0.979), fp32 1.029x (MLP
 // 1.043, LM head 1.061: fp32 keeps rows as they lie where they do not alias); TinyLlama-1.1B-shaped bf16
-// 0.78-0.84x per projection, fp32 0.62-0.71x. (Prefetching the next block as the loop reads, as rows as they
+// 0.78-0.84x per projection, fp32 0.62-0.71x; on an AMX Xeon SmolLM2 fp32 batch 16 0.792x (Fp32BatchReadsCopy,
+// simd.h). (Prefetching the next block as the loop reads, as rows as they
 // lie do, is what pays: without it fp32 ran 1.14-1.20x slower, 1 KiB ahead in each run 1.08-1.14x.)
 #pragma once
 #include <cstdint>
@@ -68,7 +69,8 @@ inline int64_t Rows4Elems(int64_t n, int64_t k) { return AscendC::CeilDiv(n, kRo
 bool Rows4Supported(AscendC::DataType dtype);
 // Whether the GEMM kernel's packed-x form (batch decode) reads the rows4 copy of weights of this dtype and K
 // where it is given (the table has the kernel: the AVX-512 vector tables): bf16 always, fp32 where rows as
-// they lie alias in L1 (kPackedXAliasBytes). See the measurements above.
+// they lie alias in L1 (kPackedXAliasBytes) and, where AscendC::Fp32BatchReadsCopy (simd.h: by default on
+// Intel CPUs), at every K. See the measurements above and there.
 bool Rows4PackedX(AscendC::DataType dtype, int64_t k);
 // dst [Rows4Elems(N, K)] = W [N, K] (rows ldw elements apart) in the layout above; bf16 or fp32.
 void PackRows4(void* dst, const void* W, int64_t ldw, int64_t N, int64_t K, AscendC::DataType dtype);
