@@ -110,8 +110,8 @@ def build_info() -> dict:
         "threading": _C.threading(),
         "stream_prefetch_kb": stream_prefetch_kb(),
         "fp32_decode_copy": fp32_decode_copy(),
-        # Whether batch decode's packed-x GEMM reads fp32 weights' rows4 copy at every K (by CPU vendor: on for
-        # Intel; see Fp32BatchReadsCopy in csrc/ascendc/simd.h).
+        # Whether batch decode's packed-x GEMM reads fp32 weights' rows4 copy for rows under 16 KiB (by CPU
+        # vendor: on for Intel; see Fp32BatchReadsCopy in csrc/ascendc/simd.h).
         "fp32_batch_copy": bool(_C.fp32_batch_copy()),
         "torch": torch.__version__,
         "default_soc": soc.default_soc(),

@@ -100,7 +100,7 @@ def fp32_decode_copy(on: bool):
 
 @contextlib.contextmanager
 def fp32_batch_copy(on: bool):
-    """Batch decode's packed-x GEMM reading fp32 rows4 copies at every K (on) or only where rows alias (off)
+    """Batch decode's packed-x GEMM reading fp32 rows4 copies of rows under 16 KiB (on) or only where rows alias (off)
     inside the block (the native setting, by CPU vendor by default), then the default again."""
     from atb import _C
 

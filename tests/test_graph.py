@@ -185,9 +185,9 @@ def test_few_row_steps_read_the_repacked_copies(dtype, rows):
 def test_fp32_copies_only_where_a_step_reads_them(batch_copy):
     # With the fp32 copy setting off the few-row steps read the weights as they lie, so a graph keeps copies only
     # of the weights its batch GEMM reads from one: none where no step has its kLinearPackedXMinRows (10) rows,
-    # else those of _C.rows4_packed_x's K (every K with the batch copy setting on, Intel's default; otherwise K * 4
-    # a multiple of 4 KiB: here the hidden size 1024's q/k/v, gate/up and LM head, not the down projection's
-    # K = 344). Its steps give the bits of a graph without copies, and so they do with the setting turned on
+    # else those of _C.rows4_packed_x's K (rows under 16 KiB with the batch copy setting on, Intel's default;
+    # otherwise K * 4 a multiple of 4 KiB: here the hidden size 1024's q/k/v, gate/up and LM head, not the down
+    # projection's K = 344). Its steps give the bits of a graph without copies, and so they do with the setting turned on
     # after the build (steps read the weights as they lie where there is no copy).
     from atb import _C
     from atb.kernels._common import DTYPE_CODES
@@ -220,10 +220,26 @@ def test_fp32_copies_only_where_a_step_reads_them(batch_copy):
         assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a, b, c))
 
 
+def test_fp32_batch_copy_reads_rows_under_16_kib():
+    # Where the table has the kernel, fp32 rows that alias in L1 (K * 4 a multiple of 4 KiB) always read the
+    # copy; with the batch copy setting on, so does every row shorter than 16 KiB; longer ones stream as they lie.
+    from atb import _C
+    from atb.kernels._common import DTYPE_CODES
+
+    fp32 = DTYPE_CODES[torch.float32]
+    has = _C.rows4_packed_x(fp32, 1024)
+    ks = (576, 4095, 4096, 4100, 5632, 8192)
+    with fp32_batch_copy(True):
+        assert [_C.rows4_packed_x(fp32, k) for k in ks] == [has, has, has, False, False, has]
+    with fp32_batch_copy(False):
+        assert [_C.rows4_packed_x(fp32, k) for k in ks] == [False, False, has, False, False, has]
+    assert atb.build_info()["fp32_batch_copy"] == bool(_C.fp32_batch_copy())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_batch_steps_read_the_repacked_copies(dtype):
     # From 16 rows the batch GEMM reads the per-core rows4 pieces too where it can (_C.rows4_packed_x: bf16, and
-    # fp32 at every K with the batch copy setting on): a batch-16 step gives the same logits with the weights as
+    # fp32 rows under 16 KiB with the batch copy setting on): a batch-16 step gives the same logits with the weights as
     # they lie overwritten by NaN, and the same logits as a graph without copies (fp32: with the few-row steps
     # reading the weights as they lie, the copies are there for the batch steps alone).
     from atb import _C

@@ -70,8 +70,13 @@ bool Rows4Supported(AscendC::DataType dtype);
 // Whether the GEMM kernel's packed-x form (batch decode) reads the rows4 copy of weights of this dtype and K
 // where it is given (the table has the kernel: the AVX-512 vector tables): bf16 always, fp32 where rows as
 // they lie alias in L1 (kPackedXAliasBytes) and, where AscendC::Fp32BatchReadsCopy (simd.h: by default on
-// Intel CPUs), at every K. See the measurements above and there.
+// Intel CPUs), for rows shorter than kFp32BatchCopyMaxRowBytes. See the measurements above and there.
 bool Rows4PackedX(AscendC::DataType dtype, int64_t k);
+// Rows from this many bytes on stream well enough as they lie: with AscendC::Fp32BatchReadsCopy only shorter fp32
+// rows read a copy where they do not alias. AMX Xeon, 2 threads, batch-16 graph steps, per step interleaved, the
+// copy against the weights as they lie: SmolLM2's 2.3 and 6 KiB rows 0.792x the step; a TinyLlama-1.1B-shaped
+// graph's down projection alone (22 KiB rows; its other K alias) 1.009x.
+constexpr int64_t kFp32BatchCopyMaxRowBytes = 16 << 10;
 // dst [Rows4Elems(N, K)] = W [N, K] (rows ldw elements apart) in the layout above; bf16 or fp32.
 void PackRows4(void* dst, const void* W, int64_t ldw, int64_t N, int64_t K, AscendC::DataType dtype);
 
