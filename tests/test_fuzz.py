@@ -28,7 +28,7 @@ from atb import kernels as K
 from atb.kernels._common import DTYPE_CODES
 from atb.kernels.linear import native_linear_wins, pack_rows4
 from atb.quant import quantize_weight
-from conftest import fp32_decode_copy
+from conftest import fp32_batch_copy, fp32_decode_copy
 from reference import (TOLERANCES, assert_close, flash_attention_ref, linear_ref, linear_residual_ref,
                        linear_swiglu_ref, paged_attention_ref, quant_weight_ref, reshape_and_cache_ref, rms_norm_ref,
                        add_rms_norm_ref, rope_ref, silu_mul_ref, swiglu_ref)
@@ -571,10 +571,11 @@ def _fuzz_flash_attention(rng, g, bad, op):
 
 def _fuzz_pack_rows4(rng, g, bad, op):
     # The decode graph's repacked weights: valid copies must give the linear the same bits as the weight itself at
-    # 1 or 2 rows of x (where the table has the kernel and the row count reads it; elsewhere the copy is ignored),
-    # with fp32 set to read copies or the weights as they lie (atb.set_fp32_decode_copy) at random.
+    # 1, 2 or 16 rows of x (where the table has the kernel and the row count reads it; elsewhere the copy is
+    # ignored), with fp32 set to read copies or the weights as they lie (atb.set_fp32_decode_copy, and batch
+    # decode's fp32_batch_copy) at random.
     dtype = rng.choice([torch.float32, torch.bfloat16])
-    with fp32_decode_copy(rng.random() < 0.5):
+    with fp32_decode_copy(rng.random() < 0.5), fp32_batch_copy(rng.random() < 0.5):
         return _fuzz_pack_rows4_with(rng, g, bad, op, dtype)
 
 
@@ -584,7 +585,7 @@ def _fuzz_pack_rows4_with(rng, g, bad, op, dtype):
     out = torch.full((_C.rows4_numel(n, k),), 5.0, dtype=dtype)
     if bad is None:
         packed = pack_rows4(w, out=out if rng.random() < 0.5 else None)
-        m = rng.choice([1, 2])
+        m = rng.choice([1, 2, 16])
         x, wc = _randn(g, (m, k), dtype), w.contiguous()
         outs = [torch.empty(m, n, dtype=dtype) for _ in range(2)]
         for y, r4 in zip(outs, (0, packed.data_ptr())):

@@ -300,16 +300,16 @@ bool Fp32DecodeReadsCopy();
 void SetFp32DecodeReadsCopy(int on);
 
 // Whether batch decode's packed-x GEMM (from kLinearPackedXMinRows rows of x; BlockPackedXRows4 in
-// simd_avx512.cpp) reads fp32 weights' rows4 copy for every row shorter than 16 KiB, not only where rows as they
-// lie alias in L1 (Rows4PackedX, linear_rows4.h): 4 runs per block of 16 rows, each streamed front to back, where the weights as
-// they lie are 16 rows read a unit at a time. AMX Xeon, 2 threads, SmolLM2 fp32 decode graph, per step
-// interleaved, the copy against the weights as they lie: batch 12 0.768x the time, batch 16 0.792x (per step,
-// ms: MLP 17.9 -> 13.9, q/k/v 4.2 -> 3.0, o 2.6 -> 1.9, LM head 6.9 -> 4.7), batch 32 0.848x; a
-// TinyLlama-1.1B-shaped graph's down projection (22 KiB rows; its other K alias already) 1.009x at batch 16,
-// hence the row bound (kFp32BatchCopyMaxRowBytes). Zen 4 had
-// measured SmolLM2 fp32 batch 16 at 1.029x (linear_rows4.h). So the default is by vendor: the copy on Intel
-// CPUs, the weights as they lie elsewhere. SetFp32BatchReadsCopy changes it (< 0: back to that default). Either
-// way the sums are the same bits.
+// simd_avx512.cpp) reads fp32 weights' rows4 copy for every row shorter than 16 KiB, not only where rows as
+// they lie alias in L1 (Rows4PackedX, linear_rows4.h): a block of 16 rows as 4 runs, each streamed front to
+// back, where the weights as they lie are 16 rows read a unit at a time. AMX Xeon, 2 threads, SmolLM2 fp32
+// decode graph, per step interleaved, the copy against the weights as they lie: batch 12 0.768x the time,
+// batch 16 0.792x (per step, ms: MLP 17.9 -> 13.9, q/k/v 4.2 -> 3.0, o 2.6 -> 1.9, LM head 6.9 -> 4.7),
+// batch 32 0.848x; a TinyLlama-1.1B-shaped graph's down projection (22 KiB rows; its other K alias already)
+// 1.009x at batch 16, hence the row bound (kFp32BatchCopyMaxRowBytes). Zen 4 had measured SmolLM2 fp32
+// batch 16 at 1.029x (linear_rows4.h). So the default is by vendor: the copy on Intel CPUs, the weights as
+// they lie elsewhere. SetFp32BatchReadsCopy changes it (< 0: back to that default). Either way the sums are
+// the same bits.
 bool Fp32BatchReadsCopy();
 void SetFp32BatchReadsCopy(int on);
 

@@ -29,7 +29,8 @@ bool Rows4PackedX(AscendC::DataType dtype, int64_t k) {
   if (dtype == AscendC::DataType::BFLOAT16) return simd.mmad_dp_bf16_packed_x_rows4 != nullptr;
   if (dtype == AscendC::DataType::FLOAT32)
     return simd.mmad_packed_x_rows4_f32 != nullptr &&
-           ((k * 4) % kPackedXAliasBytes == 0 || (AscendC::Fp32BatchReadsCopy() && k * 4 < kFp32BatchCopyMaxRowBytes));
+           ((k * 4) % kPackedXAliasBytes == 0 ||
+            (AscendC::Fp32BatchReadsCopy() && k * 4 < kFp32BatchCopyMaxRowBytes));
   return false;
 }
 

@@ -72,8 +72,8 @@ bool Rows4Supported(AscendC::DataType dtype);
 // they lie alias in L1 (kPackedXAliasBytes) and, where AscendC::Fp32BatchReadsCopy (simd.h: by default on
 // Intel CPUs), for rows shorter than kFp32BatchCopyMaxRowBytes. See the measurements above and there.
 bool Rows4PackedX(AscendC::DataType dtype, int64_t k);
-// Rows from this many bytes on stream well enough as they lie: with AscendC::Fp32BatchReadsCopy only shorter fp32
-// rows read a copy where they do not alias. AMX Xeon, 2 threads, batch-16 graph steps, per step interleaved, the
+// Rows from this many bytes on stream well enough as they lie: with AscendC::Fp32BatchReadsCopy only shorter
+// fp32 rows read a copy where they do not alias. AMX Xeon, 2 threads, batch-16 graph steps, per step interleaved, the
 // copy against the weights as they lie: SmolLM2's 2.3 and 6 KiB rows 0.792x the step; a TinyLlama-1.1B-shaped
 // graph's down projection alone (22 KiB rows; its other K alias) 1.009x.
 constexpr int64_t kFp32BatchCopyMaxRowBytes = 16 << 10;
