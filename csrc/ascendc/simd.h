@@ -144,7 +144,8 @@ struct SimdOps {
   // i = 0, 1, ... (vdpbf16ps: bf16 denormal inputs and fp32 denormal sums flush to zero), the k tail
   // zero-padded, then a fixed reduction tree; independent of M, N and blocking, so a caller gets the same
   // bits however it tiles M and N (it must pass all of K). The GEMM micro-kernel for bf16 prefill and batch
-  // decode: twice the multiply-adds per instruction of fp32 FMA, no widening and no packing.
+  // decode: twice the multiply-adds per instruction of fp32 FMA, no widening and no packing (per second: twice
+  // FMA's on Zen 4, half of it on the AMX Xeon, linear_tiling.h).
   void (*mmad_nt_dp_bf16)(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
                           int64_t M, int64_t N, int64_t K, bool accumulate);
   // The bf16 GEMM over k-pair-packed weights (AVX512-BF16; null elsewhere), prefill's micro-kernel.
