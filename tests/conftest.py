@@ -100,8 +100,8 @@ def fp32_decode_copy(on: bool):
 
 @contextlib.contextmanager
 def fp32_batch_copy(on: bool):
-    """Batch decode's packed-x GEMM reading fp32 rows4 copies of rows under 16 KiB (on) or only where rows alias (off)
-    inside the block (the native setting, by CPU vendor by default), then the default again."""
+    """Batch decode's packed-x GEMM reading fp32 rows4 copies of rows under 16 KiB (on) or only where rows alias
+    (off) inside the block (the native setting, by CPU vendor by default), then the default again."""
     from atb import _C
 
     _C.set_fp32_batch_copy(int(on))

@@ -187,8 +187,8 @@ def test_fp32_copies_only_where_a_step_reads_them(batch_copy):
     # of the weights its batch GEMM reads from one: none where no step has its kLinearPackedXMinRows (10) rows,
     # else those of _C.rows4_packed_x's K (rows under 16 KiB with the batch copy setting on, Intel's default;
     # otherwise K * 4 a multiple of 4 KiB: here the hidden size 1024's q/k/v, gate/up and LM head, not the down
-    # projection's K = 344). Its steps give the bits of a graph without copies, and so they do with the setting turned on
-    # after the build (steps read the weights as they lie where there is no copy).
+    # projection's K = 344). Its steps give the bits of a graph without copies, and so they do with the setting
+    # turned on after the build (steps read the weights as they lie where there is no copy).
     from atb import _C
     from atb.kernels._common import DTYPE_CODES
 
@@ -239,9 +239,9 @@ def test_fp32_batch_copy_reads_rows_under_16_kib():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_batch_steps_read_the_repacked_copies(dtype):
     # From 16 rows the batch GEMM reads the per-core rows4 pieces too where it can (_C.rows4_packed_x: bf16, and
-    # fp32 rows under 16 KiB with the batch copy setting on): a batch-16 step gives the same logits with the weights as
-    # they lie overwritten by NaN, and the same logits as a graph without copies (fp32: with the few-row steps
-    # reading the weights as they lie, the copies are there for the batch steps alone).
+    # fp32 rows under 16 KiB with the batch copy setting on): a batch-16 step gives the same logits with the
+    # weights as they lie overwritten by NaN, and the same logits as a graph without copies (fp32: with the
+    # few-row steps reading the weights as they lie, the copies are there for the batch steps alone).
     from atb import _C
     from atb.kernels._common import DTYPE_CODES
 

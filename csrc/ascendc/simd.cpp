@@ -186,38 +186,30 @@ bool CpuIsIntel() {
 #endif
 }
 
-// 16 KiB on Intel CPUs, 0 elsewhere (simd.h says why).
-int64_t DefaultStreamPrefetchBytes() { return CpuIsIntel() ? int64_t(16) << 10 : 0; }
+// A speed setting whose default depends on the CPU vendor (simd.h says why for each): read on every call,
+// set from Python; a negative value restores the default.
+template <typename T>
+class VendorSetting {
+ public:
+  VendorSetting(T onIntel, T elsewhere) : default_(CpuIsIntel() ? onIntel : elsewhere), value_(default_) {}
+  T Get() const { return value_.load(std::memory_order_relaxed); }
+  void Set(int64_t v) { value_.store(v < 0 ? default_ : T(v), std::memory_order_relaxed); }
 
-std::atomic<int64_t> gStreamPrefetch{DefaultStreamPrefetchBytes()};
+ private:
+  const T default_;
+  std::atomic<T> value_;
+};
 
-// The weights as they lie on Intel CPUs, the copy elsewhere (simd.h says why).
-bool DefaultFp32DecodeReadsCopy() { return !CpuIsIntel(); }
-
-std::atomic<bool> gFp32DecodeCopy{DefaultFp32DecodeReadsCopy()};
-
-// The copy on Intel CPUs, the weights as they lie elsewhere (simd.h says why).
-bool DefaultFp32BatchReadsCopy() { return CpuIsIntel(); }
-
-std::atomic<bool> gFp32BatchCopy{DefaultFp32BatchReadsCopy()};
+VendorSetting<int64_t> gStreamPrefetch{int64_t(16) << 10, 0};  // bytes: 16 KiB on Intel, none elsewhere
+VendorSetting<bool> gFp32DecodeCopy{false, true};               // the weights as they lie on Intel, the copy elsewhere
+VendorSetting<bool> gFp32BatchCopy{true, false};                // the copy on Intel, the weights as they lie elsewhere
 }  // namespace
 
-int64_t StreamPrefetchBytes() { return gStreamPrefetch.load(std::memory_order_relaxed); }
-
-void SetStreamPrefetchBytes(int64_t bytes) {
-  gStreamPrefetch.store(bytes < 0 ? DefaultStreamPrefetchBytes() : bytes, std::memory_order_relaxed);
-}
-
-bool Fp32DecodeReadsCopy() { return gFp32DecodeCopy.load(std::memory_order_relaxed); }
-
-void SetFp32DecodeReadsCopy(int on) {
-  gFp32DecodeCopy.store(on < 0 ? DefaultFp32DecodeReadsCopy() : on != 0, std::memory_order_relaxed);
-}
-
-bool Fp32BatchReadsCopy() { return gFp32BatchCopy.load(std::memory_order_relaxed); }
-
-void SetFp32BatchReadsCopy(int on) {
-  gFp32BatchCopy.store(on < 0 ? DefaultFp32BatchReadsCopy() : on != 0, std::memory_order_relaxed);
-}
+int64_t StreamPrefetchBytes() { return gStreamPrefetch.Get(); }
+void SetStreamPrefetchBytes(int64_t bytes) { gStreamPrefetch.Set(bytes); }
+bool Fp32DecodeReadsCopy() { return gFp32DecodeCopy.Get(); }
+void SetFp32DecodeReadsCopy(int on) { gFp32DecodeCopy.Set(on); }
+bool Fp32BatchReadsCopy() { return gFp32BatchCopy.Get(); }
+void SetFp32BatchReadsCopy(int on) { gFp32BatchCopy.Set(on); }
 
 }  // namespace AscendC
