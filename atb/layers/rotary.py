@@ -59,12 +59,13 @@ _vector_math_ready = False
 def _set_up_vector_math() -> None:
     """Makes the process's first float32 cos and sin calls alone, on one element.
 
-    torch computes them with MKL's vector math, which splits a long vector over the OpenMP team itself. Its
-    first call of a function, made by two threads at once, can leave one thread on a lower-accuracy path for
-    that call: AMX Xeon, torch 2.13, a 128-row SmolLM2 rope table built right after kernels had run on the
-    team (so its threads were awake) had one half's cos about 12 bits accurate (errors up to 1.5e-4, where
-    HF's own table is within 1 ulp) in 2 of 10 runs, 0 of 14 with this call first. One element is never
-    split, so the set-up happens on this thread alone.
+    torch computes them with MKL's vector math, which splits a long vector over the OpenMP team itself. A
+    process's first call, split over two threads that were both awake (kernels had just run on the team),
+    returned one thread's half of the values about 12 bits accurate (errors up to 1.5e-4; HF's table and the
+    other half are within 1 ulp). AMX Xeon, torch 2.13, fresh processes: a 128-row SmolLM2 rope table built
+    by DecodeGraph.from_model after the fuzz test's in-process cases, 2 of 10 runs off, 0 of 28 with this
+    call first; the 128-row table of tests/test_layers.py's script, 3 of 20 off, 0 of 12. One element is
+    never split, so the first call is this thread's alone.
     """
     global _vector_math_ready
     if not _vector_math_ready:
