@@ -66,7 +66,8 @@ print(max((cos - args.cos()).abs().max().item(), (sin - args.sin()).abs().max().
 
 def test_first_rotary_table_is_accurate_after_kernels_ran():
     # Without atb.layers.rotary._set_up_vector_math, half of this table's cos came out ~12 bits accurate (errors
-    # ~1.5e-4) in about 1 fresh process in 5 on an AMX Xeon; cos/sin rounded to float32 are within 6e-8.
+    # ~1.5e-4) in 3 of 20 fresh processes on an AMX Xeon, so five catch a regression about half the time;
+    # cos/sin rounded to float32 are within 6e-8.
     for attempt in range(5):
         run = subprocess.run([sys.executable, "-c", _FIRST_TABLE_AFTER_KERNELS], capture_output=True, text=True,
                              timeout=300)
